@@ -1,0 +1,114 @@
+// A small multilayer perceptron in plain C++ (float64) trained through the
+// guard, with its activations allocated on an oomguard Device so that memory
+// grows with the micro-batch. Shared by the mlp_train example and the tests.
+//
+// Model: x (16) -> tanh(W1 x + b1) (H) -> tanh(W2 h1 + b2) (H) -> W3 h2 + b3 (1),
+// loss = mean over samples of 0.5 * (y - t)^2.
+// Data: sample i of step s depends only on (seed, s, i), so any split of a step
+// into micro-batches, and any world size, sees the same global batch.
+//
+// Parameter order (also the --dump-params layout, little-endian float64):
+// W1 [H x 16] row-major, b1 [H], W2 [H x H] row-major, b2 [H], W3 [H], b3 [1].
+//
+// Thread-safety: an MlpTrainer is driven by one thread.
+#ifndef OOMGUARD_EXAMPLES_MLP_H_
+#define OOMGUARD_EXAMPLES_MLP_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "oomguard/oomguard.h"
+
+namespace mlp {
+
+inline constexpr int kInputs = 16;
+
+struct Config {
+  int64_t steps = 40;
+  int64_t global_batch = 256;
+  int64_t micro_batch = 0;      // starting micro-batch limit; 0: whole batch
+  int64_t min_micro_batch = 1;
+  int grow_after = 10;
+  int hidden = 64;
+  uint64_t seed = 1;
+  std::string optimizer = "adam";  // adam | sgd
+  double lr = 1e-3;
+  bool lazy_optimizer_state = false;  // allocate Adam moments at the first optimizer step
+  int64_t leak_bytes_per_step = 0;    // deliberately never freed (gradual growth scenario)
+  std::string workload;               // workload signature ("" : derived from the config)
+};
+
+// Parameters, gradients and optimizer state, held in device buffers.
+class MlpTrainer {
+ public:
+  // REQUIRES: device outlives the trainer.
+  MlpTrainer(const Config& config, oomguard::Device* device);
+  ~MlpTrainer();
+
+  // Forward and backward of samples [mb.offset, mb.offset + mb.size) of step
+  // `step`, adding mb.weight * grad(mean loss of the micro-batch) into the
+  // gradients. Marks phases on `guard` when given. Returns the micro-batch's
+  // weighted loss. Throws oomguard::DeviceOomError when the device is full.
+  double Micro(int64_t step, const oomguard::MicroBatch& mb, int64_t global_batch, int rank_offset,
+               oomguard::Guard* guard);
+  // The optimizer step on the accumulated gradients.
+  void Commit(oomguard::Guard* guard);
+  void ZeroGrad();
+
+  std::vector<double> Parameters() const;
+  void SetParameters(const std::vector<double>& p);
+  // Optimizer state (moments and the Adam step counter) for checkpoints.
+  std::vector<double> OptimizerState() const;
+  void SetOptimizerState(const std::vector<double>& s);
+  int64_t ParameterCount() const { return n_params_; }
+  // Gradient buffer (for a data-parallel allreduce in commit).
+  double* grads() { return grads_.as<double>(); }
+
+ private:
+  void EnsureOptimizerState();
+
+  Config cfg_;
+  oomguard::Device* device_;
+  int64_t n_params_;
+  oomguard::DeviceBuffer params_, grads_, m_, v_;
+  std::vector<oomguard::DeviceBuffer> leaked_;
+  int64_t adam_t_ = 0;
+  std::vector<double> teacher_;
+};
+
+struct TrainResult {
+  oomguard::Status status;      // OK, or why training stopped
+  std::vector<double> params;   // final parameters
+  int64_t steps_done = 0;
+  int64_t ooms = 0;
+  int64_t initial_micro_batch = 0;
+  int64_t final_micro_batch = 0;
+  double loss_first = 0;
+  double loss_last = 0;
+  std::vector<int64_t> micro_limits;  // limit used at each step (the controller's trajectory)
+};
+
+struct TrainHooks {
+  // Called after every step with its report and loss (progress, narration).
+  std::function<void(const oomguard::StepReport&, double loss)> on_step;
+  oomguard::IncidentSink* incidents = nullptr;
+};
+
+// Trains cfg.steps steps on `device` through a Guard. Non-OOM errors propagate.
+TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks& hooks = {});
+
+// The workload signature of a config ("mlp-h64-b256-adam"), unless cfg.workload is set.
+std::string WorkloadSignature(const Config& cfg);
+
+// ||a - b||_inf / ||b||_inf (0 when both are all zero; inf when sizes differ).
+double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b);
+
+// Writes/reads little-endian float64 arrays.
+bool WriteDoubles(const std::string& path, const std::vector<double>& v, std::string* error);
+bool ReadDoubles(const std::string& path, std::vector<double>* v, std::string* error);
+
+}  // namespace mlp
+
+#endif  // OOMGUARD_EXAMPLES_MLP_H_

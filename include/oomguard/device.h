@@ -1,0 +1,141 @@
+// Device: where a training step's memory lives, and how the SDK sees it.
+//
+// The guard reads memory figures from a Device when it records an incident and
+// calls ReleaseCaches before it retries, so that the retry sees the memory.
+// Figures use torch.cuda.memory_stats terms where they overlap.
+//
+// Implementations:
+//   SimulatedDevice  a capacity-limited model of a caching allocator (host memory);
+//                    what the demo and the tests run on.
+//   CudaDevice       the CUDA runtime (compiled when the toolkit is found).
+//
+// Thread-safety: every Device method may be called from any thread.
+#ifndef OOMGUARD_DEVICE_H_
+#define OOMGUARD_DEVICE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "oomguard/export.h"
+#include "oomguard/status.h"
+
+namespace oomguard {
+
+// A snapshot of a device's memory, in bytes (counts where noted).
+struct MemoryStats {
+  int64_t total = 0;              // capacity of the device (0: unknown/unlimited)
+  int64_t free = 0;               // what the device could still hand out (capacity - reserved)
+  int64_t allocated = 0;          // bytes in live allocations
+  int64_t reserved = 0;           // bytes held by the allocator (live + cached)
+  int64_t peak_allocated = 0;     // high-water mark of `allocated` since the last ResetPeak
+  int64_t active = 0;             // bytes in active blocks (live allocations, rounded)
+  int64_t inactive_split = 0;     // free bytes stranded in partly used segments (fragmentation)
+  int64_t num_alloc_retries = 0;  // allocations that had to release caches and retry (count)
+  int64_t num_ooms = 0;           // allocations that failed (count)
+};
+
+// The SDK's own device out-of-memory error. Thrown by SimulatedDevice and by
+// CudaDevice::Allocate; classified as kind "device" by type.
+class OOMGUARD_EXPORT DeviceOomError : public std::runtime_error {
+ public:
+  DeviceOomError(const std::string& what, int64_t requested_bytes, MemoryStats stats,
+                 bool injected = false);
+  int64_t requested_bytes() const { return requested_bytes_; }
+  // The device's figures at the moment of failure.
+  const MemoryStats& stats() const { return stats_; }
+  // True when raised by fault injection rather than by a real allocation.
+  bool injected() const { return injected_; }
+
+ private:
+  int64_t requested_bytes_;
+  MemoryStats stats_;
+  bool injected_;
+};
+
+// A host out-of-memory error that carries a message (std::bad_alloc cannot).
+class OOMGUARD_EXPORT HostOomError : public std::bad_alloc {
+ public:
+  explicit HostOomError(std::string what, int64_t requested_bytes = 0);
+  const char* what() const noexcept override { return what_.c_str(); }
+  int64_t requested_bytes() const { return requested_bytes_; }
+
+ private:
+  std::string what_;
+  int64_t requested_bytes_;
+};
+
+class OOMGUARD_EXPORT Device {
+ public:
+  virtual ~Device();
+  // "sim:0", "cuda:0", ...
+  virtual std::string Name() const = 0;
+  virtual MemoryStats Stats() const = 0;
+  // Returns cached, unused memory to the device (torch.cuda.empty_cache).
+  // Synchronises outstanding work first where the device is asynchronous.
+  virtual void ReleaseCaches() = 0;
+  // Restarts the peak_allocated high-water mark from the current allocation.
+  virtual void ResetPeak() = 0;
+  // Allocates `bytes` of device memory. Throws DeviceOomError when it cannot.
+  // The pointer is host-addressable for SimulatedDevice, device memory for CUDA.
+  virtual void* Allocate(size_t bytes) = 0;
+  // REQUIRES: p came from Allocate on this device and was not freed yet.
+  virtual void Free(void* p) = 0;
+};
+
+struct SimulatedDeviceOptions {
+  int64_t capacity_bytes = 0;            // 0: unlimited
+  int64_t segment_bytes = 2 << 20;       // large requests get a segment of their own rounded to this
+  int64_t small_request_bytes = 1 << 20; // requests up to this share segments of segment_bytes
+  int64_t round_bytes = 512;             // every request is rounded up to a multiple of this
+  bool backing = true;                   // back allocations with real host memory
+  int index = 0;                         // the N in "sim:N"
+};
+
+// Creates a simulated caching-allocator device. Freed blocks stay reserved
+// (cached) until ReleaseCaches; a request that no cached block fits and that
+// would pass the capacity first releases fully free segments and retries (as
+// PyTorch does, counted in num_alloc_retries), then throws DeviceOomError.
+// Blocks are split and coalesced, so fragmentation arises as on a real
+// caching allocator.
+OOMGUARD_EXPORT StatusOr<std::unique_ptr<Device>> MakeSimulatedDevice(
+    const SimulatedDeviceOptions& options);
+
+// True when the library was built with CUDA support.
+OOMGUARD_EXPORT bool CudaCompiled();
+
+// Creates a device on the CUDA runtime. Returns kUnavailable with the reason
+// when no GPU is visible (no driver: cudaErrorInsufficientDriver, or no
+// device: cudaErrorNoDevice), kUnimplemented when built without CUDA.
+OOMGUARD_EXPORT StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int device_index);
+
+// RAII owner of one Device allocation.
+class OOMGUARD_EXPORT DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  // Throws DeviceOomError when the device cannot allocate.
+  DeviceBuffer(Device* device, size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+  void reset();
+
+ private:
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace oomguard
+
+#endif  // OOMGUARD_DEVICE_H_

@@ -1,0 +1,84 @@
+// Incident: the record of one out-of-memory event, as the guard saw it and as
+// the knowledge base stores and exchanges it (JSON key names follow the field
+// names; memory keys follow torch.cuda.memory_stats where they overlap).
+//
+// IncidentSink is where the guard hands incidents. Record is called on the
+// training thread at the moment of the OOM and must not block on I/O;
+// UpdateOutcome follows once the recovery finished (or failed).
+//
+// Thread-safety: a sink may be called from several guards (threads) at once.
+#ifndef OOMGUARD_INCIDENT_H_
+#define OOMGUARD_INCIDENT_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "oomguard/device.h"
+#include "oomguard/export.h"
+
+namespace oomguard {
+
+// The rung of the escalation ladder an incident took.
+enum class LadderAction { kRelease, kHalve, kRollback, kGiveUp };
+enum class IncidentOutcome { kPending, kRecovered, kRolledBack, kFailed };
+
+OOMGUARD_EXPORT std::string_view LadderActionName(LadderAction a);   // "release", "halve", ...
+OOMGUARD_EXPORT std::string_view IncidentOutcomeName(IncidentOutcome o);  // "recovered", ...
+
+struct RankMemory {
+  int rank = 0;
+  int64_t allocated = 0;
+  int64_t reserved = 0;
+  int64_t peak_allocated = 0;
+};
+
+struct Incident {
+  std::string id;                 // unique, 16 hex digits
+  std::string run_id;
+  int64_t time_unix_ms = 0;
+  std::string host;
+  int rank = 0;
+  int world_size = 1;
+  int64_t step = 0;
+  int micro_index = -1;
+  std::string phase;              // data, forward, backward, optimizer, commit, checkpoint, unknown
+  std::string kind;               // device, host, workspace
+  std::string exception_type;
+  std::string message;
+  int64_t requested_bytes = 0;
+  MemoryStats memory;
+  std::vector<int64_t> step_peaks;  // history: recent per-step peak allocated bytes, oldest first
+  int64_t steps_ok_before = 0;      // history: clean steps since the previous OOM
+  double sample_cost_this = 0;      // largest per-sample cost in the failing micro-batch (0: unknown)
+  double sample_cost_median = 0;    // median per-sample cost of the step (0: unknown)
+  std::vector<RankMemory> ranks;    // every rank's memory, when more than one rank runs
+  int64_t micro_before = 0;
+  int64_t micro_after = 0;
+  std::string action;             // release, halve, rollback, give_up
+  std::string outcome;            // recovered, rolled_back, failed, pending
+  double recovery_ms = 0;
+  std::string workload;           // workload signature
+  std::vector<std::string> actions;  // every ladder rung taken for this incident, in order
+  bool injected = false;          // raised by fault injection
+  // Filled by the classifier (knowledge base):
+  std::string pattern;
+  double confidence = 0;
+  std::string evidence;
+  std::vector<std::string> remedies;
+  std::string fingerprint;
+};
+
+class OOMGUARD_EXPORT IncidentSink {
+ public:
+  virtual ~IncidentSink();
+  // Must not block on disk or network; may drop (and count) under pressure.
+  virtual void Record(const Incident& incident) = 0;
+  // The recovery of incident `id` finished (outcome, recovery_ms, micro_after, actions set).
+  virtual void UpdateOutcome(const Incident& incident) = 0;
+};
+
+}  // namespace oomguard
+
+#endif  // OOMGUARD_INCIDENT_H_

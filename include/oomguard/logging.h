@@ -1,0 +1,34 @@
+// Logging: oomguard logs through a named spdlog logger "oomguard", never the
+// global default logger, and never changes the default's level. Each line
+// carries the rank. OOMGUARD_LOG_LEVEL (trace, debug, info, warn, error,
+// critical, off) sets the level; the default is info.
+//
+// Logging never throws on the training path: the logger's error handler
+// swallows formatting and sink errors (counted in LogErrors()).
+//
+// Thread-safety: all functions may be called from any thread.
+#ifndef OOMGUARD_LOGGING_H_
+#define OOMGUARD_LOGGING_H_
+
+#include <spdlog/logger.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "oomguard/export.h"
+
+namespace oomguard {
+
+// The logger in use (created on first use: stderr, pattern with the rank).
+OOMGUARD_EXPORT std::shared_ptr<spdlog::logger> Logger();
+// Replaces the logger (injectable: tests and host programs route it anywhere).
+// nullptr restores the built-in one.
+OOMGUARD_EXPORT void SetLogger(std::shared_ptr<spdlog::logger> logger);
+// The rank shown in every line of the built-in logger.
+OOMGUARD_EXPORT void SetLogRank(int rank);
+// Errors swallowed by the logger's error handler since start.
+OOMGUARD_EXPORT int64_t LogErrors();
+
+}  // namespace oomguard
+
+#endif  // OOMGUARD_LOGGING_H_

@@ -1,0 +1,423 @@
+#include "oomguard/guard.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+
+#include "oomguard/device.h"
+#include "oomguard/faults.h"
+#include "oomguard/recovery.h"
+
+namespace oomguard {
+namespace {
+
+class FaultsCleared : public ::testing::Test {
+ protected:
+  void SetUp() override { ClearFaultRules(); }
+  void TearDown() override { ClearFaultRules(); }
+};
+
+std::unique_ptr<Guard> MakeGuard(GuardOptions o) {
+  auto g = Guard::Create(o);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return std::move(g).value();
+}
+
+// Counts how often each sample's contribution was kept (applied and not reset).
+struct Accumulator {
+  std::map<int64_t, int> kept;
+  std::map<int64_t, int> pending;  // applied in the current attempt
+  double weight_sum = 0;
+  int resets = 0;
+  int commits = 0;
+};
+
+class RecordingSink : public IncidentSink {
+ public:
+  void Record(const Incident& i) override {
+    std::lock_guard<std::mutex> l(mu);
+    recorded.push_back(i);
+  }
+  void UpdateOutcome(const Incident& i) override {
+    std::lock_guard<std::mutex> l(mu);
+    updated.push_back(i);
+  }
+  std::mutex mu;
+  std::vector<Incident> recorded, updated;
+};
+
+class FakeRecovery : public RecoveryStore {
+ public:
+  int64_t durable = -1, snapshot = -1;
+  int restores = 0;
+  std::vector<std::pair<int64_t, bool>> committed;
+  int64_t DurableStep() override { return durable; }
+  int64_t SnapshotStep() override { return snapshot; }
+  StatusOr<int64_t> Restore(int64_t step) override {
+    ++restores;
+    return step;
+  }
+  Status OnStepCommitted(int64_t step, bool after) override {
+    committed.emplace_back(step, after);
+    return Status::Ok();
+  }
+};
+
+// A request whose micro-batches mark phases and accumulate per-sample counts.
+StepRequest Request(Guard* g, Accumulator* acc, int64_t n) {
+  StepRequest r;
+  r.samples = n;
+  r.micro = [g, acc](const MicroBatch& mb) {
+    g->MarkPhase(Phase::kForward);
+    g->MarkPhase(Phase::kBackward);
+    for (int64_t i = mb.offset; i < mb.offset + mb.size; ++i) acc->kept[i]++;
+    acc->weight_sum += mb.weight;
+  };
+  r.reset = [acc] {
+    acc->kept.clear();
+    acc->weight_sum = 0;
+    acc->resets++;
+  };
+  r.commit = [acc] { acc->commits++; };
+  return r;
+}
+
+void ExpectEachSampleOnce(const Accumulator& acc, int64_t n) {
+  ASSERT_EQ(static_cast<int64_t>(acc.kept.size()), n);
+  for (auto& [i, c] : acc.kept) EXPECT_EQ(c, 1) << "sample " << i;
+  EXPECT_NEAR(acc.weight_sum, 1.0, 1e-12);
+}
+
+TEST_F(FaultsCleared, CleanStepRunsOnceAndCommits) {
+  GuardOptions o;
+  o.initial_micro_batch = 16;
+  auto g = MakeGuard(o);
+  Accumulator acc;
+  StepReport rep;
+  ASSERT_TRUE(g->Step(Request(g.get(), &acc, 64), &rep).ok());
+  ExpectEachSampleOnce(acc, 64);
+  EXPECT_EQ(acc.commits, 1);
+  EXPECT_EQ(rep.micro_batches, 4);
+  EXPECT_EQ(rep.ooms, 0);
+  EXPECT_EQ(rep.step, 0);
+  EXPECT_EQ(g->step(), 1);
+}
+
+TEST_F(FaultsCleared, OomInBackwardResetsAndRedoesTheStep) {
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=backward,micro=1").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 32;
+  RecordingSink sink;
+  o.incidents = &sink;
+  auto g = MakeGuard(o);
+  Accumulator acc;
+  StepReport rep;
+  ASSERT_TRUE(g->Step(Request(g.get(), &acc, 64), &rep).ok());
+  ExpectEachSampleOnce(acc, 64);
+  EXPECT_EQ(acc.resets, 1);
+  EXPECT_EQ(acc.commits, 1);
+  EXPECT_EQ(rep.ooms, 1);
+  EXPECT_EQ(rep.limit_after, 16);
+  EXPECT_EQ(rep.micro_batches, 4);
+  ASSERT_EQ(rep.incidents.size(), 1u);
+  const Incident& inc = rep.incidents[0];
+  EXPECT_EQ(inc.phase, "backward");
+  EXPECT_EQ(inc.kind, "device");
+  EXPECT_EQ(inc.action, "halve");
+  EXPECT_EQ(inc.outcome, "recovered");
+  EXPECT_EQ(inc.micro_before, 32);
+  EXPECT_EQ(inc.micro_after, 16);
+  EXPECT_TRUE(inc.injected);
+  EXPECT_EQ(inc.id.size(), 16u);
+  ASSERT_EQ(sink.recorded.size(), 1u);
+  EXPECT_EQ(sink.recorded[0].outcome, "pending");
+  ASSERT_EQ(sink.updated.size(), 1u);
+  EXPECT_EQ(sink.updated[0].outcome, "recovered");
+  EXPECT_EQ(sink.updated[0].id, inc.id);
+}
+
+TEST_F(FaultsCleared, OomInForwardKeepsCompletedMicroBatches) {
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=forward,micro=2").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 16;
+  auto g = MakeGuard(o);
+  Accumulator acc;
+  int calls = 0;
+  StepRequest r = Request(g.get(), &acc, 64);
+  auto inner = r.micro;
+  r.micro = [&](const MicroBatch& mb) {
+    ++calls;
+    inner(mb);
+  };
+  StepReport rep;
+  ASSERT_TRUE(g->Step(r, &rep).ok());
+  ExpectEachSampleOnce(acc, 64);
+  EXPECT_EQ(acc.resets, 0) << "an OOM in forward must not discard finished work";
+  // 2 done at 16, 1 failed, then [32, 64) re-planned at 8: 4 more.
+  EXPECT_EQ(calls, 2 + 1 + 4);
+  EXPECT_EQ(rep.micro_batches, 6);
+}
+
+TEST_F(FaultsCleared, BackwardOomWithoutResetHookIsAPreconditionError) {
+  ASSERT_TRUE(SetFaultRules("oom@site=backward").ok());
+  auto g = MakeGuard(GuardOptions{});
+  Accumulator acc;
+  StepRequest r = Request(g.get(), &acc, 8);
+  r.reset = nullptr;
+  Status s = g->Step(r);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("reset hook"), std::string::npos);
+  EXPECT_EQ(acc.commits, 0);
+}
+
+TEST_F(FaultsCleared, OomAtMinimumGivesUpNamingTheIncident) {
+  ASSERT_TRUE(SetFaultRules("oom@site=forward,times=0").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 8;
+  o.min_micro_batch = 2;
+  auto g = MakeGuard(o);
+  Accumulator acc;
+  StepReport rep;
+  Status s = g->Step(Request(g.get(), &acc, 8), &rep);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  ASSERT_FALSE(rep.incidents.empty());
+  EXPECT_NE(s.message().find(rep.incidents.back().id), std::string::npos);
+  EXPECT_NE(s.message().find("remedies"), std::string::npos);
+  EXPECT_EQ(rep.incidents.back().action, "give_up");
+  EXPECT_EQ(rep.incidents.back().outcome, "failed");
+  EXPECT_EQ(rep.ooms, 3);  // 8 -> 4 -> 2 -> give up
+  EXPECT_EQ(acc.commits, 0);
+  EXPECT_EQ(g->step(), 0) << "a failed step does not advance";
+}
+
+TEST_F(FaultsCleared, OomAtMinimumRollsBackWithARecoveryStore) {
+  ASSERT_TRUE(SetFaultRules("oom@step=5,site=forward,times=0").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 4;
+  FakeRecovery rec;
+  rec.durable = 3;
+  o.recovery = &rec;
+  auto g = MakeGuard(o);
+  g->SetStep(5);
+  Accumulator acc;
+  StepReport rep;
+  Status s = g->Step(Request(g.get(), &acc, 4), &rep);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+  ASSERT_TRUE(rep.rolled_back_to.has_value());
+  EXPECT_EQ(*rep.rolled_back_to, 3);
+  EXPECT_EQ(g->step(), 4);
+  EXPECT_EQ(rec.restores, 1);
+  EXPECT_EQ(rep.incidents.back().outcome, "rolled_back");
+  EXPECT_EQ(g->micro_limit(), 1) << "resume at the reduced size";
+}
+
+TEST_F(FaultsCleared, OomInCommitRollsBackFromSnapshotOrGivesUp) {
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=optimizer").ok());
+  {
+    auto g = MakeGuard(GuardOptions{});
+    Accumulator acc;
+    StepRequest r = Request(g.get(), &acc, 8);
+    r.commit = [&] { g->MarkPhase(Phase::kOptimizer); };
+    Status s = g->Step(r);
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+    EXPECT_NE(s.message().find("commit"), std::string::npos);
+  }
+  ASSERT_TRUE(SetFaultRules("oom@step=2,site=optimizer").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 8;
+  FakeRecovery rec;
+  rec.snapshot = 1;
+  o.recovery = &rec;
+  auto g = MakeGuard(o);
+  g->SetStep(2);
+  Accumulator acc;
+  StepRequest r = Request(g.get(), &acc, 8);
+  r.commit = [&] { g->MarkPhase(Phase::kOptimizer); };
+  StepReport rep;
+  Status s = g->Step(r, &rep);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
+  EXPECT_EQ(rep.rolled_back_to, 1);
+  EXPECT_EQ(g->step(), 2);
+  EXPECT_EQ(g->micro_limit(), 4) << "the redo runs at a smaller micro-batch";
+  EXPECT_EQ(rep.incidents.at(0).phase, "optimizer");
+}
+
+struct MyError : std::runtime_error {
+  MyError() : std::runtime_error("user error, not memory") {}
+};
+
+TEST_F(FaultsCleared, NonOomExceptionPassesThroughUnchanged) {
+  auto g = MakeGuard(GuardOptions{});
+  StepRequest r;
+  r.samples = 4;
+  r.micro = [](const MicroBatch&) { throw MyError(); };
+  EXPECT_THROW((void)g->Step(r), MyError);
+  r.micro = [](const MicroBatch&) {};
+  r.commit = [] { throw 42; };
+  EXPECT_THROW((void)g->Step(r), int);
+}
+
+TEST_F(FaultsCleared, CacheReleasersRunOnEveryOom) {
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=micro_batch,times=2").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 64;
+  auto g = MakeGuard(o);
+  int released = 0;
+  g->AddCacheReleaser("test", [&] { ++released; });
+  g->AddCacheReleaser("throws", [] { throw std::runtime_error("ignored"); });
+  Accumulator acc;
+  StepReport rep;
+  ASSERT_TRUE(g->Step(Request(g.get(), &acc, 64), &rep).ok());
+  EXPECT_EQ(released, 2);
+  EXPECT_EQ(rep.cache_releases, 2);
+  EXPECT_EQ(rep.limit_after, 16);
+  ExpectEachSampleOnce(acc, 64);
+}
+
+TEST_F(FaultsCleared, RetryBoundedPerStep) {
+  ASSERT_TRUE(SetFaultRules("oom@site=micro_batch,times=0").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 1 << 20;
+  o.max_ooms_per_step = 5;
+  auto g = MakeGuard(o);
+  Accumulator acc;
+  StepReport rep;
+  Status s = g->Step(Request(g.get(), &acc, 1 << 20), &rep);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(rep.ooms, 6);
+  EXPECT_NE(s.message().find("max_ooms_per_step"), std::string::npos);
+}
+
+TEST_F(FaultsCleared, RealOomsOnASimulatedDeviceConverge) {
+  SimulatedDeviceOptions d;
+  d.capacity_bytes = 8 << 20;
+  auto dev = MakeSimulatedDevice(d).value();
+  GuardOptions o;
+  o.device = dev.get();
+  o.grow_after = 2;
+  auto g = MakeGuard(o);
+  const int64_t per_sample = 64 << 10;  // 64 KiB of activations per sample: 128 samples fill 8 MiB
+  int64_t last_largest = 0;
+  for (int step = 0; step < 40; ++step) {
+    Accumulator acc;
+    StepRequest r = Request(g.get(), &acc, 1000);
+    auto inner = r.micro;
+    r.micro = [&](const MicroBatch& mb) {
+      DeviceBuffer act(dev.get(), static_cast<size_t>(mb.size * per_sample));
+      inner(mb);
+    };
+    StepReport rep;
+    ASSERT_TRUE(g->Step(r, &rep).ok()) << "step " << step;
+    ExpectEachSampleOnce(acc, 1000);
+    last_largest = rep.largest_micro;
+    if (rep.ooms > 0) {
+      EXPECT_GT(rep.incidents[0].memory.total, 0);
+      EXPECT_GT(rep.incidents[0].requested_bytes, 0);
+      EXPECT_FALSE(rep.incidents[0].injected);
+    }
+  }
+  EXPECT_GT(g->total_ooms(), 0);
+  // The limit may exceed what fits when balanced plans never reach it; the
+  // micro-batches actually run must fit, and be close to the largest that does.
+  EXPECT_LE(last_largest, 128);
+  EXPECT_GE(last_largest, 100) << "steady state near the largest size that fits";
+  EXPECT_EQ(dev->Stats().allocated, 0);
+}
+
+TEST_F(FaultsCleared, CostsPlanByCostUnits) {
+  GuardOptions o;
+  o.initial_micro_batch = 100;  // cost units
+  auto g = MakeGuard(o);
+  std::vector<int64_t> costs = {10, 10, 90, 10, 10, 10, 200, 5};
+  std::vector<int64_t> seen;
+  StepRequest r;
+  r.samples = static_cast<int64_t>(costs.size());
+  r.costs = costs;
+  r.micro = [&](const MicroBatch& mb) { seen.push_back(mb.cost); };
+  ASSERT_TRUE(g->Step(r).ok());
+  EXPECT_EQ(seen, (std::vector<int64_t>{20, 100, 20, 200, 5}));
+  r.costs = std::span<const int64_t>(costs.data(), 3);
+  EXPECT_EQ(g->Step(r).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(FaultsCleared, BadRequestsAreInvalidArgument) {
+  auto g = MakeGuard(GuardOptions{});
+  StepRequest r;
+  r.samples = 0;
+  r.micro = [](const MicroBatch&) {};
+  Status s = g->Step(r);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("samples"), std::string::npos);
+  r.samples = 3;
+  r.micro = nullptr;
+  EXPECT_EQ(g->Step(r).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(FaultsCleared, GrowsBackAfterCleanSteps) {
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=micro_batch").ok());
+  GuardOptions o;
+  o.initial_micro_batch = 64;
+  o.grow_after = 3;
+  o.forget_bad_after = 2;
+  auto g = MakeGuard(o);
+  Accumulator acc;
+  ASSERT_TRUE(g->Step(Request(g.get(), &acc, 256)).ok());
+  EXPECT_EQ(g->micro_limit(), 32);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(g->Step(Request(g.get(), &acc, 256)).ok());
+  EXPECT_GT(g->micro_limit(), 32) << "the guard probes back up after grow_after clean steps";
+}
+
+TEST_F(FaultsCleared, InvalidOptionsAndFaultRulesAreRejected) {
+  GuardOptions o;
+  o.min_micro_batch = 0;
+  auto g = Guard::Create(o);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(g.status().message().find("min_micro_batch"), std::string::npos);
+  o = GuardOptions{};
+  o.grow_tolerance = 0;
+  EXPECT_NE(Guard::Create(o).status().message().find("grow_tolerance"), std::string::npos);
+  o = GuardOptions{};
+  o.initial_micro_batch = 2;
+  o.min_micro_batch = 4;
+  EXPECT_NE(Guard::Create(o).status().message().find("initial_micro_batch"), std::string::npos);
+}
+
+// A device whose cache release frees memory: the guard retries once at the
+// same size instead of halving ("the retry must see the memory").
+class ReleasingDevice : public Device {
+ public:
+  std::string Name() const override { return "fake:0"; }
+  MemoryStats Stats() const override {
+    MemoryStats s;
+    s.total = 100 << 20;
+    s.free = released_ ? (50 << 20) : (1 << 20);
+    s.reserved = s.total - s.free;
+    return s;
+  }
+  void ReleaseCaches() override { released_ = true; }
+  void ResetPeak() override {}
+  void* Allocate(size_t) override { return nullptr; }
+  void Free(void*) override {}
+  bool released_ = false;
+};
+
+TEST_F(FaultsCleared, ReleaseThatFreesMemoryRetriesAtTheSameSize) {
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=forward,bytes=4096").ok());
+  ReleasingDevice dev;
+  GuardOptions o;
+  o.initial_micro_batch = 32;
+  o.device = &dev;
+  auto g = MakeGuard(o);
+  Accumulator acc;
+  StepReport rep;
+  ASSERT_TRUE(g->Step(Request(g.get(), &acc, 64), &rep).ok());
+  ASSERT_EQ(rep.incidents.size(), 1u);
+  EXPECT_EQ(rep.incidents[0].action, "release");
+  EXPECT_EQ(rep.limit_after, 32);
+  ExpectEachSampleOnce(acc, 64);
+}
+
+}  // namespace
+}  // namespace oomguard
