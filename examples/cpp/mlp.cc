@@ -5,6 +5,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <memory>
 
 namespace mlp {
 namespace {
@@ -229,7 +230,16 @@ void MlpTrainer::SetOptimizerState(const std::vector<double>& s) {
 
 TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks& hooks) {
   TrainResult result;
-  MlpTrainer trainer(cfg, device);
+  std::unique_ptr<MlpTrainer> trainer_ptr;
+  try {
+    trainer_ptr = std::make_unique<MlpTrainer>(cfg, device);
+  } catch (const oomguard::DeviceOomError& e) {
+    // Parameters and optimizer state alone do not fit: no micro-batch size helps.
+    result.status = oomguard::Status::ResourceExhausted(
+        std::string("the model's parameters and optimizer state do not fit on the device: ") + e.what());
+    return result;
+  }
+  MlpTrainer& trainer = *trainer_ptr;
   oomguard::GuardOptions opts;
   opts.initial_micro_batch = cfg.micro_batch;
   opts.min_micro_batch = cfg.min_micro_batch;
@@ -270,9 +280,9 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
     if (s == 0) result.loss_first = loss;
     result.loss_last = loss;
     result.steps_done = s + 1;
+    result.final_micro_batch = report.largest_micro;
     if (hooks.on_step) hooks.on_step(report, loss);
   }
-  result.final_micro_batch = std::min(guard->micro_limit(), cfg.global_batch);
   result.params = trainer.Parameters();
   return result;
 }

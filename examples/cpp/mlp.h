@@ -84,7 +84,7 @@ struct TrainResult {
   int64_t steps_done = 0;
   int64_t ooms = 0;
   int64_t initial_micro_batch = 0;
-  int64_t final_micro_batch = 0;
+  int64_t final_micro_batch = 0;     // largest micro-batch of the last step
   double loss_first = 0;
   double loss_last = 0;
   std::vector<int64_t> micro_limits;  // limit used at each step (the controller's trajectory)

@@ -88,6 +88,10 @@ int main(int argc, char** argv) {
 
   oomguard::SimulatedDeviceOptions dev_opts;
   dev_opts.capacity_bytes = static_cast<int64_t>(budget_mib * 1024.0 * 1024.0);
+  // A caching allocator scaled to this small model: segments of 256 KiB (PyTorch
+  // uses 2 MiB for GiB-sized GPUs), so that budgets of a few MiB behave alike.
+  dev_opts.segment_bytes = 256 << 10;
+  dev_opts.small_request_bytes = 128 << 10;
   auto device_or = oomguard::MakeSimulatedDevice(dev_opts);
   if (!device_or.ok()) {
     std::fprintf(stderr, "mlp_train: %s\n", device_or.status().ToString().c_str());

@@ -137,6 +137,16 @@ class GuardImpl final : public Guard {
   // The outcome of running the planned micro-batches of one step locally.
   enum class Local { kOk, kRollback, kFailed };
 
+  // The limit as it applies to this request: "whole step" when it is larger.
+  int64_t EffectiveLimit(const StepRequest& req) const {
+    int64_t whole = req.samples;
+    if (!req.costs.empty()) {
+      whole = 0;
+      for (int64_t c : req.costs) whole += c;
+    }
+    return std::min(controller_.limit(), std::max<int64_t>(whole, 1));
+  }
+
   StatusOr<std::vector<MicroBatch>> MakePlan(const StepRequest& req, int64_t begin, int first_index) const {
     if (!req.costs.empty()) return PlanByCost(req.costs, controller_.limit(), begin, first_index);
     return PlanBySamples(req.samples, std::max<int64_t>(1, std::min(controller_.limit(), req.samples)),
@@ -242,7 +252,6 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
   rep = StepReport{};
   rep.step = step_;
-  rep.limit_before = controller_.limit();
 
   if (req.samples < 1) return Status::InvalidArgument("StepRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
   if (!req.micro) return Status::InvalidArgument("StepRequest.micro must be set");
@@ -250,6 +259,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
     return Status::InvalidArgument("StepRequest.costs has " + std::to_string(req.costs.size()) +
                                    " entries for " + std::to_string(req.samples) + " samples");
   const std::function<void()>& reset = req.reset ? req.reset : reset_;
+  rep.limit_before = EffectiveLimit(req);
 
   Device* device = options_.device;
   if (device != nullptr) device->ResetPeak();
@@ -314,7 +324,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
             "OOM in phase '" + std::string(PhaseName(phase)) + "' at step " + std::to_string(step_) +
             " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset "
             "or Guard::SetResetHook); incident " + inc.id);
-        inc.micro_after = controller_.limit();
+        inc.micro_after = EffectiveLimit(req);
         RecordIncident(inc);
         rep.incidents.push_back(std::move(inc));
         local = Local::kFailed;
@@ -343,7 +353,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
       action = LadderAction::kGiveUp;
     }
     inc.action = std::string(LadderActionName(action));
-    inc.micro_after = controller_.limit();
+    inc.micro_after = EffectiveLimit(req);
 
     Logger()->warn("OOM ({}) in {} at step {} micro-batch {}/{} (size {}): requested {}, allocated {}, "
                    "reserved {}; released caches; {} -> micro-batch {}",
@@ -395,7 +405,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
     FinishIncidents(rep.incidents, outcome);
     for (auto& inc : rep.incidents) inc.recovery_ms = rep.recovery_ms;
     rep.status = s;
-    rep.limit_after = controller_.limit();
+    rep.limit_after = EffectiveLimit(req);
     rep.wall_ms = MsSince(t_step);
     if (device != nullptr) rep.peak_allocated = device->Stats().peak_allocated;
     fault_ctx_.micro = -1;
@@ -465,7 +475,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
       // Parameters may be half-updated: only a snapshot can put them back. The
       // redo runs at a smaller micro-batch, freeing room for optimizer state.
       controller_.OnOom(std::max<int64_t>(largest, options_.min_micro_batch));
-      inc.micro_after = controller_.limit();
+      inc.micro_after = EffectiveLimit(req);
       inc.action = std::string(LadderActionName(LadderAction::kRollback));
       inc.actions.emplace_back(inc.action);
       rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
