@@ -86,7 +86,8 @@ class OOMGUARD_EXPORT WorkspaceAllocError : public std::runtime_error {
 
 inline constexpr int kCudaErrorMemoryAllocation = 2;   // cudaErrorMemoryAllocation
 inline constexpr int kCublasStatusAllocFailed = 3;     // CUBLAS_STATUS_ALLOC_FAILED
-inline constexpr int kCudnnStatusAllocFailed = 2000;   // CUDNN_STATUS_ALLOC_FAILED (cuDNN 9)
+inline constexpr int kCudnnStatusAllocFailed = 4003;        // CUDNN_STATUS_ALLOC_FAILED (cuDNN 9, host)
+inline constexpr int kCudnnStatusAllocFailedDevice = 4004;  // CUDNN_STATUS_ALLOC_FAILED_DEVICE (cuDNN 9)
 
 // Throws CudaError(code) for a non-zero CUDA runtime status.
 [[noreturn]] OOMGUARD_EXPORT void ThrowCudaError(int code, const char* expr, const char* file,
@@ -120,7 +121,8 @@ inline constexpr int kCudnnStatusAllocFailed = 2000;   // CUDNN_STATUS_ALLOC_FAI
     int _og_st = static_cast<int>(expr);                                             \
     if (_og_st != 0)                                                                 \
       ::oomguard::ThrowLibraryError("cudnn", _og_st,                                 \
-                                    _og_st == ::oomguard::kCudnnStatusAllocFailed,   \
+                                    _og_st == ::oomguard::kCudnnStatusAllocFailed || \
+                                        _og_st == ::oomguard::kCudnnStatusAllocFailedDevice, \
                                     #expr, __FILE__, __LINE__);                      \
   } while (0)
 

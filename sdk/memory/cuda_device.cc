@@ -107,8 +107,7 @@ class CudaDevice final : public Device {
   explicit CudaDevice(int index) : index_(index), name_("cuda:" + std::to_string(index)) {
     ScopedDevice scoped(index_);
     int pools_supported = 0;
-    OOMGUARD_CUDA_CHECK(
-        cudaDeviceGetAttribute(&pools_supported, cudaDevAttrMemoryPoolsSupported, index_));
+    OOMGUARD_CUDA_CHECK(cudaDeviceGetAttribute(&pools_supported, cudaDevAttrMemoryPoolsSupported, index_));
     if (pools_supported != 0) {
       cudaMemPoolProps props = {};
       props.allocType = cudaMemAllocationTypePinned;
@@ -117,8 +116,7 @@ class CudaDevice final : public Device {
       props.location.id = index_;
       OOMGUARD_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props));
       uint64_t never = std::numeric_limits<uint64_t>::max();
-      OOMGUARD_CUDA_CHECK(
-          cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &never));
+      OOMGUARD_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &never));
     }
   }
 
@@ -159,8 +157,7 @@ class CudaDevice final : public Device {
     }
     if (pool_ != nullptr) {
       uint64_t reserved = 0;
-      if (cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved) ==
-          cudaSuccess) {
+      if (cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved) == cudaSuccess) {
         s.reserved = static_cast<int64_t>(reserved);
       } else {
         (void)cudaGetLastError();
@@ -205,13 +202,12 @@ class CudaDevice final : public Device {
         ++num_ooms_;
       }
       MemoryStats s = Stats();
-      throw DeviceOomError(
-          name_ + " CUDA out of memory. Tried to allocate " +
-              FormatBytes(static_cast<int64_t>(bytes)) + " (GPU " + std::to_string(index_) +
-              "; " + FormatBytes(s.total) + " total capacity; " + FormatBytes(s.allocated) +
-              " already allocated by oomguard; " + FormatBytes(s.free) + " free; " +
-              FormatBytes(s.reserved) + " reserved in total by oomguard)",
-          static_cast<int64_t>(bytes), s);
+      throw DeviceOomError(name_ + " CUDA out of memory. Tried to allocate " +
+                               FormatBytes(static_cast<int64_t>(bytes)) + " (GPU " + std::to_string(index_) +
+                               "; " + FormatBytes(s.total) + " total capacity; " + FormatBytes(s.allocated) +
+                               " already allocated by oomguard; " + FormatBytes(s.free) + " free; " +
+                               FormatBytes(s.reserved) + " reserved in total by oomguard)",
+                           static_cast<int64_t>(bytes), s);
     }
     OOMGUARD_CUDA_CHECK(err);
     if (p == nullptr) return nullptr;  // a zero-byte request
@@ -276,21 +272,20 @@ StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int device_index) {
     } else if (err == cudaErrorNoDevice) {
       why = ": no CUDA-capable device is installed or visible (check CUDA_VISIBLE_DEVICES)";
     }
-    return Status::Unavailable("no GPU is visible: cudaGetDeviceCount failed with " +
-                               ErrorText(err) + why);
+    return Status::Unavailable("no GPU is visible: cudaGetDeviceCount failed with " + ErrorText(err) + why);
   }
   if (count == 0) {
     return Status::Unavailable("no GPU is visible: cudaGetDeviceCount returned 0 devices");
   }
   if (device_index < 0 || device_index >= count) {
-    return Status::InvalidArgument("CUDA device index must be in [0, " + std::to_string(count) +
-                                   ") (got " + std::to_string(device_index) + ")");
+    return Status::InvalidArgument("CUDA device index must be in [0, " + std::to_string(count) + ") (got " +
+                                   std::to_string(device_index) + ")");
   }
   try {
     return std::unique_ptr<Device>(std::make_unique<CudaDevice>(device_index));
   } catch (const CudaError& e) {
-    return Status::Unavailable(std::string("cannot set up cuda:") +
-                               std::to_string(device_index) + ": " + e.what());
+    return Status::Unavailable(std::string("cannot set up cuda:") + std::to_string(device_index) + ": " +
+                               e.what());
   }
 }
 

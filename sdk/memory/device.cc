@@ -7,12 +7,9 @@
 
 namespace oomguard {
 
-DeviceOomError::DeviceOomError(const std::string& what, int64_t requested_bytes,
-                               MemoryStats stats, bool injected)
-    : std::runtime_error(what),
-      requested_bytes_(requested_bytes),
-      stats_(stats),
-      injected_(injected) {}
+DeviceOomError::DeviceOomError(const std::string& what, int64_t requested_bytes, MemoryStats stats,
+                               bool injected)
+    : std::runtime_error(what), requested_bytes_(requested_bytes), stats_(stats), injected_(injected) {}
 
 HostOomError::HostOomError(std::string what, int64_t requested_bytes)
     : what_(std::move(what)), requested_bytes_(requested_bytes) {}

@@ -89,11 +89,20 @@ std::optional<int64_t> ParseSizeAt(std::string_view s, size_t pos) {
     double scale;
   };
   static constexpr UnitScale kUnits[] = {
-      {"b", 1.0},           {"byte", 1.0},        {"bytes", 1.0},
-      {"kib", 1024.0},      {"mib", 1048576.0},   {"gib", 1073741824.0},
+      {"b", 1.0},
+      {"byte", 1.0},
+      {"bytes", 1.0},
+      {"kib", 1024.0},
+      {"mib", 1048576.0},
+      {"gib", 1073741824.0},
       {"tib", 1099511627776.0},
-      {"kb", 1e3},          {"mb", 1e6},          {"gb", 1e9},          {"tb", 1e12},
-      {"k", 1024.0},        {"m", 1048576.0},     {"g", 1073741824.0},
+      {"kb", 1e3},
+      {"mb", 1e6},
+      {"gb", 1e9},
+      {"tb", 1e12},
+      {"k", 1024.0},
+      {"m", 1048576.0},
+      {"g", 1073741824.0},
       {"t", 1099511627776.0},
   };
   for (const UnitScale& u : kUnits) {
@@ -107,8 +116,7 @@ std::optional<int64_t> ParseSizeAt(std::string_view s, size_t pos) {
 // "trying to allocate 4294967296 bytes": a size right after "allocate".
 std::optional<int64_t> ParseAllocateSize(std::string_view lower) {
   static constexpr std::string_view kKey = "allocate";
-  for (size_t at = lower.find(kKey); at != std::string_view::npos;
-       at = lower.find(kKey, at + 1)) {
+  for (size_t at = lower.find(kKey); at != std::string_view::npos; at = lower.find(kKey, at + 1)) {
     if (auto bytes = ParseSizeAt(lower, at + kKey.size())) return bytes;
   }
   return std::nullopt;
@@ -120,10 +128,9 @@ int64_t DtypeBytes(std::string_view dtype) {
     int64_t bytes;
   };
   static constexpr Dtype kDtypes[] = {
-      {"float", 4},    {"float32", 4},   {"double", 8},   {"float64", 8},  {"half", 2},
-      {"float16", 2},  {"bfloat16", 2},  {"int64", 8},    {"uint64", 8},   {"int32", 4},
-      {"uint32", 4},   {"int16", 2},     {"uint16", 2},   {"int8", 1},     {"uint8", 1},
-      {"bool", 1},     {"complex64", 8}, {"complex128", 16},
+      {"float", 4},    {"float32", 4}, {"double", 8}, {"float64", 8}, {"half", 2},      {"float16", 2},
+      {"bfloat16", 2}, {"int64", 8},   {"uint64", 8}, {"int32", 4},   {"uint32", 4},    {"int16", 2},
+      {"uint16", 2},   {"int8", 1},    {"uint8", 1},  {"bool", 1},    {"complex64", 8}, {"complex128", 16},
   };
   for (const Dtype& d : kDtypes) {
     if (dtype == d.name) return d.bytes;
@@ -167,8 +174,8 @@ std::optional<int64_t> ParseTensorFlowShape(std::string_view lower) {
 
 std::string Demangle(const std::type_info& type) {
   int status = 0;
-  std::unique_ptr<char, void (*)(void*)> name(
-      abi::__cxa_demangle(type.name(), nullptr, nullptr, &status), std::free);
+  std::unique_ptr<char, void (*)(void*)> name(abi::__cxa_demangle(type.name(), nullptr, nullptr, &status),
+                                              std::free);
   return status == 0 && name != nullptr ? std::string(name.get()) : std::string(type.name());
 }
 
@@ -204,8 +211,8 @@ std::optional<OomInfo> ClassifyKnownType(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const DeviceOomError& err) {
-    return TypeMatch(OomKind::kDevice, "oomguard::DeviceOomError", err.what(),
-                     err.requested_bytes(), err.injected());
+    return TypeMatch(OomKind::kDevice, "oomguard::DeviceOomError", err.what(), err.requested_bytes(),
+                     err.injected());
   } catch (const HostOomError& err) {
     return TypeMatch(OomKind::kHost, "oomguard::HostOomError", err.what(), err.requested_bytes());
   } catch (const CudaError& err) {
@@ -253,11 +260,10 @@ OomInfo ClassifyMessage(std::string_view message) {
 
   OomKind kind = OomKind::kNone;
   const bool out_of_memory = Has(m, "out of memory") || Has(m, "out-of-memory");
-  const bool alloc_failed = out_of_memory || Has(m, "alloc_failed") ||
-                            Has(m, "failed to allocate") || Has(m, "allocation failed") ||
-                            Has(m, "could not allocate") || Has(m, "cannot allocate") ||
-                            Has(m, "can't allocate") || Has(m, "unable to allocate") ||
-                            Has(m, "not enough memory");
+  const bool alloc_failed = out_of_memory || Has(m, "alloc_failed") || Has(m, "failed to allocate") ||
+                            Has(m, "allocation failed") || Has(m, "could not allocate") ||
+                            Has(m, "cannot allocate") || Has(m, "can't allocate") ||
+                            Has(m, "unable to allocate") || Has(m, "not enough memory");
 
   if (Has(m, "cublas_status_alloc_failed") || Has(m, "cudnn_status_alloc_failed") ||
       Has(m, "cudnn_status_internal_error_device_allocation_failed") ||
@@ -270,12 +276,11 @@ OomInfo ClassifyMessage(std::string_view message) {
   } else if (Has(m, "cudaerrormemoryallocation") || Has(m, "outofmemoryerror")) {
     kind = (Has(m, "defaultcpuallocator")) ? OomKind::kHost : OomKind::kDevice;
   } else if ((Has(m, "defaultcpuallocator") && alloc_failed) || Has(m, "std::bad_alloc") ||
-             Has(m, "cannot allocate memory") || Has(m, "memoryerror") ||
-             Has(m, "bad_alloc")) {
+             Has(m, "cannot allocate memory") || Has(m, "memoryerror") || Has(m, "bad_alloc")) {
     kind = OomKind::kHost;
   } else if (out_of_memory) {
-    kind = (Has(m, "cuda") || Has(m, "gpu") || Has(m, "device") || Has(m, "hip") ||
-            Has(m, "xpu") || Has(m, "mps"))
+    kind = (Has(m, "cuda") || Has(m, "gpu") || Has(m, "device") || Has(m, "hip") || Has(m, "xpu") ||
+            Has(m, "mps"))
                ? OomKind::kDevice
                : OomKind::kHost;
   }
@@ -412,34 +417,51 @@ std::string CudaErrorName(int code) {
 std::string LibraryStatusName(std::string_view library, int code) {
   if (library == "cublas") {
     switch (code) {
-      case 1: return "CUBLAS_STATUS_NOT_INITIALIZED";
-      case 3: return "CUBLAS_STATUS_ALLOC_FAILED";
-      case 7: return "CUBLAS_STATUS_INVALID_VALUE";
-      case 8: return "CUBLAS_STATUS_ARCH_MISMATCH";
-      case 11: return "CUBLAS_STATUS_MAPPING_ERROR";
-      case 13: return "CUBLAS_STATUS_EXECUTION_FAILED";
-      case 14: return "CUBLAS_STATUS_INTERNAL_ERROR";
-      case 15: return "CUBLAS_STATUS_NOT_SUPPORTED";
-      default: break;
+      case 1:
+        return "CUBLAS_STATUS_NOT_INITIALIZED";
+      case 3:
+        return "CUBLAS_STATUS_ALLOC_FAILED";
+      case 7:
+        return "CUBLAS_STATUS_INVALID_VALUE";
+      case 8:
+        return "CUBLAS_STATUS_ARCH_MISMATCH";
+      case 11:
+        return "CUBLAS_STATUS_MAPPING_ERROR";
+      case 13:
+        return "CUBLAS_STATUS_EXECUTION_FAILED";
+      case 14:
+        return "CUBLAS_STATUS_INTERNAL_ERROR";
+      case 15:
+        return "CUBLAS_STATUS_NOT_SUPPORTED";
+      default:
+        break;
     }
   } else if (library == "cudnn") {
     switch (code) {
-      case 1001: return "CUDNN_STATUS_NOT_INITIALIZED";
-      case 2000: return "CUDNN_STATUS_BAD_PARAM";
-      case 3000: return "CUDNN_STATUS_NOT_SUPPORTED";
-      case 4000: return "CUDNN_STATUS_INTERNAL_ERROR";
-      case 4003: return "CUDNN_STATUS_ALLOC_FAILED";
-      case 4004: return "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED";
-      case 5000: return "CUDNN_STATUS_EXECUTION_FAILED";
-      default: break;
+      case 1001:
+        return "CUDNN_STATUS_NOT_INITIALIZED";
+      case 2000:
+        return "CUDNN_STATUS_BAD_PARAM";
+      case 3000:
+        return "CUDNN_STATUS_NOT_SUPPORTED";
+      case 4000:
+        return "CUDNN_STATUS_INTERNAL_ERROR";
+      case 4003:
+        return "CUDNN_STATUS_ALLOC_FAILED";
+      case 4004:
+        return "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED";
+      case 5000:
+        return "CUDNN_STATUS_EXECUTION_FAILED";
+      default:
+        break;
     }
   }
   return "status " + std::to_string(code);
 }
 
 std::string Where(const char* expr, const char* file, int line) {
-  return std::string(" in `") + (expr != nullptr ? expr : "?") + "` at " +
-         (file != nullptr ? file : "?") + ":" + std::to_string(line);
+  return std::string(" in `") + (expr != nullptr ? expr : "?") + "` at " + (file != nullptr ? file : "?") +
+         ":" + std::to_string(line);
 }
 
 }  // namespace
@@ -449,8 +471,8 @@ void ThrowCudaError(int code, const char* expr, const char* file, int line) {
                             Where(expr, file, line));
 }
 
-void ThrowLibraryError(const char* library, int code, bool alloc_failed, const char* expr,
-                       const char* file, int line) {
+void ThrowLibraryError(const char* library, int code, bool alloc_failed, const char* expr, const char* file,
+                       int line) {
   const std::string lib = library != nullptr ? library : "library";
   std::string upper = lib;
   for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
@@ -461,8 +483,8 @@ void ThrowLibraryError(const char* library, int code, bool alloc_failed, const c
                                        "_STATUS_ALLOC_FAILED: workspace allocation failed)" +
                                        Where(expr, file, line));
   }
-  throw std::runtime_error(lib + " error " + std::to_string(code) + " (" +
-                           LibraryStatusName(lib, code) + ")" + Where(expr, file, line));
+  throw std::runtime_error(lib + " error " + std::to_string(code) + " (" + LibraryStatusName(lib, code) +
+                           ")" + Where(expr, file, line));
 }
 
 }  // namespace oomguard

@@ -45,6 +45,7 @@ constexpr size_t kSegmentAlignment = 256;
 // pointer one past a segment never names a block of the next one.
 constexpr uintptr_t kFakeAddressBase = uintptr_t{1} << 44;
 constexpr uintptr_t kFakeAddressGap = uintptr_t{1} << 20;
+constexpr uintptr_t kFakeAddressLimit = uintptr_t{1} << 62;
 
 std::string FormatBytes(int64_t bytes) {
   static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -74,11 +75,11 @@ struct Block {
 };
 
 struct Segment {
-  uint64_t id;         // creation order; breaks best-fit ties deterministically
-  bool small;          // which pool it belongs to
+  uint64_t id;  // creation order; breaks best-fit ties deterministically
+  bool small;   // which pool it belongs to
   int64_t size;
-  uintptr_t base;      // address of offset 0 (real or fake)
-  void* memory;        // backing memory, or nullptr when backing=false
+  uintptr_t base;  // address of offset 0 (real or fake)
+  void* memory;    // backing memory, or nullptr when backing=false
   int64_t live_blocks = 0;
   int64_t free_bytes = 0;
   Block* first = nullptr;
@@ -154,10 +155,13 @@ class SimulatedDevice final : public Device {
   }
 
   Block* TakeBestFitLocked(bool small, int64_t size);
-  Segment* NewSegmentLocked(bool small, int64_t segment_size);
+  // `requested` is only for the error raised when no memory can back it.
+  Segment* NewSegmentLocked(bool small, int64_t segment_size, int64_t requested);
   int64_t ReleaseFreeSegmentsLocked();
   void DestroySegment(Segment* s);
-  [[noreturn]] void ThrowOomLocked(int64_t requested, int64_t rounded);
+  // Counts the OOM and throws DeviceOomError; `reason` is for failures other
+  // than the capacity (empty: the capacity).
+  [[noreturn]] void ThrowOomLocked(int64_t requested, int64_t rounded, const std::string& reason = "");
 
   const SimulatedDeviceOptions options_;
   const std::string name_;
@@ -190,25 +194,32 @@ Block* SimulatedDevice::TakeBestFitLocked(bool small, int64_t size) {
   return b;
 }
 
-Segment* SimulatedDevice::NewSegmentLocked(bool small, int64_t segment_size) {
+Segment* SimulatedDevice::NewSegmentLocked(bool small, int64_t segment_size, int64_t requested) {
   auto s = std::make_unique<Segment>();
   s->id = next_segment_id_++;
   s->small = small;
   s->size = segment_size;
   if (options_.backing) {
-    s->memory = ::operator new(static_cast<size_t>(segment_size),
-                               std::align_val_t{kSegmentAlignment}, std::nothrow);
+    s->memory =
+        ::operator new (static_cast<size_t>(segment_size), std::align_val_t{kSegmentAlignment}, std::nothrow);
     if (s->memory == nullptr) {
-      throw HostOomError(name_ + ": cannot back a simulated segment of " +
-                             FormatBytes(segment_size) + " with host memory (out of memory)",
-                         segment_size);
+      // device.h promises DeviceOomError from Allocate; the reason says that
+      // the host, not the simulated capacity, ran out.
+      ThrowOomLocked(requested, requested,
+                     "the host memory backing the simulated device "
+                     "ran out");
     }
     s->base = reinterpret_cast<uintptr_t>(s->memory);
   } else {
     s->memory = nullptr;
-    s->base = next_fake_address_;
     uintptr_t span = static_cast<uintptr_t>(segment_size) + kFakeAddressGap;
     span = (span + kSegmentAlignment - 1) / kSegmentAlignment * kSegmentAlignment;
+    if (span > kFakeAddressLimit - next_fake_address_) {
+      // Only reachable with unlimited capacity and absurd sizes; fake
+      // addresses must stay unique, so this is an OOM rather than a wrap.
+      ThrowOomLocked(requested, requested, "the simulated address space is exhausted");
+    }
+    s->base = next_fake_address_;
     next_fake_address_ += span;
   }
   s->free_bytes = segment_size;
@@ -227,7 +238,7 @@ void SimulatedDevice::DestroySegment(Segment* s) {
   }
   s->first = nullptr;
   if (s->memory != nullptr) {
-    ::operator delete(s->memory, std::align_val_t{kSegmentAlignment});
+    ::operator delete (s->memory, std::align_val_t{kSegmentAlignment});
     s->memory = nullptr;
   }
 }
@@ -251,18 +262,17 @@ int64_t SimulatedDevice::ReleaseFreeSegmentsLocked() {
   return released;
 }
 
-void SimulatedDevice::ThrowOomLocked(int64_t requested, int64_t rounded) {
+void SimulatedDevice::ThrowOomLocked(int64_t requested, int64_t rounded, const std::string& reason) {
   ++num_ooms_;
   MemoryStats s = StatsLocked();
-  std::string capacity =
-      options_.capacity_bytes > 0 ? FormatBytes(options_.capacity_bytes) : "unlimited";
+  std::string capacity = options_.capacity_bytes > 0 ? FormatBytes(options_.capacity_bytes) : "unlimited";
   std::string msg = name_ + " out of memory. Tried to allocate " + FormatBytes(rounded) +
-                    " (simulated device capacity " + capacity + "; " +
-                    FormatBytes(s.allocated) + " already allocated; " + FormatBytes(s.free) +
-                    " free; " + FormatBytes(s.reserved) + " reserved in total; " +
-                    FormatBytes(s.reserved - s.allocated) +
+                    " (simulated device capacity " + capacity + "; " + FormatBytes(s.allocated) +
+                    " already allocated; " + FormatBytes(s.free) + " free; " + FormatBytes(s.reserved) +
+                    " reserved in total; " + FormatBytes(s.reserved - s.allocated) +
                     " reserved but unallocated). If reserved but unallocated memory is large, "
                     "the memory is fragmented: release caches or use smaller requests.";
+  if (!reason.empty()) msg += " Cause: " + reason + ".";
   throw DeviceOomError(msg, requested, s);
 }
 
@@ -270,8 +280,7 @@ void* SimulatedDevice::Allocate(size_t bytes) {
   const int64_t round = options_.round_bytes;
   // Zero-byte requests still get a distinct address, as malloc(0) may.
   const uint64_t want = std::max<uint64_t>(bytes, 1);
-  const uint64_t max_rounded =
-      static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / 2;
+  const uint64_t max_rounded = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / 2;
   std::lock_guard<std::mutex> lock(mu_);
   if (want > max_rounded) {
     ThrowOomLocked(static_cast<int64_t>(std::min<uint64_t>(bytes, INT64_MAX)),
@@ -291,7 +300,7 @@ void* SimulatedDevice::Allocate(size_t bytes) {
       ReleaseFreeSegmentsLocked();
       if (reserved_ + segment_size > cap) ThrowOomLocked(static_cast<int64_t>(bytes), size);
     }
-    block = NewSegmentLocked(small, segment_size)->first;
+    block = NewSegmentLocked(small, segment_size, static_cast<int64_t>(bytes))->first;
   }
 
   Segment* seg = block->segment;
@@ -385,9 +394,9 @@ Status Validate(const SimulatedDeviceOptions& o) {
     return Status::InvalidArgument(FieldError("small_request_bytes", ">= 0", o.small_request_bytes));
   }
   if (o.small_request_bytes > o.segment_bytes) {
-    return Status::InvalidArgument(FieldError(
-        "small_request_bytes",
-        ("<= segment_bytes=" + std::to_string(o.segment_bytes)).c_str(), o.small_request_bytes));
+    return Status::InvalidArgument(FieldError("small_request_bytes",
+                                              ("<= segment_bytes=" + std::to_string(o.segment_bytes)).c_str(),
+                                              o.small_request_bytes));
   }
   if (o.index < 0) {
     return Status::InvalidArgument(FieldError("index", ">= 0", o.index));

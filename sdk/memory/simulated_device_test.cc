@@ -1,3 +1,5 @@
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -8,8 +10,6 @@
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "oomguard/device.h"
 #include "oomguard/oom.h"
@@ -99,7 +99,7 @@ TEST(SimulatedDeviceTest, LargeRequestGetsItsOwnRoundedSegment) {
   EXPECT_EQ(s.allocated, 3 * kMiB);
   EXPECT_EQ(s.reserved, 4 * kMiB);
   EXPECT_EQ(s.inactive_split, 1 * kMiB);  // the split-off tail of a used segment
-  void* q = d->Allocate(2 * kMiB + 1);  // rounds to 2 MiB + 512, segment of 4 MiB
+  void* q = d->Allocate(2 * kMiB + 1);    // rounds to 2 MiB + 512, segment of 4 MiB
   EXPECT_EQ(d->Stats().reserved, 8 * kMiB);
   d->Free(p);
   d->Free(q);
@@ -133,8 +133,7 @@ TEST(SimulatedDeviceTest, OomThrowsWithRequestedBytesAndStats) {
     EXPECT_EQ(e.stats().free, 2 * kMiB);
     EXPECT_EQ(e.stats().num_ooms, 1);
     const std::string what = e.what();
-    EXPECT_NE(what.find("sim:0 out of memory. Tried to allocate 4.00 MiB"), std::string::npos)
-        << what;
+    EXPECT_NE(what.find("sim:0 out of memory. Tried to allocate 4.00 MiB"), std::string::npos) << what;
     EXPECT_NE(what.find("6.00 MiB already allocated"), std::string::npos) << what;
     // The message alone is enough for the classifier (incidents imported as text).
     OomInfo info = ClassifyMessage(what);
@@ -154,6 +153,21 @@ TEST(SimulatedDeviceTest, AbsurdRequestThrowsInsteadOfOverflowing) {
   EXPECT_THROW(d->Allocate(SIZE_MAX - 100), DeviceOomError);
   EXPECT_EQ(d->Stats().num_ooms, 2);
   EXPECT_EQ(d->Stats().reserved, 0);
+
+  // Unlimited capacity with fake addresses: the address space is the limit,
+  // and addresses never wrap around into duplicates.
+  SimulatedDeviceOptions o = SmallGpu();
+  o.capacity_bytes = 0;
+  auto unlimited = Make(o);
+  void* p = unlimited->Allocate(size_t{1} << 61);
+  try {
+    unlimited->Allocate(size_t{1} << 61);
+    FAIL() << "expected DeviceOomError";
+  } catch (const DeviceOomError& e) {
+    EXPECT_NE(std::string(e.what()).find("address space"), std::string::npos) << e.what();
+    EXPECT_EQ(e.requested_bytes(), int64_t{1} << 61);
+  }
+  unlimited->Free(p);
 }
 
 TEST(SimulatedDeviceTest, RetryReleasesCachedSegmentsBeforeFailing) {
@@ -202,7 +216,7 @@ TEST(SimulatedDeviceTest, FragmentationStrandsFreeMemoryUntilNeighboursAreFreed)
   EXPECT_EQ(s.allocated, 4 * kMiB);
   EXPECT_EQ(s.reserved, 8 * kMiB);
   EXPECT_EQ(s.inactive_split, 4 * kMiB);
-  ASSERT_GE(s.total - s.allocated, 2 * kMiB);  // enough in sum ...
+  ASSERT_GE(s.total - s.allocated, 2 * kMiB);           // enough in sum ...
   EXPECT_THROW(d->Allocate(2 * kMiB), DeviceOomError);  // ... but not in one piece
   EXPECT_THROW(d->Allocate(512 * kKiB), DeviceOomError);
   EXPECT_EQ(d->Stats().num_ooms, 2);
@@ -402,8 +416,7 @@ TEST(SimulatedDeviceTest, RejectsBadOptionsNamingTheField) {
       {[](SimulatedDeviceOptions& o) { o.small_request_bytes = 4 * kMiB; },
        "SimulatedDeviceOptions.small_request_bytes must be <= segment_bytes=2097152 (got "
        "4194304)"},
-      {[](SimulatedDeviceOptions& o) { o.index = -2; },
-       "SimulatedDeviceOptions.index must be >= 0 (got -2)"},
+      {[](SimulatedDeviceOptions& o) { o.index = -2; }, "SimulatedDeviceOptions.index must be >= 0 (got -2)"},
   };
   for (const Case& c : cases) {
     SimulatedDeviceOptions o = SmallGpu();

@@ -18,9 +18,8 @@ bool ContainsNoCase(std::string_view haystack, std::string_view needle) {
   if (needle.size() > haystack.size()) return false;
   for (size_t i = 0; i + needle.size() <= haystack.size(); ++i) {
     size_t j = 0;
-    while (j < needle.size() &&
-           std::tolower(static_cast<unsigned char>(haystack[i + j])) ==
-               std::tolower(static_cast<unsigned char>(needle[j]))) {
+    while (j < needle.size() && std::tolower(static_cast<unsigned char>(haystack[i + j])) ==
+                                    std::tolower(static_cast<unsigned char>(needle[j]))) {
       ++j;
     }
     if (j == needle.size()) return true;
