@@ -39,6 +39,9 @@ struct GuardOptions {
   bool retry_after_release = true;
   // Per-step peak allocations kept for incidents (ring buffer length).
   int history_steps = 32;
+  // Every rank uses the smallest micro-batch limit of all ranks (pipeline and
+  // tensor parallelism need equal sizes). Off: each rank learns its own.
+  bool uniform_micro_batch = false;
   // Deadline for each coordinator call, in milliseconds.
   int64_t vote_deadline_ms = 60000;
   // Run identifier stored on incidents ("" : generated).

@@ -22,7 +22,8 @@ namespace oomguard {
 class OOMGUARD_EXPORT RecoveryStore {
  public:
   virtual ~RecoveryStore();
-  // Newest step whose state is durable on this rank (-1: none).
+  // Newest step whose state this rank has made durable (its shard is written
+  // and synced; with several ranks the manifest may still be pending) (-1: none).
   virtual int64_t DurableStep() = 0;
   // Restores the state of `step` (a durable checkpoint, or the in-memory
   // snapshot when it holds that step) into the registered state. Returns the
@@ -33,6 +34,14 @@ class OOMGUARD_EXPORT RecoveryStore {
   // Step `step` committed. `after_recovery`: an OOM was recovered at a reduced
   // size in this step (a good moment to save). Must not block beyond staging.
   virtual Status OnStepCommitted(int64_t step, bool after_recovery) = 0;
+  // Multi-rank: called on rank 0 once every rank's state of `step` is durable
+  // (the min of DurableStep() over ranks reached it): write the commit marker.
+  // A single process commits its own checkpoints and can ignore this.
+  virtual Status CommitDurable(int64_t step, int world_size) {
+    (void)step;
+    (void)world_size;
+    return Status::Ok();
+  }
 };
 
 }  // namespace oomguard

@@ -231,6 +231,26 @@ class GuardImpl final : public Guard {
     }
   }
 
+  // A collective failed (a peer stopped answering): record it and end the step.
+  template <typename Finish>
+  Status CoordinationFailure(const Status& why, const StepRequest& req, StepReport& rep, Finish& finish) {
+    OomInfo info;
+    info.exception_type = "oomguard::Coordinator";
+    info.message = why.ToString();
+    MicroBatch none;
+    none.index = -1;
+    Incident inc = NewIncident(info, options_.device != nullptr ? options_.device->Stats() : MemoryStats{}, none, req);
+    inc.kind = "coordination";
+    inc.phase = "vote";
+    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
+    RecordIncident(inc);
+    rep.incidents.push_back(std::move(inc));
+    Logger()->error("coordination failed at step {}: {}; exit with code {} so that the launcher restarts every rank",
+                    step_, why.ToString(), kExitCoordinationTimeout);
+    Status s = why.code() == StatusCode::kUnavailable ? why : Status::Unavailable(why.message());
+    return finish(s, IncidentOutcome::kFailed);
+  }
+
   GuardOptions options_;
   SizeController controller_;
   std::string run_id_;
@@ -244,6 +264,8 @@ class GuardImpl final : public Guard {
   std::deque<int64_t> peaks_;
   int64_t steps_ok_since_oom_ = 0;
   int64_t total_ooms_ = 0;
+  bool pending_rollback_ = false;
+  int64_t committed_durable_ = -1;
 };
 
 Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
@@ -274,6 +296,10 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   bool release_retry_used = false;
   int64_t largest = 0;
   size_t pos = 0;  // next micro-batch of `plan` to run
+
+  // A rank whose commit failed already restored its snapshot; it runs no work
+  // until the others have rolled back too (in this step's vote).
+  if (pending_rollback_) pos = plan.size();
 
   // ---- micro-batches, with local recovery ----
   while (local == Local::kOk && pos < plan.size()) {
@@ -414,11 +440,13 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   };
 
   RecoveryStore* recovery = options_.recovery;
-  auto rollback = [&](const std::string& why) -> Status {
-    int64_t target = -1;
-    if (recovery != nullptr) target = std::max(recovery->DurableStep(), recovery->SnapshotStep());
+  const int world = coordinator_->size();
+  // Restores `target` (agreed by every rank) and ends the step with kAborted.
+  auto rollback = [&](int64_t target, const std::string& why) -> Status {
     if (recovery == nullptr || target < 0)
-      return finish(Status::ResourceExhausted(why + "; no checkpoint to roll back to; remedies: " + kGenericRemedies),
+      return finish(Status::ResourceExhausted(why + "; no checkpoint to roll back to" +
+                                              (world > 1 ? " on every rank" : "") +
+                                              "; remedies: " + kGenericRemedies),
                     IncidentOutcome::kFailed);
     auto restored = recovery->Restore(target);
     if (!restored.ok()) return finish(restored.status(), IncidentOutcome::kFailed);
@@ -429,22 +457,56 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
                                   ", continue from step " + std::to_string(step_)),
                   IncidentOutcome::kRolledBack);
   };
+  auto restorable = [&]() -> int64_t {
+    return recovery == nullptr ? -1 : std::max(recovery->DurableStep(), recovery->SnapshotStep());
+  };
 
   VoteInput vin;
   vin.status = local == Local::kOk ? VoteStatus::kOk
                : local == Local::kRollback ? VoteStatus::kRollback
                                            : VoteStatus::kFailed;
+  if (pending_rollback_) vin.status = std::max(vin.status, VoteStatus::kRollback);
   vin.durable_step = recovery != nullptr ? recovery->DurableStep() : -1;
+  vin.restorable_step = restorable();
   vin.micro_limit = controller_.limit();
+  vin.had_oom = rep.ooms > 0;
   FaultPoint(FaultSite::kVote, fault_ctx_);
-  auto vote = coordinator_->Vote(vin, std::chrono::milliseconds(options_.vote_deadline_ms));
-  if (!vote.ok()) return finish(vote.status(), IncidentOutcome::kFailed);
+  const auto deadline = std::chrono::milliseconds(options_.vote_deadline_ms);
+  auto vote = coordinator_->Vote(vin, deadline);
+  if (!vote.ok()) return CoordinationFailure(vote.status(), req, rep, finish);
+
+  // Every rank's memory, gathered only when some rank had an OOM (collective:
+  // every rank takes part), so incidents show rank imbalance.
+  if (vote->any_oom && world > 1) {
+    MemoryStats m = device != nullptr ? device->Stats() : MemoryStats{};
+    RankMemory mine{coordinator_->rank(), m.allocated, m.reserved, m.peak_allocated};
+    auto ranks = coordinator_->GatherMemory(mine, deadline);
+    if (!ranks.ok()) return CoordinationFailure(ranks.status(), req, rep, finish);
+    for (auto& inc : rep.incidents) inc.ranks = *ranks;
+  }
+  // Rank 0 commits a checkpoint once every rank's state of it is durable.
+  if (recovery != nullptr && coordinator_->rank() == 0 && vote->min_durable_step > committed_durable_) {
+    Status c = recovery->CommitDurable(vote->min_durable_step, world);
+    if (c.ok()) {
+      committed_durable_ = vote->min_durable_step;
+    } else {
+      Logger()->warn("committing checkpoint of step {} failed: {}", vote->min_durable_step, c.ToString());
+    }
+  }
+
+  if (options_.uniform_micro_batch && vote->min_micro_limit < controller_.limit())
+    controller_.SetLimit(vote->min_micro_limit);
   if (local == Local::kFailed) return finish(failure, IncidentOutcome::kFailed);
   if (vote->status == VoteStatus::kFailed)
-    return finish(Status::Aborted("another rank failed at step " + std::to_string(step_)), IncidentOutcome::kFailed);
-  if (vote->status == VoteStatus::kRollback)
-    return rollback("out of memory at the minimum micro-batch at step " + std::to_string(step_));
-
+    return finish(Status::Aborted("another rank could not recover from an OOM at step " + std::to_string(step_) +
+                                  "; stopping with it"),
+                  IncidentOutcome::kFailed);
+  if (vote->status == VoteStatus::kRollback) {
+    pending_rollback_ = false;
+    return rollback(vote->min_restorable_step,
+                    local == Local::kRollback ? "out of memory at the minimum micro-batch at step " + std::to_string(step_)
+                                              : "a rank asked for a rollback at step " + std::to_string(step_));
+  }
   // Every rank is ready: gradient synchronisation and the optimizer step.
   if (req.commit) {
     std::exception_ptr error;
@@ -482,11 +544,13 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
       Logger()->warn("OOM ({}) in the optimizer step at step {}: parameters may be half-updated", inc.kind, step_);
       RecordIncident(inc);
       rep.incidents.push_back(std::move(inc));
-      return rollback("out of memory inside commit (optimizer step) at step " + std::to_string(step_));
+      // The other ranks committed: the next vote carries the rollback to them,
+      // and every rank then restores the same step.
+      if (world > 1) pending_rollback_ = true;
+      return rollback(restorable(), "out of memory inside commit (optimizer step) at step " + std::to_string(step_));
     }
   }
 
-  const bool recovered = rep.ooms > 0;
   rep.micro_batches = plan.empty() ? 0 : plan.back().index + 1;
   controller_.OnSuccess(largest, /*limit_bound=*/rep.micro_batches > 1);
   rep.largest_micro = largest;
@@ -497,7 +561,8 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   ++steps_ok_since_oom_;
   const int64_t done_step = step_++;
   if (recovery != nullptr) {
-    Status s = recovery->OnStepCommitted(done_step, recovered);
+    // Agreed by the vote, so that every rank snapshots the same steps.
+    Status s = recovery->OnStepCommitted(done_step, vote->any_oom);
     if (!s.ok()) Logger()->warn("checkpoint after step {} failed: {}", done_step, s.ToString());
   }
   return finish(Status::Ok(), IncidentOutcome::kRecovered);

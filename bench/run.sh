@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds (if needed) and runs the benchmarks, then writes bench/RESULTS.md and
+# bench/controller.svg.
+#
+# Usage: bench/run.sh [BUILD_DIR]   (default: build, relative to the repository root)
+# Raw results go to BUILD_DIR/bench-results/. Takes about a minute on 2 cores.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-build}
+case $build in
+  /*) ;;
+  *) build=$root/$build ;;
+esac
+py=/usr/bin/python3
+
+if [[ ! -f $build/CMakeCache.txt ]]; then
+  echo "== configuring $build"
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$py
+fi
+echo "== building the benchmarks in $build"
+cmake --build "$build" -j"$(nproc)" --target guard_overhead_bench controller_bench
+
+out=$build/bench-results
+mkdir -p "$out"
+
+{
+  echo "- CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//') ($(nproc) cores online)"
+  echo "- kernel: $(uname -r)"
+  echo "- load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "- GPU: $(nvidia-smi -L | head -1) (not used: these benchmarks measure host-side SDK cost)"
+  else
+    echo "- GPU: none"
+  fi
+  echo "- build: $(grep -m1 '^CMAKE_BUILD_TYPE' "$build/CMakeCache.txt" | cut -d= -f2), $(c++ --version | head -1)"
+} >"$out/machine.txt"
+
+echo "== guard overhead and recovery (about 40 s; one line per benchmark)"
+"$build/bin/guard_overhead_bench" --benchmark_out="$out/guard_overhead.json" \
+  --benchmark_out_format=json
+echo "== size controller simulation"
+"$build/bin/controller_bench" --csv="$out/controller.csv" --json="$out/controller.json"
+
+$py "$root/bench/plot_controller.py" "$out/controller.csv" "$root/bench/controller.svg" \
+  --L 300 --start 4096
+$py "$root/bench/make_report.py" --overhead "$out/guard_overhead.json" \
+  --controller "$out/controller.json" --machine "$out/machine.txt" --out "$root/bench/RESULTS.md" \
+  --commit "$(git -C "$root" describe --always --dirty 2>/dev/null || true)"
+echo "== wrote $root/bench/RESULTS.md and $root/bench/controller.svg"
