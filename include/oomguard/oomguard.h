@@ -8,6 +8,7 @@
 #include "oomguard/faults.h"
 #include "oomguard/guard.h"
 #include "oomguard/incident.h"
+#include "oomguard/knowledge_base.h"
 #include "oomguard/logging.h"
 #include "oomguard/oom.h"
 #include "oomguard/options.h"

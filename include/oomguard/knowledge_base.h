@@ -1,0 +1,211 @@
+// KnowledgeBase: the incident knowledge base. Every OOM the guard survives is
+// stored in a SQLite file (WAL mode), classified into a known pattern with
+// evidence and remedies, fingerprinted into groups of recurring incidents, and
+// used to learn, per workload signature, the largest micro-batch that ran clean
+// (a "prior" that the next run starts from).
+//
+//   auto kb = oomguard::KnowledgeBase::Open("incidents.db").value();
+//   oomguard::GuardOptions o;
+//   o.workload = "mlp-h256-fp64";
+//   o.incidents = kb->sink();
+//   if (auto prior = kb->PriorMicroBatch(o.workload)) o.initial_micro_batch = *prior;
+//   ... after each OK step: (void)kb->RecordCleanMicroBatch(o.workload, report.largest_micro);
+//   ... at the end: (void)kb->Flush();
+//
+// Writes from sink() and RecordCleanMicroBatch go through one bounded queue
+// drained by a background writer thread: the training thread copies the
+// incident and returns (a few microseconds); it never waits on disk, on a
+// lock held by another process, or on classification. When the queue is full
+// the incident is dropped and counted (SinkStats.dropped); the count is stored
+// in the file the next time the writer gets through. A write that fails (locked
+// past busy_timeout_ms, corrupt or full disk) is logged and counted, never
+// thrown into the training loop.
+//
+// Several processes on one host may write one file (SQLite locking, WAL).
+// Across hosts, keep one file per host and read them together (the CLI takes
+// several --db).
+//
+// Thread-safety: every method of KnowledgeBase and of its sink may be called
+// from any thread. The KnowledgeBase must outlive every Guard using sink().
+#ifndef OOMGUARD_KNOWLEDGE_BASE_H_
+#define OOMGUARD_KNOWLEDGE_BASE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "oomguard/export.h"
+#include "oomguard/incident.h"
+#include "oomguard/status.h"
+
+namespace oomguard {
+
+// ---- classification ----
+
+// One entry of the pattern catalogue (docs/patterns.md is its long form).
+struct PatternInfo {
+  std::string name;                   // "fragmentation", ...
+  std::string title;                  // one line for humans
+  std::string signal;                 // what the pattern looks like in the figures
+  std::string rule;                   // the classifier's rule, with its thresholds
+  std::vector<std::string> remedies;  // best first, with the seeds' figures
+};
+
+// The ten patterns of the catalogue, in a fixed order. The classifier may also
+// answer "unknown" (no rule matched), which is not part of the catalogue.
+OOMGUARD_EXPORT const std::vector<PatternInfo>& PatternCatalogue();
+
+// What the classifier concluded about one incident.
+struct Classification {
+  std::string pattern;                // a catalogue name or "unknown"
+  double confidence = 0;              // 0..1
+  std::string evidence;               // plain words, with the figures that decided
+  std::vector<std::string> remedies;  // best first
+};
+
+// Classifies an incident from whatever fields it has (missing figures are 0 or
+// empty; a PyTorch-style message fills figures the record lacks). Pure function.
+OOMGUARD_EXPORT Classification ClassifyIncident(const Incident& incident);
+
+// The grouping fingerprint: 16 lowercase hex digits of XXH3_64bits over the
+// grouping version, pattern, kind, phase, workload and the log2 bucket of the
+// requested bytes. Never the step, rank id or exact bytes, so recurrences of one
+// problem share a fingerprint. Uses incident.pattern as it is (classify first).
+OOMGUARD_EXPORT std::string IncidentFingerprint(const Incident& incident);
+
+// Sets pattern, confidence, evidence, remedies and fingerprint of *incident.
+OOMGUARD_EXPORT void ClassifyInPlace(Incident* incident);
+
+// ---- JSON exchange format (one object per incident; JSONL: one per line) ----
+
+// The DESIGN.md record: memory{...}, history{step_peaks, steps_ok_before},
+// sample_cost{this, median}, ranks[...], ... Compact, one line, no newline.
+OOMGUARD_EXPORT std::string IncidentToJson(const Incident& incident);
+// Parses one JSON object. Missing fields keep their defaults; unknown fields
+// are ignored; a field of the wrong type, a string longer than 64 KiB or an
+// array longer than 4096 entries is kInvalidArgument naming the field. A
+// missing id is derived from the text (XXH3), so re-importing is idempotent.
+OOMGUARD_EXPORT StatusOr<Incident> IncidentFromJson(std::string_view json);
+
+// ---- the store ----
+
+struct KnowledgeBaseOptions {
+  // Incidents and prior updates the background queue holds; beyond it they are dropped and counted.
+  size_t queue_capacity = 4096;
+  // How long a statement waits for another process's lock before it fails (SQLite busy_timeout).
+  int busy_timeout_ms = 5000;
+  // Create the file (and its schema) when it does not exist.
+  bool create_if_missing = true;
+  // Classify incidents that arrive without a pattern before storing them (on the writer thread).
+  bool classify = true;
+};
+
+// Counters of the background writer since Open.
+struct SinkStats {
+  int64_t enqueued = 0;      // Record/UpdateOutcome/RecordCleanMicroBatch calls accepted
+  int64_t dropped = 0;       // rejected because the queue was full
+  int64_t written = 0;       // operations committed to the file
+  int64_t write_errors = 0;  // operations lost because a write failed
+  std::string last_error;    // the last write failure ("" when none)
+};
+
+// Filters of Query; empty / zero fields do not filter.
+struct IncidentQuery {
+  std::string pattern;
+  std::optional<int> rank;
+  std::string run_id;
+  std::string workload;
+  std::string fingerprint;
+  std::string id_prefix;
+  int64_t since_unix_ms = 0;  // time_unix_ms >= since
+  int64_t limit = 0;          // newest first; 0: all
+};
+
+// Incidents sharing a fingerprint.
+struct IncidentGroup {
+  std::string fingerprint;
+  std::string pattern;
+  std::string kind;
+  std::string phase;
+  std::string workload;
+  int64_t count = 0;
+  int64_t runs = 0;  // distinct run ids
+  int64_t first_seen_unix_ms = 0;
+  int64_t last_seen_unix_ms = 0;
+  std::string last_id;
+};
+
+// A learned micro-batch prior.
+struct MicroBatchPrior {
+  std::string workload;
+  int64_t micro_batch = 0;
+  int64_t updated_unix_ms = 0;
+};
+
+// Totals of one file.
+struct KnowledgeBaseStats {
+  int schema_version = 0;
+  int64_t incidents = 0;
+  int64_t dropped_recorded = 0;  // incidents lost to full queues, as recorded in the file
+  std::vector<std::pair<std::string, int64_t>> by_pattern;  // count, descending
+  std::vector<std::pair<std::string, int64_t>> by_outcome;
+  std::vector<std::pair<std::string, int64_t>> by_kind;
+  std::vector<MicroBatchPrior> priors;
+};
+
+class OOMGUARD_EXPORT KnowledgeBase {
+ public:
+  // The schema version this build writes (older files are migrated on Open).
+  static int SchemaVersion();
+
+  // Opens (and creates, migrates) the store at `path`. Errors:
+  //   kNotFound          the file does not exist and create_if_missing is false
+  //   kDataLoss          the file is not an SQLite database (corrupt)
+  //   kFailedPrecondition the schema is newer than this build understands
+  //   kUnavailable       another process held the lock past busy_timeout_ms
+  //   kInvalidArgument   bad options or path
+  // Every message names the path.
+  static StatusOr<std::unique_ptr<KnowledgeBase>> Open(const std::string& path,
+                                                       const KnowledgeBaseOptions& options = {});
+
+  // Drains the queue (waits up to a few busy timeouts) and stops the writer.
+  virtual ~KnowledgeBase();
+
+  // The sink to give GuardOptions.incidents. Owned by this KnowledgeBase.
+  virtual IncidentSink* sink() = 0;
+
+  // Waits until everything queued before the call is written. Returns the first
+  // write failure since the previous Flush (the operations are lost), or OK.
+  virtual Status Flush() = 0;
+
+  // The largest micro-batch known to run clean for `workload`, or nullopt.
+  // Reads the file (not the training path: call it before training).
+  virtual std::optional<int64_t> PriorMicroBatch(const std::string& workload) = 0;
+
+  // Notes that a micro-batch of `size` ran clean for `workload`. Queued like
+  // Record (never blocks). The stored prior only grows from clean steps, except
+  // that once this session recorded an OOM for the workload, the session's own
+  // largest clean size after that OOM replaces it (memory conditions changed).
+  // kInvalidArgument when workload is empty or size < 1.
+  virtual Status RecordCleanMicroBatch(const std::string& workload, int64_t size) = 0;
+
+  virtual SinkStats sink_stats() const = 0;
+
+  // Synchronous: stores incidents in one transaction (all or none). Classifies
+  // those without a pattern when options.classify is set. Existing ids are replaced.
+  virtual Status Insert(std::vector<Incident> incidents) = 0;
+
+  virtual StatusOr<std::vector<Incident>> Query(const IncidentQuery& query) = 0;
+  virtual StatusOr<std::vector<IncidentGroup>> Groups() = 0;
+  virtual StatusOr<KnowledgeBaseStats> Stats() = 0;
+
+  virtual const std::string& path() const = 0;
+};
+
+}  // namespace oomguard
+
+#endif  // OOMGUARD_KNOWLEDGE_BASE_H_

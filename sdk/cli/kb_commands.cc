@@ -1,0 +1,458 @@
+// `oomguard kb ...`: browse, import, classify and export incident knowledge
+// bases. Read commands take several --db (repeatable; a glob reads every file
+// it matches, e.g. one file per host) and merge them.
+#include <glob.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "oomguard/knowledge_base.h"
+#include "sdk/cli/command.h"
+#include "sdk/cli/table.h"
+#include "sdk/core/ids.h"
+
+namespace oomguard::cli {
+namespace {
+
+using nlohmann::json;
+
+constexpr size_t kMaxLineBytes = 1 << 20;
+
+struct KbArgs {
+  std::vector<std::string> dbs;
+  bool json = false;
+  std::string pattern, run, since, id, file;
+  int rank = -1;
+  int64_t limit = 50;
+};
+
+// A command's failure: printed once by Run, exit code 1.
+struct Failure {
+  std::string message;
+};
+
+std::vector<std::string> ExpandDbs(const std::vector<std::string>& specs) {
+  if (specs.empty()) throw Failure{"--db is required (repeat it, or use a glob, to read several files)"};
+  std::vector<std::string> out;
+  std::set<std::string> seen;
+  for (const std::string& spec : specs) {
+    if (spec.find_first_of("*?[") == std::string::npos) {
+      if (seen.insert(spec).second) out.push_back(spec);
+      continue;
+    }
+    glob_t g{};
+    int rc = ::glob(spec.c_str(), 0, nullptr, &g);
+    if (rc == GLOB_NOMATCH || g.gl_pathc == 0) {
+      globfree(&g);
+      throw Failure{"--db '" + spec + "': no file matches"};
+    }
+    for (size_t i = 0; i < g.gl_pathc; ++i)
+      if (seen.insert(g.gl_pathv[i]).second) out.emplace_back(g.gl_pathv[i]);
+    globfree(&g);
+  }
+  return out;
+}
+
+std::vector<std::unique_ptr<KnowledgeBase>> OpenAll(const KbArgs& a) {
+  std::vector<std::unique_ptr<KnowledgeBase>> out;
+  for (const std::string& path : ExpandDbs(a.dbs)) {
+    KnowledgeBaseOptions o;
+    o.create_if_missing = false;
+    auto kb = KnowledgeBase::Open(path, o);
+    if (!kb.ok()) throw Failure{kb.status().ToString()};
+    out.push_back(std::move(kb).value());
+  }
+  return out;
+}
+
+int64_t ParseSince(const std::string& s) {
+  if (s.empty()) return 0;
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno == 0 && end != s.c_str()) {
+    std::string unit(end);
+    int64_t now = internal::NowUnixMs();
+    if (unit.empty()) return v;  // unix milliseconds
+    int64_t mult = unit == "s" ? 1000 : unit == "m" ? 60'000 : unit == "h" ? 3'600'000 : unit == "d" ? 86'400'000 : 0;
+    if (mult > 0 && v >= 0) return now - v * mult;
+  }
+  std::tm tm{};
+  if (s.size() == 10 && strptime(s.c_str(), "%Y-%m-%d", &tm) != nullptr) return static_cast<int64_t>(timegm(&tm)) * 1000;
+  throw Failure{"--since '" + s + "': expected a duration (30m, 12h, 7d), a date (2024-05-01) or unix milliseconds"};
+}
+
+IncidentQuery MakeQuery(const KbArgs& a, bool with_limit) {
+  IncidentQuery q;
+  q.pattern = a.pattern;
+  if (a.rank >= 0) q.rank = a.rank;
+  q.run_id = a.run;
+  q.since_unix_ms = ParseSince(a.since);
+  q.limit = with_limit ? a.limit : 0;
+  return q;
+}
+
+// Newest first across every file; each file is already limited, so the merge is too.
+std::vector<Incident> QueryAll(const KbArgs& a, bool with_limit) {
+  std::vector<Incident> all;
+  IncidentQuery q = MakeQuery(a, with_limit);
+  for (auto& kb : OpenAll(a)) {
+    auto r = kb->Query(q);
+    if (!r.ok()) throw Failure{r.status().ToString()};
+    for (auto& inc : *r) all.push_back(std::move(inc));
+  }
+  std::stable_sort(all.begin(), all.end(),
+                   [](const Incident& x, const Incident& y) { return x.time_unix_ms > y.time_unix_ms; });
+  if (with_limit && a.limit > 0 && all.size() > static_cast<size_t>(a.limit)) all.resize(static_cast<size_t>(a.limit));
+  return all;
+}
+
+json IncidentJson(const Incident& inc) { return json::parse(IncidentToJson(inc)); }
+
+std::string Conf(double c) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%.2f", c);
+  return buf;
+}
+
+void Print(const json& j) { std::printf("%s\n", j.dump(2, ' ', false, json::error_handler_t::replace).c_str()); }
+
+void CmdList(const KbArgs& a) {
+  auto incs = QueryAll(a, true);
+  if (a.json) {
+    json arr = json::array();
+    for (const auto& inc : incs) arr.push_back(IncidentJson(inc));
+    Print(arr);
+    return;
+  }
+  Table t({"TIME (UTC)", "ID", "HOST", "RANK", "STEP", "PHASE", "KIND", "PATTERN", "CONF", "MICRO", "OUTCOME",
+           "WORKLOAD"});
+  for (const auto& i : incs)
+    t.AddRow({FormatTime(i.time_unix_ms), i.id, i.host, std::to_string(i.rank), std::to_string(i.step), i.phase,
+              i.kind, i.pattern, Conf(i.confidence),
+              std::to_string(i.micro_before) + "->" + std::to_string(i.micro_after), i.outcome, i.workload});
+  t.Print(stdout, 40);
+  if (t.size() == 0) std::printf("(no incidents)\n");
+}
+
+void CmdShow(const KbArgs& a) {
+  if (a.id.empty()) throw Failure{"show needs an incident ID (or a unique prefix)"};
+  std::vector<Incident> found;
+  IncidentQuery q;
+  q.id_prefix = a.id;
+  for (auto& kb : OpenAll(a)) {
+    auto r = kb->Query(q);
+    if (!r.ok()) throw Failure{r.status().ToString()};
+    for (auto& inc : *r) found.push_back(std::move(inc));
+  }
+  if (found.empty()) throw Failure{"no incident with id '" + a.id + "'"};
+  if (found.size() > 1) {
+    std::string ids;
+    for (const auto& f : found) ids += " " + f.id;
+    throw Failure{"'" + a.id + "' matches " + std::to_string(found.size()) + " incidents:" + ids};
+  }
+  const Incident& i = found[0];
+  if (a.json) {
+    Print(IncidentJson(i));
+    return;
+  }
+  auto kv = [](const char* k, const std::string& v) { std::printf("%-16s %s\n", k, v.c_str()); };
+  kv("id", i.id);
+  kv("time (UTC)", FormatTime(i.time_unix_ms));
+  kv("run", i.run_id);
+  kv("host / rank", i.host + " / " + std::to_string(i.rank) + " of " + std::to_string(i.world_size));
+  kv("step", std::to_string(i.step) + " (micro-batch index " + std::to_string(i.micro_index) + ")");
+  kv("phase / kind", i.phase + " / " + i.kind);
+  kv("exception", i.exception_type);
+  kv("message", i.message);
+  kv("requested", FormatBytes(i.requested_bytes));
+  kv("memory", "total " + FormatBytes(i.memory.total) + ", free " + FormatBytes(i.memory.free) + ", allocated " +
+                   FormatBytes(i.memory.allocated) + ", reserved " + FormatBytes(i.memory.reserved) + ", peak " +
+                   FormatBytes(i.memory.peak_allocated) + ", inactive_split " +
+                   FormatBytes(i.memory.inactive_split) + ", alloc retries " +
+                   std::to_string(i.memory.num_alloc_retries));
+  std::string peaks;
+  for (int64_t p : i.step_peaks) peaks += (peaks.empty() ? "" : " ") + FormatBytes(p);
+  kv("step peaks", peaks.empty() ? "-" : peaks);
+  kv("clean before", std::to_string(i.steps_ok_before) + " steps");
+  if (i.sample_cost_median > 0)
+    kv("sample cost", Conf(i.sample_cost_this) + " (median " + Conf(i.sample_cost_median) + ")");
+  for (const auto& r : i.ranks)
+    kv("rank memory", "rank " + std::to_string(r.rank) + ": allocated " + FormatBytes(r.allocated) + ", reserved " +
+                          FormatBytes(r.reserved) + ", peak " + FormatBytes(r.peak_allocated));
+  std::string actions;
+  for (const auto& s : i.actions) actions += (actions.empty() ? "" : " -> ") + s;
+  kv("ladder", actions.empty() ? i.action : actions);
+  kv("micro-batch", std::to_string(i.micro_before) + " -> " + std::to_string(i.micro_after));
+  kv("outcome", i.outcome + " (" + Conf(i.recovery_ms) + " ms)");
+  kv("workload", i.workload);
+  kv("pattern", i.pattern + " (confidence " + Conf(i.confidence) + ")");
+  kv("evidence", i.evidence);
+  kv("fingerprint", i.fingerprint);
+  std::printf("remedies:\n");
+  for (size_t k = 0; k < i.remedies.size(); ++k) std::printf("  %zu. %s\n", k + 1, i.remedies[k].c_str());
+}
+
+void CmdStats(const KbArgs& a) {
+  json files = json::array();
+  std::map<std::string, int64_t> by_pattern, by_outcome, by_kind;
+  int64_t total = 0, dropped = 0;
+  std::vector<MicroBatchPrior> priors;
+  for (auto& kb : OpenAll(a)) {
+    auto s = kb->Stats();
+    if (!s.ok()) throw Failure{s.status().ToString()};
+    files.push_back({{"db", kb->path()}, {"schema_version", s->schema_version}, {"incidents", s->incidents},
+                     {"dropped", s->dropped_recorded}});
+    total += s->incidents;
+    dropped += s->dropped_recorded;
+    for (auto& [k, n] : s->by_pattern) by_pattern[k] += n;
+    for (auto& [k, n] : s->by_outcome) by_outcome[k] += n;
+    for (auto& [k, n] : s->by_kind) by_kind[k] += n;
+    for (auto& p : s->priors) priors.push_back(p);
+  }
+  if (a.json) {
+    json pj = json::array();
+    for (const auto& p : priors)
+      pj.push_back({{"workload", p.workload}, {"micro_batch", p.micro_batch}, {"updated_unix_ms", p.updated_unix_ms}});
+    Print({{"files", files}, {"incidents", total}, {"dropped", dropped}, {"by_pattern", by_pattern},
+           {"by_outcome", by_outcome}, {"by_kind", by_kind}, {"priors", pj}});
+    return;
+  }
+  std::printf("%" PRId64 " incidents in %zu file(s); %" PRId64 " dropped by full queues\n\n", total, files.size(),
+              dropped);
+  auto counts = [&](const char* head, const std::map<std::string, int64_t>& m) {
+    std::vector<std::pair<std::string, int64_t>> v(m.begin(), m.end());
+    std::sort(v.begin(), v.end(), [](auto& x, auto& y) { return x.second > y.second; });
+    Table t({head, "COUNT", "SHARE"});
+    for (auto& [k, n] : v) {
+      char share[16];
+      std::snprintf(share, sizeof(share), "%.0f%%", total > 0 ? 100.0 * static_cast<double>(n) / static_cast<double>(total) : 0.0);
+      t.AddRow({k.empty() ? "(none)" : k, std::to_string(n), share});
+    }
+    t.Print(stdout);
+    std::printf("\n");
+  };
+  counts("PATTERN", by_pattern);
+  counts("OUTCOME", by_outcome);
+  counts("KIND", by_kind);
+  Table t({"WORKLOAD", "PRIOR MICRO-BATCH", "UPDATED (UTC)"});
+  for (const auto& p : priors) t.AddRow({p.workload, std::to_string(p.micro_batch), FormatTime(p.updated_unix_ms)});
+  t.Print(stdout);
+}
+
+void CmdGroups(const KbArgs& a) {
+  // Merged from the incidents themselves so that runs spanning several files
+  // (one per host) are counted once.
+  struct Acc {
+    IncidentGroup g;
+    std::set<std::string> runs;
+  };
+  std::map<std::string, Acc> groups;
+  for (const Incident& i : QueryAll(a, false)) {
+    Acc& acc = groups[i.fingerprint];
+    IncidentGroup& g = acc.g;
+    if (g.count == 0) {
+      g = {i.fingerprint, i.pattern, i.kind, i.phase, i.workload, 0, 0, i.time_unix_ms, i.time_unix_ms, i.id};
+    }
+    ++g.count;
+    acc.runs.insert(i.run_id);
+    g.first_seen_unix_ms = std::min(g.first_seen_unix_ms, i.time_unix_ms);
+    if (i.time_unix_ms > g.last_seen_unix_ms) {
+      g.last_seen_unix_ms = i.time_unix_ms;
+      g.last_id = i.id;
+    }
+  }
+  std::vector<IncidentGroup> out;
+  for (auto& [fp, acc] : groups) {
+    acc.g.runs = static_cast<int64_t>(acc.runs.size());
+    out.push_back(acc.g);
+  }
+  std::sort(out.begin(), out.end(), [](const IncidentGroup& x, const IncidentGroup& y) {
+    return x.count != y.count ? x.count > y.count : x.last_seen_unix_ms > y.last_seen_unix_ms;
+  });
+  if (a.json) {
+    json arr = json::array();
+    for (const auto& g : out)
+      arr.push_back({{"fingerprint", g.fingerprint}, {"pattern", g.pattern}, {"kind", g.kind}, {"phase", g.phase},
+                     {"workload", g.workload}, {"count", g.count}, {"runs", g.runs},
+                     {"first_seen_unix_ms", g.first_seen_unix_ms}, {"last_seen_unix_ms", g.last_seen_unix_ms},
+                     {"last_id", g.last_id}});
+    Print(arr);
+    return;
+  }
+  Table t({"FINGERPRINT", "PATTERN", "KIND", "PHASE", "WORKLOAD", "COUNT", "RUNS", "FIRST SEEN", "LAST SEEN",
+           "LAST ID"});
+  for (const auto& g : out)
+    t.AddRow({g.fingerprint, g.pattern, g.kind, g.phase, g.workload, std::to_string(g.count), std::to_string(g.runs),
+              FormatTime(g.first_seen_unix_ms), FormatTime(g.last_seen_unix_ms), g.last_id});
+  t.Print(stdout);
+  if (out.empty()) std::printf("(no incidents)\n");
+}
+
+void CmdPatterns(const KbArgs& a) {
+  if (a.json) {
+    json arr = json::array();
+    for (const auto& p : PatternCatalogue())
+      arr.push_back({{"name", p.name}, {"title", p.title}, {"signal", p.signal}, {"rule", p.rule},
+                     {"remedies", p.remedies}});
+    Print(arr);
+    return;
+  }
+  Table t({"PATTERN", "WHAT IT IS", "TOP REMEDY"});
+  for (const auto& p : PatternCatalogue()) t.AddRow({p.name, p.title, p.remedies.empty() ? "" : p.remedies[0]});
+  t.Print(stdout, 70);
+  std::printf("\nThe rules and every remedy: docs/patterns.md (or --json).\n");
+}
+
+// Reads a JSONL file completely; the first bad line is an error that names it.
+std::vector<Incident> ReadJsonl(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Failure{path + ": cannot open: " + std::strerror(errno)};
+  std::vector<Incident> out;
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.size() > kMaxLineBytes)
+      throw Failure{path + ":" + std::to_string(n) + ": line is longer than 1 MiB (" + std::to_string(line.size()) +
+                    " bytes)"};
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    auto inc = IncidentFromJson(line);
+    if (!inc.ok()) throw Failure{path + ":" + std::to_string(n) + ": " + inc.status().message()};
+    out.push_back(std::move(inc).value());
+  }
+  if (in.bad()) throw Failure{path + ": read error"};
+  return out;
+}
+
+void CmdImport(const KbArgs& a) {
+  if (a.dbs.size() != 1 || a.dbs[0].find_first_of("*?[") != std::string::npos)
+    throw Failure{"import writes one file: give exactly one --db without wildcards"};
+  // Parse everything first: a bad line means nothing of the file is imported.
+  std::vector<Incident> incs = ReadJsonl(a.file);
+  for (auto& i : incs) i.pattern.clear();  // the knowledge base classifies what it imports
+  auto kb = KnowledgeBase::Open(a.dbs[0]);
+  if (!kb.ok()) throw Failure{kb.status().ToString()};
+  Status s = (*kb)->Insert(incs);
+  if (!s.ok()) throw Failure{s.ToString()};
+  if (a.json) {
+    Print({{"db", a.dbs[0]}, {"imported", incs.size()}});
+  } else {
+    std::printf("imported %zu incident(s) from %s into %s\n", incs.size(), a.file.c_str(), a.dbs[0].c_str());
+  }
+}
+
+void CmdClassify(const KbArgs& a) {
+  std::vector<Incident> incs = ReadJsonl(a.file);
+  if (a.json) {
+    for (const auto& i : incs) {
+      Incident c = i;
+      ClassifyInPlace(&c);
+      json j = {{"id", c.id}, {"pattern", c.pattern}, {"confidence", c.confidence}, {"evidence", c.evidence},
+                {"remedies", c.remedies}, {"fingerprint", c.fingerprint}};
+      std::printf("%s\n", j.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+    }
+    return;
+  }
+  Table t({"ID", "PATTERN", "CONF", "EVIDENCE"});
+  for (const auto& i : incs) {
+    Classification c = ClassifyIncident(i);
+    t.AddRow({i.id, c.pattern, Conf(c.confidence), c.evidence});
+  }
+  t.Print(stdout, 100);
+}
+
+void CmdExport(const KbArgs& a) {
+  for (const auto& i : QueryAll(a, false)) std::printf("%s\n", IncidentToJson(i).c_str());
+}
+
+void Run(const char* name, void (*fn)(const KbArgs&), const KbArgs& a, CommandResult* result) {
+  try {
+    fn(a);
+    result->exit_code = 0;
+  } catch (const Failure& f) {
+    std::fprintf(stderr, "oomguard kb %s: %s\n", name, f.message.c_str());
+    result->exit_code = 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "oomguard kb %s: %s\n", name, e.what());
+    result->exit_code = 1;
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+void AddKbCommands(CLI::App* app, CommandResult* result) {
+  // Shared by every kb subcommand; lives as long as the app (static: main parses once).
+  static KbArgs args;
+  CLI::App* kb = app->add_subcommand("kb", "the incident knowledge base (SQLite files written by the SDK)");
+  kb->require_subcommand(1);
+
+  auto common = [&](CLI::App* c, bool needs_db) {
+    if (needs_db)
+      c->add_option("--db", args.dbs, "knowledge-base file; repeat it or use a glob ('kb/*.db') to read several")
+          ->required();
+    c->add_flag("--json", args.json, "machine-readable JSON output");
+  };
+  auto filters = [&](CLI::App* c) {
+    c->add_option("--pattern", args.pattern, "only this pattern (see `oomguard kb patterns`)");
+    c->add_option("--rank", args.rank, "only this rank")->check(CLI::NonNegativeNumber);
+    c->add_option("--run", args.run, "only this run id");
+    c->add_option("--since", args.since, "only since: 30m, 12h, 7d, 2024-05-01 or unix milliseconds");
+  };
+  auto bind = [&](CLI::App* c, const char* name, void (*fn)(const KbArgs&)) {
+    c->callback([name, fn, result] { Run(name, fn, args, result); });
+  };
+
+  CLI::App* list = kb->add_subcommand("list", "incidents, newest first");
+  common(list, true);
+  filters(list);
+  list->add_option("--limit", args.limit, "at most this many (0: all)")->check(CLI::NonNegativeNumber);
+  bind(list, "list", CmdList);
+
+  CLI::App* show = kb->add_subcommand("show", "one incident with its evidence and remedies");
+  common(show, true);
+  show->add_option("id", args.id, "incident id or a unique prefix")->required();
+  bind(show, "show", CmdShow);
+
+  CLI::App* stats = kb->add_subcommand("stats", "counts by pattern, outcome and kind; learned priors");
+  common(stats, true);
+  bind(stats, "stats", CmdStats);
+
+  CLI::App* groups = kb->add_subcommand("groups", "recurring incidents grouped by fingerprint");
+  common(groups, true);
+  filters(groups);
+  bind(groups, "groups", CmdGroups);
+
+  CLI::App* patterns = kb->add_subcommand("patterns", "the pattern catalogue");
+  common(patterns, false);
+  bind(patterns, "patterns", CmdPatterns);
+
+  CLI::App* imp = kb->add_subcommand("import", "store (and classify) incidents from a JSONL file");
+  common(imp, true);
+  imp->add_option("file", args.file, "JSONL file, one incident per line")->required();
+  bind(imp, "import", CmdImport);
+
+  CLI::App* cls = kb->add_subcommand("classify", "classify incidents from a JSONL file without storing them");
+  common(cls, false);
+  cls->add_option("file", args.file, "JSONL file, one incident per line")->required();
+  bind(cls, "classify", CmdClassify);
+
+  CLI::App* exp = kb->add_subcommand("export", "every incident as JSONL, newest first");
+  common(exp, true);
+  filters(exp);
+  bind(exp, "export", CmdExport);
+}
+
+}  // namespace oomguard::cli

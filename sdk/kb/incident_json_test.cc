@@ -1,0 +1,109 @@
+#include <gtest/gtest.h>
+
+#include "oomguard/knowledge_base.h"
+
+namespace oomguard {
+namespace {
+
+TEST(IncidentJsonTest, RoundTripKeepsEveryField) {
+  Incident i;
+  i.id = "00112233aabbccdd";
+  i.run_id = "run";
+  i.time_unix_ms = 1700000000123;
+  i.host = "h";
+  i.rank = 3;
+  i.world_size = 4;
+  i.step = 77;
+  i.micro_index = 2;
+  i.phase = "backward";
+  i.kind = "device";
+  i.exception_type = "oomguard::DeviceOomError";
+  i.message = "line\nwith \"quotes\"";
+  i.requested_bytes = int64_t{5} << 32;
+  i.memory = {100, 10, 50, 80, 70, 55, 25, 3, 1};
+  i.step_peaks = {1, 2, 3};
+  i.steps_ok_before = 9;
+  i.sample_cost_this = 512;
+  i.sample_cost_median = 128;
+  i.ranks = {{0, 1, 2, 3}, {1, 4, 5, 6}};
+  i.micro_before = 64;
+  i.micro_after = 32;
+  i.action = "halve";
+  i.actions = {"release", "halve"};
+  i.outcome = "recovered";
+  i.recovery_ms = 0.25;
+  i.workload = "w";
+  i.injected = true;
+  i.pattern = "fragmentation";
+  i.confidence = 0.5;
+  i.evidence = "e";
+  i.remedies = {"a", "b"};
+  i.fingerprint = "ff";
+  auto back = IncidentFromJson(IncidentToJson(i));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(IncidentToJson(*back), IncidentToJson(i));
+  EXPECT_EQ(back->memory.inactive_split, 25);
+  EXPECT_EQ(back->ranks[1].peak_allocated, 6);
+  EXPECT_EQ(back->message, i.message);
+}
+
+TEST(IncidentJsonTest, MissingFieldsKeepDefaultsAndIdIsDerived) {
+  auto a = IncidentFromJson(R"({"phase":"forward"})");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->phase, "forward");
+  EXPECT_EQ(a->id.size(), 16u);
+  auto b = IncidentFromJson(R"({"phase":"forward"})");
+  EXPECT_EQ(a->id, b->id);  // re-importing the same line gives the same id
+  EXPECT_EQ(a->world_size, 1);
+}
+
+TEST(IncidentJsonTest, AcceptsTorchMemoryStatsKeysAndWholeFloats) {
+  auto a = IncidentFromJson(R"({"requested_bytes":1.5e9,"memory":{"reserved_bytes.all.current":42}})");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->requested_bytes, 1500000000);
+  EXPECT_EQ(a->memory.reserved, 42);
+}
+
+TEST(IncidentJsonTest, BadInputNamesTheField) {
+  struct Case {
+    const char* json;
+    const char* needle;
+  } cases[] = {
+      {R"({"step":"ten"})", "'step' must be an integer, got string"},
+      {R"({"memory":{"allocated":[1]}})", "'memory.allocated'"},
+      {R"({"memory":5})", "'memory' must be an object"},
+      {R"({"ranks":[{"rank":"x"}]})", "'ranks[0].rank'"},
+      {R"({"history":{"step_peaks":[1,"a"]}})", "'history.step_peaks[1]'"},
+      {R"({"rank":99999999999})", "'rank' is out of range"},
+      {R"({"requested_bytes":1.5})", "'requested_bytes' must be an integer"},
+      {R"({"remedies":[1]})", "'remedies'"},
+      {R"({"confidence":7})", "'confidence'"},
+      {R"([1,2])", "expected a JSON object"},
+      {R"({"step":)", "not valid JSON"},
+  };
+  for (const auto& c : cases) {
+    auto r = IncidentFromJson(c.json);
+    ASSERT_FALSE(r.ok()) << c.json;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(c.needle), std::string::npos) << r.status().message();
+  }
+}
+
+TEST(IncidentJsonTest, HugeStringsAndArraysAreRejected) {
+  std::string big = R"({"message":")" + std::string(100000, 'x') + R"("})";
+  auto r = IncidentFromJson(big);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("'message' is longer than"), std::string::npos);
+  std::string arr = R"({"history":{"step_peaks":[)";
+  for (int i = 0; i < 5000; ++i) arr += (i ? ",1" : "1");
+  arr += "]}}";
+  r = IncidentFromJson(arr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("more than 4096"), std::string::npos);
+  // Deep nesting must not crash the parser.
+  std::string deep = R"({"x":)" + std::string(10000, '[') + std::string(10000, ']') + "}";
+  (void)IncidentFromJson(deep);
+}
+
+}  // namespace
+}  // namespace oomguard

@@ -1,0 +1,273 @@
+// KnowledgeBase: the store behind a bounded queue and one writer thread.
+//
+// Invariants:
+// - The training thread (sink Record/UpdateOutcome, RecordCleanMicroBatch)
+//   only copies into the queue under mu_; it never touches SQLite, never
+//   waits for the writer, never throws.
+// - Operations are written in the order they were queued, so an UpdateOutcome
+//   always lands after the Record it completes.
+// - processed_ counts queued operations the writer has finished (written or
+//   lost); Flush waits for processed_ to reach the count at its call.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "oomguard/knowledge_base.h"
+#include "oomguard/logging.h"
+#include "sdk/kb/store.h"
+
+namespace oomguard {
+namespace {
+
+constexpr size_t kMaxBatch = 256;
+
+struct Op {
+  enum Kind { kIncident, kPrior } kind = kIncident;
+  Incident incident;
+  kb::PriorUpdate prior;
+};
+
+class KnowledgeBaseImpl;
+
+class QueueSink final : public IncidentSink {
+ public:
+  explicit QueueSink(KnowledgeBaseImpl* kb) : kb_(kb) {}
+  void Record(const Incident& incident) override;
+  void UpdateOutcome(const Incident& incident) override;
+
+ private:
+  KnowledgeBaseImpl* kb_;
+};
+
+class KnowledgeBaseImpl final : public KnowledgeBase {
+ public:
+  KnowledgeBaseImpl(std::string path, KnowledgeBaseOptions options, std::unique_ptr<kb::Store> writer_store,
+                    std::unique_ptr<kb::Store> reader_store)
+      : path_(std::move(path)),
+        options_(options),
+        sink_(this),
+        writer_store_(std::move(writer_store)),
+        reader_store_(std::move(reader_store)) {
+    writer_ = std::thread([this] { WriterLoop(); });
+  }
+
+  ~KnowledgeBaseImpl() override {
+    (void)Flush();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    writer_.join();
+  }
+
+  IncidentSink* sink() override { return &sink_; }
+
+  // Training thread. Copies the incident (the only allocation) and returns.
+  void Enqueue(const Incident& incident, bool is_record) noexcept {
+    try {
+      Op op;
+      op.incident = incident;
+      std::unique_lock<std::mutex> lock(mu_);
+      if (is_record && !incident.injected && !incident.workload.empty()) {
+        // An OOM invalidates clean sizes seen so far in this session (see RecordCleanMicroBatch).
+        SessionPrior& sp = session_priors_[incident.workload];
+        sp.saw_oom = true;
+        sp.best = 0;
+      }
+      PushLocked(std::move(op));
+    } catch (...) {
+      // Out of host memory while copying: count it as a drop; training goes on.
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.dropped;
+      ++unrecorded_drops_;
+    }
+  }
+
+  Status Flush() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    uint64_t target = queued_;
+    // Bounded: a writer stuck on another process's lock gives up each batch
+    // after busy_timeout_ms, so this returns in a few busy timeouts at most.
+    auto limit = std::chrono::milliseconds(10000 + 4LL * options_.busy_timeout_ms);
+    if (!done_cv_.wait_for(lock, limit, [&] { return processed_ >= target; }))
+      return Status::DeadlineExceeded("knowledge base " + path_ + ": flush timed out; " +
+                                      std::to_string(queued_ - processed_) + " operations still queued");
+    Status s = std::move(flush_error_);
+    flush_error_ = Status::Ok();
+    return s;
+  }
+
+  std::optional<int64_t> PriorMicroBatch(const std::string& workload) override {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    auto p = reader_store_->Prior(workload);
+    if (!p.ok()) {
+      Logger()->warn("knowledge base: cannot read the prior of '{}': {}", workload, p.status().ToString());
+      return std::nullopt;
+    }
+    return *p;
+  }
+
+  Status RecordCleanMicroBatch(const std::string& workload, int64_t size) override {
+    if (workload.empty()) return Status::InvalidArgument("RecordCleanMicroBatch: workload is empty");
+    if (size < 1) return Status::InvalidArgument("RecordCleanMicroBatch: size must be >= 1 (got " +
+                                                 std::to_string(size) + ")");
+    try {
+      std::lock_guard<std::mutex> lock(mu_);
+      SessionPrior& sp = session_priors_[workload];
+      // Only a new best is worth a write: most clean steps repeat the size.
+      if (size <= sp.best) return Status::Ok();
+      sp.best = size;
+      Op op;
+      op.kind = Op::kPrior;
+      op.prior = {workload, size, sp.saw_oom};
+      PushLocked(std::move(op));
+    } catch (...) {
+      return Status::ResourceExhausted("RecordCleanMicroBatch: out of host memory");
+    }
+    return Status::Ok();
+  }
+
+  SinkStats sink_stats() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+  Status Insert(std::vector<Incident> incidents) override {
+    for (auto& inc : incidents) Prepare(&inc);
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    return reader_store_->Write(incidents, {}, 0);
+  }
+
+  StatusOr<std::vector<Incident>> Query(const IncidentQuery& q) override {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    return reader_store_->Query(q);
+  }
+  StatusOr<std::vector<IncidentGroup>> Groups() override {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    return reader_store_->Groups();
+  }
+  StatusOr<KnowledgeBaseStats> Stats() override {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    return reader_store_->Stats();
+  }
+  const std::string& path() const override { return path_; }
+
+ private:
+  struct SessionPrior {
+    int64_t best = 0;      // largest clean size since the last OOM of this session
+    bool saw_oom = false;  // this session recorded an OOM for the workload
+  };
+
+  // REQUIRES: mu_ held.
+  void PushLocked(Op op) {
+    if (queue_.size() >= options_.queue_capacity) {
+      ++stats_.dropped;
+      ++unrecorded_drops_;
+      return;
+    }
+    queue_.push_back(std::move(op));
+    ++queued_;
+    ++stats_.enqueued;
+    work_cv_.notify_one();
+  }
+
+  void Prepare(Incident* inc) const {
+    if (options_.classify && inc->pattern.empty()) {
+      ClassifyInPlace(inc);
+    } else if (inc->fingerprint.empty()) {
+      inc->fingerprint = IncidentFingerprint(*inc);
+    }
+  }
+
+  void WriterLoop() {
+    std::vector<Op> batch;
+    for (;;) {
+      int64_t drops = 0;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return stop_ || !queue_.empty() || unrecorded_drops_ > 0; });
+        if (stop_ && queue_.empty()) return;
+        size_t n = std::min(kMaxBatch, queue_.size());
+        batch.clear();
+        for (size_t i = 0; i < n; ++i) {
+          batch.push_back(std::move(queue_.front()));
+          queue_.pop_front();
+        }
+        drops = unrecorded_drops_;
+        unrecorded_drops_ = 0;
+      }
+      std::vector<Incident> incidents;
+      std::vector<kb::PriorUpdate> priors;
+      for (Op& op : batch) {
+        if (op.kind == Op::kPrior) {
+          priors.push_back(std::move(op.prior));
+        } else {
+          Prepare(&op.incident);
+          incidents.push_back(std::move(op.incident));
+        }
+      }
+      Status s = writer_store_->Write(incidents, priors, drops);
+      std::lock_guard<std::mutex> lock(mu_);
+      processed_ += batch.size();
+      if (s.ok()) {
+        stats_.written += static_cast<int64_t>(batch.size());
+      } else {
+        stats_.write_errors += static_cast<int64_t>(batch.size());
+        stats_.last_error = s.ToString();
+        if (flush_error_.ok()) flush_error_ = s;
+        // The first failure and then every 100th, so a dead disk does not flood the log.
+        if (failures_++ % 100 == 0)
+          Logger()->warn("knowledge base: {} incident operation(s) lost: {}", batch.size(), s.ToString());
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  const std::string path_;
+  const KnowledgeBaseOptions options_;
+  QueueSink sink_;
+
+  mutable std::mutex mu_;  // guards everything below up to reader_mu_
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<Op> queue_;
+  uint64_t queued_ = 0, processed_ = 0;
+  int64_t unrecorded_drops_ = 0;
+  int64_t failures_ = 0;
+  bool stop_ = false;
+  SinkStats stats_;
+  Status flush_error_;
+  std::map<std::string, SessionPrior> session_priors_;
+
+  std::unique_ptr<kb::Store> writer_store_;  // writer thread only
+  std::mutex reader_mu_;                     // guards reader_store_
+  std::unique_ptr<kb::Store> reader_store_;
+  std::thread writer_;
+};
+
+void QueueSink::Record(const Incident& incident) { kb_->Enqueue(incident, true); }
+void QueueSink::UpdateOutcome(const Incident& incident) { kb_->Enqueue(incident, false); }
+
+}  // namespace
+
+KnowledgeBase::~KnowledgeBase() = default;
+
+int KnowledgeBase::SchemaVersion() { return kb::kSchemaVersion; }
+
+StatusOr<std::unique_ptr<KnowledgeBase>> KnowledgeBase::Open(const std::string& path,
+                                                             const KnowledgeBaseOptions& options) {
+  if (options.queue_capacity == 0)
+    return Status::InvalidArgument("KnowledgeBaseOptions.queue_capacity must be >= 1 (got 0)");
+  auto writer = kb::Store::Open(path, options.busy_timeout_ms, options.create_if_missing);
+  if (!writer.ok()) return writer.status();
+  auto reader = kb::Store::Open(path, options.busy_timeout_ms, false);
+  if (!reader.ok()) return reader.status();
+  return std::unique_ptr<KnowledgeBase>(
+      new KnowledgeBaseImpl(path, options, std::move(writer).value(), std::move(reader).value()));
+}
+
+}  // namespace oomguard

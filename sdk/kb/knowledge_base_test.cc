@@ -1,0 +1,252 @@
+#include "oomguard/knowledge_base.h"
+
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "sdk/kb/store.h"
+
+namespace oomguard {
+namespace {
+
+namespace fs = std::filesystem;
+
+class KnowledgeBaseTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("oomguard-kb-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    path_ = (dir_ / "kb.db").string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  static Incident Make(const std::string& id, int64_t step, const std::string& workload = "w") {
+    Incident i;
+    i.id = id;
+    i.run_id = "run1";
+    i.time_unix_ms = 1000 + step;
+    i.step = step;
+    i.phase = "forward";
+    i.kind = "device";
+    i.workload = workload;
+    i.requested_bytes = 1 << 20;
+    i.outcome = "pending";
+    return i;
+  }
+
+  fs::path dir_;
+  std::string path_;
+};
+
+TEST_F(KnowledgeBaseTest, RecordThenUpdateOutcomeStoresClassifiedIncident) {
+  auto kb = KnowledgeBase::Open(path_);
+  ASSERT_TRUE(kb.ok()) << kb.status();
+  Incident i = Make("a1", 0);
+  i.steps_ok_before = 0;
+  (*kb)->sink()->Record(i);
+  i.outcome = "recovered";
+  i.micro_after = 8;
+  i.recovery_ms = 0.5;
+  (*kb)->sink()->UpdateOutcome(i);
+  ASSERT_TRUE((*kb)->Flush().ok());
+  auto rows = (*kb)->Query({});
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0].outcome, "recovered");
+  EXPECT_EQ((*rows)[0].micro_after, 8);
+  EXPECT_EQ((*rows)[0].pattern, "startup_capacity");
+  EXPECT_EQ((*rows)[0].fingerprint.size(), 16u);
+  SinkStats st = (*kb)->sink_stats();
+  EXPECT_EQ(st.enqueued, 2);
+  EXPECT_EQ(st.written, 2);
+  EXPECT_EQ(st.dropped, 0);
+}
+
+TEST_F(KnowledgeBaseTest, QueryFiltersAndGroups) {
+  auto kb = KnowledgeBase::Open(path_);
+  ASSERT_TRUE(kb.ok());
+  std::vector<Incident> incs;
+  for (int k = 0; k < 5; ++k) {
+    Incident i = Make("id" + std::to_string(k), 10 + k);
+    i.rank = k % 2;
+    i.run_id = k < 3 ? "runA" : "runB";
+    incs.push_back(i);
+  }
+  ASSERT_TRUE((*kb)->Insert(incs).ok());
+  IncidentQuery q;
+  q.rank = 1;
+  EXPECT_EQ((*kb)->Query(q)->size(), 2u);
+  q = {};
+  q.run_id = "runB";
+  EXPECT_EQ((*kb)->Query(q)->size(), 2u);
+  q = {};
+  q.limit = 2;
+  auto newest = (*kb)->Query(q);
+  ASSERT_EQ(newest->size(), 2u);
+  EXPECT_EQ((*newest)[0].id, "id4");
+  q = {};
+  q.since_unix_ms = 1013;
+  EXPECT_EQ((*kb)->Query(q)->size(), 2u);
+  auto groups = (*kb)->Groups();
+  ASSERT_TRUE(groups.ok());
+  ASSERT_EQ(groups->size(), 1u);  // same pattern/kind/phase/workload/bucket: one group
+  EXPECT_EQ((*groups)[0].count, 5);
+  EXPECT_EQ((*groups)[0].runs, 2);
+  EXPECT_EQ((*groups)[0].first_seen_unix_ms, 1010);
+  EXPECT_EQ((*groups)[0].last_id, "id4");
+}
+
+TEST_F(KnowledgeBaseTest, PriorsGrowFromCleanStepsAndResetAfterAnOom) {
+  {
+    auto kb = KnowledgeBase::Open(path_);
+    ASSERT_TRUE(kb.ok());
+    EXPECT_FALSE((*kb)->PriorMicroBatch("w").has_value());
+    EXPECT_EQ((*kb)->RecordCleanMicroBatch("", 4).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ((*kb)->RecordCleanMicroBatch("w", 0).code(), StatusCode::kInvalidArgument);
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 64).ok());
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 32).ok());
+    ASSERT_TRUE((*kb)->Flush().ok());
+    EXPECT_EQ((*kb)->PriorMicroBatch("w"), 64);
+  }
+  {
+    // A new session without OOMs only raises the prior.
+    auto kb = KnowledgeBase::Open(path_);
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 16).ok());
+    ASSERT_TRUE((*kb)->Flush().ok());
+    EXPECT_EQ((*kb)->PriorMicroBatch("w"), 64);
+  }
+  {
+    // After an OOM for the workload, the session's clean size replaces it.
+    auto kb = KnowledgeBase::Open(path_);
+    (*kb)->sink()->Record(Make("oom", 3));
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 24).ok());
+    ASSERT_TRUE((*kb)->Flush().ok());
+    EXPECT_EQ((*kb)->PriorMicroBatch("w"), 24);
+    EXPECT_FALSE((*kb)->PriorMicroBatch("other").has_value());
+  }
+}
+
+TEST_F(KnowledgeBaseTest, FullQueueDropsAndCountsWithoutBlocking) {
+  KnowledgeBaseOptions o;
+  o.queue_capacity = 4;
+  auto kb = KnowledgeBase::Open(path_, o);
+  ASSERT_TRUE(kb.ok());
+  // Hold the writer on a lock so the queue cannot drain while we overfill it.
+  sqlite3* other = nullptr;
+  ASSERT_EQ(sqlite3_open(path_.c_str(), &other), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(other, "BEGIN EXCLUSIVE", nullptr, nullptr, nullptr), SQLITE_OK);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int k = 0; k < 200; ++k) (*kb)->sink()->Record(Make("d" + std::to_string(k), k));
+  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(ms, 500.0);  // 200 records; none may wait for the lock (busy timeout is 5 s)
+  ASSERT_EQ(sqlite3_exec(other, "COMMIT", nullptr, nullptr, nullptr), SQLITE_OK);
+  sqlite3_close(other);
+  ASSERT_TRUE((*kb)->Flush().ok());
+  SinkStats st = (*kb)->sink_stats();
+  EXPECT_GE(st.dropped, 190);
+  EXPECT_EQ(st.enqueued + st.dropped, 200);
+  auto stats = (*kb)->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->incidents, st.written);
+  EXPECT_EQ(stats->dropped_recorded, st.dropped);  // the drops are recorded in the file
+}
+
+TEST_F(KnowledgeBaseTest, LockedDatabaseFailsWritesWithClearErrorAndRecovers) {
+  KnowledgeBaseOptions o;
+  o.busy_timeout_ms = 50;
+  auto kb = KnowledgeBase::Open(path_, o);
+  ASSERT_TRUE(kb.ok());
+  sqlite3* other = nullptr;
+  ASSERT_EQ(sqlite3_open(path_.c_str(), &other), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(other, "BEGIN EXCLUSIVE", nullptr, nullptr, nullptr), SQLITE_OK);
+  (*kb)->sink()->Record(Make("x1", 1));
+  Status s = (*kb)->Flush();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find(path_), std::string::npos);
+  EXPECT_EQ((*kb)->sink_stats().write_errors, 1);
+  ASSERT_EQ(sqlite3_exec(other, "COMMIT", nullptr, nullptr, nullptr), SQLITE_OK);
+  sqlite3_close(other);
+  (*kb)->sink()->Record(Make("x2", 2));
+  EXPECT_TRUE((*kb)->Flush().ok());
+  EXPECT_EQ((*kb)->Query({})->size(), 1u);
+}
+
+TEST_F(KnowledgeBaseTest, CorruptFileIsDataLossNamingThePath) {
+  {
+    std::ofstream f(path_, std::ios::binary);
+    f << std::string(8192, 'z');
+  }
+  auto kb = KnowledgeBase::Open(path_);
+  ASSERT_FALSE(kb.ok());
+  EXPECT_EQ(kb.status().code(), StatusCode::kDataLoss) << kb.status();
+  EXPECT_NE(kb.status().message().find(path_), std::string::npos);
+}
+
+TEST_F(KnowledgeBaseTest, MissingFileWithoutCreateIsNotFound) {
+  KnowledgeBaseOptions o;
+  o.create_if_missing = false;
+  auto kb = KnowledgeBase::Open(path_, o);
+  ASSERT_FALSE(kb.ok());
+  EXPECT_EQ(kb.status().code(), StatusCode::kNotFound);
+  o.queue_capacity = 0;
+  EXPECT_EQ(KnowledgeBase::Open(path_, o).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(KnowledgeBaseTest, MigratesVersionOneAndRefusesNewer) {
+  {
+    // A version-1 file as an earlier build wrote it: incidents but no priors.
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db,
+                           "CREATE TABLE schema_version(version INTEGER NOT NULL); INSERT INTO schema_version "
+                           "VALUES(1); CREATE TABLE incidents(id TEXT PRIMARY KEY, run_id TEXT NOT NULL DEFAULT '',"
+                           " time_unix_ms INTEGER NOT NULL DEFAULT 0, host TEXT NOT NULL DEFAULT '', rank INTEGER"
+                           " NOT NULL DEFAULT 0, step INTEGER NOT NULL DEFAULT 0, phase TEXT NOT NULL DEFAULT '',"
+                           " kind TEXT NOT NULL DEFAULT '', workload TEXT NOT NULL DEFAULT '', pattern TEXT NOT NULL"
+                           " DEFAULT '', confidence REAL NOT NULL DEFAULT 0, fingerprint TEXT NOT NULL DEFAULT '',"
+                           " outcome TEXT NOT NULL DEFAULT '', body TEXT NOT NULL);"
+                           "INSERT INTO incidents(id, body) VALUES('old', '{\"id\":\"old\",\"step\":5}');",
+                           nullptr, nullptr, nullptr),
+              SQLITE_OK);
+    sqlite3_close(db);
+  }
+  {
+    auto kb = KnowledgeBase::Open(path_);
+    ASSERT_TRUE(kb.ok()) << kb.status();
+    EXPECT_EQ((*kb)->Query({})->at(0).step, 5);
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 8).ok());
+    ASSERT_TRUE((*kb)->Flush().ok());
+    EXPECT_EQ((*kb)->Stats()->schema_version, KnowledgeBase::SchemaVersion());
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "UPDATE schema_version SET version=99", nullptr, nullptr, nullptr), SQLITE_OK);
+  sqlite3_close(db);
+  auto kb = KnowledgeBase::Open(path_);
+  ASSERT_FALSE(kb.ok());
+  EXPECT_EQ(kb.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(kb.status().message().find("99"), std::string::npos);
+}
+
+TEST_F(KnowledgeBaseTest, WalModeIsOn) {
+  auto kb = KnowledgeBase::Open(path_);
+  ASSERT_TRUE(kb.ok());
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+  sqlite3_stmt* st = nullptr;
+  ASSERT_EQ(sqlite3_prepare_v2(db, "PRAGMA journal_mode", -1, &st, nullptr), SQLITE_OK);
+  ASSERT_EQ(sqlite3_step(st), SQLITE_ROW);
+  EXPECT_STREQ(reinterpret_cast<const char*>(sqlite3_column_text(st, 0)), "wal");
+  sqlite3_finalize(st);
+  sqlite3_close(db);
+}
+
+}  // namespace
+}  // namespace oomguard

@@ -1,0 +1,355 @@
+#include "sdk/kb/store.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "sdk/core/ids.h"
+
+namespace oomguard::kb {
+namespace {
+
+// Migrations, applied in order inside one IMMEDIATE transaction. Entry i
+// brings the schema from version i to i + 1. Never edit a released entry:
+// append a new one.
+const char* const kMigrations[] = {
+    // 0 -> 1: incidents.
+    "CREATE TABLE incidents ("
+    "  id TEXT PRIMARY KEY,"
+    "  run_id TEXT NOT NULL DEFAULT '',"
+    "  time_unix_ms INTEGER NOT NULL DEFAULT 0,"
+    "  host TEXT NOT NULL DEFAULT '',"
+    "  rank INTEGER NOT NULL DEFAULT 0,"
+    "  step INTEGER NOT NULL DEFAULT 0,"
+    "  phase TEXT NOT NULL DEFAULT '',"
+    "  kind TEXT NOT NULL DEFAULT '',"
+    "  workload TEXT NOT NULL DEFAULT '',"
+    "  pattern TEXT NOT NULL DEFAULT '',"
+    "  confidence REAL NOT NULL DEFAULT 0,"
+    "  fingerprint TEXT NOT NULL DEFAULT '',"
+    "  outcome TEXT NOT NULL DEFAULT '',"
+    "  body TEXT NOT NULL);"
+    "CREATE INDEX incidents_time ON incidents(time_unix_ms);"
+    "CREATE INDEX incidents_fingerprint ON incidents(fingerprint);"
+    "CREATE INDEX incidents_pattern ON incidents(pattern);"
+    "CREATE INDEX incidents_run ON incidents(run_id);",
+    // 1 -> 2: learned priors and the record of dropped incidents.
+    "CREATE TABLE priors ("
+    "  workload TEXT PRIMARY KEY,"
+    "  micro_batch INTEGER NOT NULL,"
+    "  updated_unix_ms INTEGER NOT NULL);"
+    "CREATE TABLE sink_drops ("
+    "  time_unix_ms INTEGER NOT NULL,"
+    "  pid INTEGER NOT NULL,"
+    "  dropped INTEGER NOT NULL);",
+};
+static_assert(sizeof(kMigrations) / sizeof(kMigrations[0]) == kSchemaVersion);
+
+// RAII prepared statement with 1-based binding helpers.
+class Stmt {
+ public:
+  Stmt(sqlite3* db, const char* sql) { rc_ = sqlite3_prepare_v2(db, sql, -1, &s_, nullptr); }
+  ~Stmt() { sqlite3_finalize(s_); }
+  Stmt(const Stmt&) = delete;
+  Stmt& operator=(const Stmt&) = delete;
+  int prepare_rc() const { return rc_; }
+  sqlite3_stmt* get() { return s_; }
+  void Bind(int i, const std::string& v) { sqlite3_bind_text(s_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT); }
+  void Bind(int i, int64_t v) { sqlite3_bind_int64(s_, i, v); }
+  void Bind(int i, double v) { sqlite3_bind_double(s_, i, v); }
+  int Step() { return sqlite3_step(s_); }
+  std::string Text(int col) {
+    const unsigned char* t = sqlite3_column_text(s_, col);
+    return t == nullptr ? std::string() : std::string(reinterpret_cast<const char*>(t),
+                                                      static_cast<size_t>(sqlite3_column_bytes(s_, col)));
+  }
+  int64_t Int(int col) { return sqlite3_column_int64(s_, col); }
+
+ private:
+  sqlite3_stmt* s_ = nullptr;
+  int rc_ = SQLITE_OK;
+};
+
+bool FileExists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+}  // namespace
+
+Status Store::Error(int rc, const char* what) const {
+  std::string msg = "knowledge base " + path_ + ": " + what + ": " +
+                    (db_ != nullptr ? sqlite3_errmsg(db_) : sqlite3_errstr(rc));
+  switch (rc & 0xff) {
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+      return Status::Unavailable(msg + " (another process holds the lock; retry later)");
+    case SQLITE_NOTADB:
+    case SQLITE_CORRUPT:
+      return Status::DataLoss(msg + " (the file is not an intact oomguard knowledge base)");
+    case SQLITE_CANTOPEN:
+    case SQLITE_PERM:
+    case SQLITE_READONLY:
+      return Status::FailedPrecondition(msg);
+    case SQLITE_FULL:
+    case SQLITE_IOERR:
+      return Status::Unavailable(msg);
+    default:
+      return Status::Internal(msg);
+  }
+}
+
+Status Store::Exec(const char* sql, const char* what) {
+  int rc = sqlite3_exec(db_, sql, nullptr, nullptr, nullptr);
+  return rc == SQLITE_OK ? Status::Ok() : Error(rc, what);
+}
+
+StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_timeout_ms, bool create) {
+  if (path.empty()) return Status::InvalidArgument("knowledge base path is empty");
+  if (busy_timeout_ms < 0) return Status::InvalidArgument("KnowledgeBaseOptions.busy_timeout_ms must be >= 0");
+  if (!create && !FileExists(path))
+    return Status::NotFound("knowledge base " + path + ": no such file");
+  sqlite3* db = nullptr;
+  int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX | (create ? SQLITE_OPEN_CREATE : 0);
+  int rc = sqlite3_open_v2(path.c_str(), &db, flags, nullptr);
+  std::unique_ptr<Store> store(new Store(path, db));
+  if (rc != SQLITE_OK) return store->Error(rc, "open");
+  sqlite3_busy_timeout(db, busy_timeout_ms);
+  sqlite3_extended_result_codes(db, 1);
+
+  // Switching to WAL needs a brief exclusive lock; SQLite does not always run
+  // the busy handler for it, so retry within the busy timeout ourselves.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(busy_timeout_ms);
+  for (;;) {
+    rc = sqlite3_exec(db, "PRAGMA journal_mode=WAL", nullptr, nullptr, nullptr);
+    if ((rc & 0xff) != SQLITE_BUSY || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (rc != SQLITE_OK) return store->Error(rc, "enable WAL");
+  // NORMAL is durable across application crashes in WAL mode; only a power
+  // loss may lose the last transactions, which is acceptable for incidents.
+  OOMGUARD_RETURN_IF_ERROR(store->Exec("PRAGMA synchronous=NORMAL", "set synchronous"));
+  OOMGUARD_RETURN_IF_ERROR(store->Migrate());
+  return store;
+}
+
+Store::~Store() { sqlite3_close_v2(db_); }
+
+Status Store::Migrate() {
+  auto read_version = [&](int* version) -> Status {
+    *version = 0;
+    Stmt has(db_, "SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'");
+    if (has.prepare_rc() != SQLITE_OK) return Error(has.prepare_rc(), "read schema");
+    int rc = has.Step();
+    if (rc == SQLITE_DONE) return Status::Ok();
+    if (rc != SQLITE_ROW) return Error(rc, "read schema");
+    Stmt v(db_, "SELECT version FROM schema_version");
+    if (v.prepare_rc() != SQLITE_OK) return Error(v.prepare_rc(), "read schema version");
+    rc = v.Step();
+    if (rc == SQLITE_ROW) *version = static_cast<int>(v.Int(0));
+    else if (rc != SQLITE_DONE) return Error(rc, "read schema version");
+    return Status::Ok();
+  };
+  int version = 0;
+  // Read first without a write lock: an up-to-date file (the common case, and
+  // read-only files) needs no transaction.
+  OOMGUARD_RETURN_IF_ERROR(read_version(&version));
+  if (version > kSchemaVersion)
+    return Status::FailedPrecondition("knowledge base " + path_ + ": schema version " + std::to_string(version) +
+                                      " is newer than this oomguard understands (" +
+                                      std::to_string(kSchemaVersion) + "); upgrade oomguard");
+  if (version == kSchemaVersion) return Status::Ok();
+
+  OOMGUARD_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "begin migration"));
+  auto fail = [&](Status s) {
+    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+    return s;
+  };
+  // Another process may have migrated while we waited for the lock.
+  Status s = read_version(&version);
+  if (!s.ok()) return fail(s);
+  if (version == 0) {
+    s = Exec("CREATE TABLE IF NOT EXISTS schema_version(version INTEGER NOT NULL);"
+             "DELETE FROM schema_version; INSERT INTO schema_version VALUES(0);",
+             "create schema_version");
+    if (!s.ok()) return fail(s);
+  }
+  for (int v = version; v < kSchemaVersion; ++v) {
+    s = Exec(kMigrations[v], "migrate schema");
+    if (!s.ok()) return fail(s);
+  }
+  std::string set = "UPDATE schema_version SET version=" + std::to_string(kSchemaVersion);
+  s = Exec(set.c_str(), "record schema version");
+  if (!s.ok()) return fail(s);
+  s = Exec("COMMIT", "commit migration");
+  if (!s.ok()) return fail(s);
+  return Status::Ok();
+}
+
+Status Store::Write(const std::vector<Incident>& incidents, const std::vector<PriorUpdate>& priors,
+                    int64_t dropped) {
+  if (incidents.empty() && priors.empty() && dropped == 0) return Status::Ok();
+  OOMGUARD_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "begin write"));
+  auto fail = [&](Status s) {
+    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+    return s;
+  };
+  if (!incidents.empty()) {
+    Stmt ins(db_,
+             "INSERT OR REPLACE INTO incidents(id, run_id, time_unix_ms, host, rank, step, phase, kind, workload,"
+             " pattern, confidence, fingerprint, outcome, body) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
+    if (ins.prepare_rc() != SQLITE_OK) return fail(Error(ins.prepare_rc(), "prepare insert"));
+    for (const Incident& inc : incidents) {
+      sqlite3_reset(ins.get());
+      ins.Bind(1, inc.id);
+      ins.Bind(2, inc.run_id);
+      ins.Bind(3, inc.time_unix_ms);
+      ins.Bind(4, inc.host);
+      ins.Bind(5, static_cast<int64_t>(inc.rank));
+      ins.Bind(6, inc.step);
+      ins.Bind(7, inc.phase);
+      ins.Bind(8, inc.kind);
+      ins.Bind(9, inc.workload);
+      ins.Bind(10, inc.pattern);
+      ins.Bind(11, inc.confidence);
+      ins.Bind(12, inc.fingerprint);
+      ins.Bind(13, inc.outcome);
+      ins.Bind(14, IncidentToJson(inc));
+      int rc = ins.Step();
+      if (rc != SQLITE_DONE) return fail(Error(rc, "insert incident"));
+    }
+  }
+  if (!priors.empty()) {
+    Stmt up(db_,
+            "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES(?1, ?2, ?3)"
+            " ON CONFLICT(workload) DO UPDATE SET"
+            " micro_batch = CASE WHEN ?4 THEN excluded.micro_batch"
+            "                    ELSE max(micro_batch, excluded.micro_batch) END,"
+            " updated_unix_ms = excluded.updated_unix_ms");
+    if (up.prepare_rc() != SQLITE_OK) return fail(Error(up.prepare_rc(), "prepare prior"));
+    for (const PriorUpdate& p : priors) {
+      sqlite3_reset(up.get());
+      up.Bind(1, p.workload);
+      up.Bind(2, p.micro_batch);
+      up.Bind(3, internal::NowUnixMs());
+      up.Bind(4, static_cast<int64_t>(p.replace ? 1 : 0));
+      int rc = up.Step();
+      if (rc != SQLITE_DONE) return fail(Error(rc, "update prior"));
+    }
+  }
+  if (dropped > 0) {
+    Stmt d(db_, "INSERT INTO sink_drops(time_unix_ms, pid, dropped) VALUES(?,?,?)");
+    d.Bind(1, internal::NowUnixMs());
+    d.Bind(2, static_cast<int64_t>(::getpid()));
+    d.Bind(3, dropped);
+    int rc = d.Step();
+    if (rc != SQLITE_DONE) return fail(Error(rc, "record drops"));
+  }
+  Status s = Exec("COMMIT", "commit write");
+  if (!s.ok()) return fail(s);
+  return Status::Ok();
+}
+
+StatusOr<std::vector<Incident>> Store::Query(const IncidentQuery& q) {
+  std::string sql = "SELECT body FROM incidents WHERE 1=1";
+  if (!q.pattern.empty()) sql += " AND pattern = ?1";
+  if (q.rank) sql += " AND rank = ?2";
+  if (!q.run_id.empty()) sql += " AND run_id = ?3";
+  if (!q.workload.empty()) sql += " AND workload = ?4";
+  if (!q.fingerprint.empty()) sql += " AND fingerprint = ?5";
+  if (!q.id_prefix.empty()) sql += " AND substr(id, 1, length(?6)) = ?6";
+  if (q.since_unix_ms > 0) sql += " AND time_unix_ms >= ?7";
+  sql += " ORDER BY time_unix_ms DESC, id";
+  if (q.limit > 0) sql += " LIMIT ?8";
+  Stmt st(db_, sql.c_str());
+  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "query");
+  if (!q.pattern.empty()) st.Bind(1, q.pattern);
+  if (q.rank) st.Bind(2, static_cast<int64_t>(*q.rank));
+  if (!q.run_id.empty()) st.Bind(3, q.run_id);
+  if (!q.workload.empty()) st.Bind(4, q.workload);
+  if (!q.fingerprint.empty()) st.Bind(5, q.fingerprint);
+  if (!q.id_prefix.empty()) st.Bind(6, q.id_prefix);
+  if (q.since_unix_ms > 0) st.Bind(7, q.since_unix_ms);
+  if (q.limit > 0) st.Bind(8, q.limit);
+  std::vector<Incident> out;
+  int rc;
+  while ((rc = st.Step()) == SQLITE_ROW) {
+    StatusOr<Incident> inc = IncidentFromJson(st.Text(0));
+    if (!inc.ok())
+      return Status::DataLoss("knowledge base " + path_ + ": a stored incident does not parse: " +
+                              inc.status().message());
+    out.push_back(std::move(inc).value());
+  }
+  if (rc != SQLITE_DONE) return Error(rc, "query");
+  return out;
+}
+
+StatusOr<std::vector<IncidentGroup>> Store::Groups() {
+  Stmt st(db_,
+          "SELECT fingerprint, pattern, kind, phase, workload, COUNT(*), COUNT(DISTINCT run_id),"
+          " MIN(time_unix_ms), MAX(time_unix_ms),"
+          " (SELECT id FROM incidents j WHERE j.fingerprint = i.fingerprint ORDER BY time_unix_ms DESC LIMIT 1)"
+          " FROM incidents i GROUP BY fingerprint ORDER BY COUNT(*) DESC, MAX(time_unix_ms) DESC");
+  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "groups");
+  std::vector<IncidentGroup> out;
+  int rc;
+  while ((rc = st.Step()) == SQLITE_ROW) {
+    IncidentGroup g;
+    g.fingerprint = st.Text(0);
+    g.pattern = st.Text(1);
+    g.kind = st.Text(2);
+    g.phase = st.Text(3);
+    g.workload = st.Text(4);
+    g.count = st.Int(5);
+    g.runs = st.Int(6);
+    g.first_seen_unix_ms = st.Int(7);
+    g.last_seen_unix_ms = st.Int(8);
+    g.last_id = st.Text(9);
+    out.push_back(std::move(g));
+  }
+  if (rc != SQLITE_DONE) return Error(rc, "groups");
+  return out;
+}
+
+StatusOr<KnowledgeBaseStats> Store::Stats() {
+  KnowledgeBaseStats s;
+  s.schema_version = kSchemaVersion;
+  auto counts = [&](const char* col, std::vector<std::pair<std::string, int64_t>>* out) -> Status {
+    std::string sql = std::string("SELECT ") + col + ", COUNT(*) FROM incidents GROUP BY " + col +
+                      " ORDER BY COUNT(*) DESC, " + col;
+    Stmt st(db_, sql.c_str());
+    if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
+    int rc;
+    while ((rc = st.Step()) == SQLITE_ROW) out->emplace_back(st.Text(0), st.Int(1));
+    return rc == SQLITE_DONE ? Status::Ok() : Error(rc, "stats");
+  };
+  OOMGUARD_RETURN_IF_ERROR(counts("pattern", &s.by_pattern));
+  OOMGUARD_RETURN_IF_ERROR(counts("outcome", &s.by_outcome));
+  OOMGUARD_RETURN_IF_ERROR(counts("kind", &s.by_kind));
+  for (const auto& [k, n] : s.by_pattern) s.incidents += n;
+  {
+    Stmt st(db_, "SELECT COALESCE(SUM(dropped), 0) FROM sink_drops");
+    if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
+    if (st.Step() == SQLITE_ROW) s.dropped_recorded = st.Int(0);
+  }
+  Stmt st(db_, "SELECT workload, micro_batch, updated_unix_ms FROM priors ORDER BY workload");
+  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
+  int rc;
+  while ((rc = st.Step()) == SQLITE_ROW) s.priors.push_back({st.Text(0), st.Int(1), st.Int(2)});
+  if (rc != SQLITE_DONE) return Error(rc, "stats");
+  return s;
+}
+
+StatusOr<std::optional<int64_t>> Store::Prior(const std::string& workload) {
+  Stmt st(db_, "SELECT micro_batch FROM priors WHERE workload = ?");
+  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "read prior");
+  st.Bind(1, workload);
+  int rc = st.Step();
+  if (rc == SQLITE_ROW) return std::optional<int64_t>(st.Int(0));
+  if (rc == SQLITE_DONE) return std::optional<int64_t>();
+  return Error(rc, "read prior");
+}
+
+}  // namespace oomguard::kb

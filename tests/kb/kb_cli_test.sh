@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The `oomguard kb` command line on hand-written JSONL: every pattern is
+# recognised, import is all-or-nothing, bad input names the line, several
+# --db files (and globs) are read together.
+# Usage: kb_cli_test.sh OOMGUARD_BINARY TESTDATA_DIR
+set -u
+OG="$1"
+DATA="$2"
+PY=/usr/bin/python3
+T="$(mktemp -d)"
+trap 'rm -rf "$T"' EXIT
+fails=0
+fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+# 1. classify --json: one object per line, in input order, with the expected pattern.
+"$OG" kb classify --json "$DATA/patterns.jsonl" > "$T/cls.jsonl" || fail "classify exited $?"
+$PY - "$T/cls.jsonl" <<'PYEOF' || fail "classify output"
+import json, sys
+want = ["startup_capacity", "activation_spike", "gradual_growth", "fragmentation", "rank_imbalance",
+        "optimizer_state", "host_dataloader", "checkpoint_staging", "workspace", "foreign_memory"]
+rows = [json.loads(l) for l in open(sys.argv[1])]
+assert [r["pattern"] for r in rows] == want, [r["pattern"] for r in rows]
+for r in rows:
+    assert r["id"].startswith("p-"), r
+    assert 0.5 <= r["confidence"] <= 1, r
+    assert r["evidence"] and len(r["remedies"]) >= 3, r
+    assert len(r["fingerprint"]) == 16, r
+PYEOF
+
+# 2. import into two files (one per "host"), then read both through a glob.
+head -n 5 "$DATA/patterns.jsonl" > "$T/a.jsonl"
+tail -n 5 "$DATA/patterns.jsonl" > "$T/b.jsonl"
+"$OG" kb import --db "$T/host-a.db" "$T/a.jsonl" > /dev/null || fail "import a"
+"$OG" kb import --db "$T/host-b.db" "$T/b.jsonl" > /dev/null || fail "import b"
+n=$("$OG" kb list --json --db "$T/host-*.db" --limit 0 | $PY -c 'import json,sys; print(len(json.load(sys.stdin)))')
+[ "$n" = 10 ] || fail "list over a glob saw $n incidents, want 10"
+n=$("$OG" kb export --db "$T/host-a.db" --db "$T/host-b.db" | wc -l)
+[ "$n" = 10 ] || fail "export of two --db gave $n lines, want 10"
+n=$("$OG" kb list --json --db "$T/host-*.db" --pattern fragmentation | $PY -c 'import json,sys; print(len(json.load(sys.stdin)))')
+[ "$n" = 1 ] || fail "--pattern fragmentation gave $n"
+"$OG" kb stats --json --db "$T/host-*.db" | $PY -c 'import json,sys; s=json.load(sys.stdin); assert s["incidents"]==10 and len(s["by_pattern"])==10, s' \
+  || fail "stats"
+"$OG" kb groups --json --db "$T/host-*.db" | $PY -c 'import json,sys; g=json.load(sys.stdin); assert len(g)==10 and all(x["count"]==1 for x in g), g' \
+  || fail "groups"
+"$OG" kb show --db "$T/host-*.db" p-frag | grep -q "reserved minus allocated" || fail "show p-frag"
+"$OG" kb list --db "$T/host-a.db" | head -1 | grep -q "PATTERN" || fail "human list has no header"
+"$OG" kb patterns | grep -q foreign_memory || fail "patterns"
+
+# 3. export -> import round trip keeps every incident.
+"$OG" kb export --db "$T/host-*.db" > "$T/all.jsonl"
+"$OG" kb import --db "$T/merged.db" "$T/all.jsonl" > /dev/null || fail "re-import"
+n=$("$OG" kb export --db "$T/merged.db" | wc -l)
+[ "$n" = 10 ] || fail "round trip kept $n"
+
+# 4. a malformed line names the line and nothing of the file is imported.
+{ head -n 2 "$DATA/patterns.jsonl"; echo '{"step": "seven"}'; tail -n 1 "$DATA/patterns.jsonl"; } > "$T/bad.jsonl"
+"$OG" kb import --db "$T/bad.db" "$T/bad.jsonl" 2> "$T/err" && fail "import of a bad file succeeded"
+grep -q "bad.jsonl:3: field 'step' must be an integer" "$T/err" || fail "error does not name line 3: $(cat "$T/err")"
+if [ -f "$T/bad.db" ]; then
+  n=$("$OG" kb export --db "$T/bad.db" | wc -l)
+  [ "$n" = 0 ] || fail "half-imported: $n"
+fi
+printf '{"id":"x"}\nnot json\n' > "$T/bad2.jsonl"
+"$OG" kb classify "$T/bad2.jsonl" 2> "$T/err" && fail "classify of bad JSON succeeded"
+grep -q "bad2.jsonl:2: not valid JSON" "$T/err" || fail "bad JSON error: $(cat "$T/err")"
+$PY -c 'print("{\"message\": \"" + "x" * 2000000 + "\"}")' > "$T/huge.jsonl"
+"$OG" kb classify "$T/huge.jsonl" 2> "$T/err" && fail "huge line accepted"
+grep -q "huge.jsonl:1: line is longer than 1 MiB" "$T/err" || fail "huge error: $(cat "$T/err")"
+
+# 5. missing, corrupt and unmatched databases give clear errors.
+"$OG" kb list --db "$T/none.db" 2> "$T/err" && fail "missing db accepted"
+grep -q "no such file" "$T/err" || fail "missing db error: $(cat "$T/err")"
+head -c 4096 /dev/urandom > "$T/corrupt.db"
+"$OG" kb list --db "$T/corrupt.db" 2> "$T/err" && fail "corrupt db accepted"
+grep -q "DATA_LOSS" "$T/err" || fail "corrupt db error: $(cat "$T/err")"
+"$OG" kb list --db "$T/nothing-*.db" 2> "$T/err" && fail "unmatched glob accepted"
+grep -q "no file matches" "$T/err" || fail "glob error: $(cat "$T/err")"
+"$OG" kb list --db "$T/host-a.db" --since yesterday 2> "$T/err" && fail "bad --since accepted"
+"$OG" kb bogus > /dev/null 2>&1; [ $? = 2 ] || fail "unknown subcommand should exit 2"
+
+if [ "$fails" -ne 0 ]; then echo "$fails failure(s)"; exit 1; fi
+echo "kb_cli: all checks passed"
