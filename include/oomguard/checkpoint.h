@@ -1,0 +1,251 @@
+// Checkpointer: sharded asynchronous checkpoints (format "oomguard-ckpt/1",
+// HDF5 + shuffle + zstd) and the RecoveryStore the guard rolls back through.
+//
+//   oomguard::CheckpointOptions o;
+//   o.dir = "/ckpt";  o.every_steps = 100;  o.keep = 3;
+//   auto ckpt = oomguard::Checkpointer::Create(o).value();
+//   ckpt->AddTensor("model/fc1.weight", oomguard::DType::kFloat32, {1024, 512}, w);
+//   ckpt->AddObject("optimizer/adam", save_fn, load_fn);
+//   auto resumed = ckpt->LoadLatest();        // kNotFound on a fresh directory
+//   guard_options.recovery = ckpt.get();       // saves every N steps, rolls back
+//
+// Layout on disk (one directory per step, one shard per rank):
+//   <dir>/step-00000100/rank-00000.h5   tensors at /<state>/<tensor>
+//   <dir>/step-00000100/MANIFEST.json   the commit marker, written last
+// A checkpoint counts only when its manifest exists, names this world size,
+// and every shard and tensor checksum verifies (docs/checkpoints.md).
+//
+// Save: SaveAsync blocks only while the registered state is copied into
+// staging buffers; shuffle + zstd compression (a thread pool, outside the HDF5
+// lock), the chunk writes, fsync/rename and the manifest commit run in the
+// background. The last staged state stays in host memory (when the staging
+// budget allows), so an OOM inside the optimizer step rolls back without I/O.
+//
+// Thread-safety: the registration, save, load and RecoveryStore methods are
+// called from one (training) thread. Stats(), ShardDurableStep() and
+// CommitManifest() may be called from any thread. Registered buffers must not
+// be written while SaveAsync runs (it copies them) and must stay valid until
+// the Checkpointer is destroyed.
+#ifndef OOMGUARD_CHECKPOINT_H_
+#define OOMGUARD_CHECKPOINT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "oomguard/export.h"
+#include "oomguard/recovery.h"
+#include "oomguard/status.h"
+
+namespace oomguard {
+
+class IncidentSink;
+
+inline constexpr std::string_view kCheckpointFormat = "oomguard-ckpt/1";
+// The HDF5 filter id registered for Zstandard.
+inline constexpr int kZstdFilterId = 32015;
+
+enum class DType {
+  kFloat16,
+  kBFloat16,
+  kFloat32,
+  kFloat64,
+  kInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kUInt8,
+  kUInt16,
+  kUInt32,
+  kUInt64,
+  kBool,
+};
+// "float32", "bfloat16", ... (the `dtype` attribute of a dataset).
+OOMGUARD_EXPORT std::string_view DTypeName(DType t);
+OOMGUARD_EXPORT std::optional<DType> ParseDType(std::string_view name);
+OOMGUARD_EXPORT size_t DTypeSize(DType t);
+
+// Where a registered tensor lives.
+enum class MemoryLocation { kHost, kCuda };
+
+struct CheckpointOptions {
+  // Directory holding step-NNNNNNNN/ subdirectories (created if missing).
+  std::string dir;
+  // This process's rank and the number of ranks writing one checkpoint.
+  int rank = 0;
+  int world_size = 1;
+  // OnStepCommitted saves after every `every_steps` steps (step % N == N-1). 0: never by count.
+  int64_t every_steps = 0;
+  // OnStepCommitted also saves right after an OOM was recovered at a reduced size.
+  bool save_after_recovery = true;
+  // Complete checkpoints kept on disk (the newest complete one is never deleted). 0: keep all.
+  int keep = 3;
+  // zstd level stored in cd_values[0] (1: fast; up to 22).
+  int compression_level = 1;
+  // Target uncompressed bytes per HDF5 chunk (and per compression task).
+  int64_t chunk_bytes = 1 << 20;
+  // Compression/decompression threads. 0: hardware concurrency, at most 8.
+  int threads = 0;
+  // Upper bound on host bytes held by staging buffers (the retained snapshot
+  // included). 0: unlimited. A state larger than the budget is staged in
+  // pieces: SaveAsync then blocks until the last piece is staged and no
+  // in-memory snapshot is kept.
+  int64_t staging_budget_bytes = 0;
+  // Keep the last staged state in host memory for instant rollback.
+  bool keep_snapshot = true;
+  // true: this process writes MANIFEST.json once its shard is durable (one
+  // process, or ranks that share nothing). false: a coordinator calls
+  // CommitManifest on rank 0 once every rank's shard of a step is durable.
+  bool commit_manifest_locally = true;
+  // fsync files and directories (off only for tests on tmpfs-like scratch).
+  bool fsync = true;
+  // Verify the whole-file xxh3 of each shard before loading it (tensor
+  // checksums are always verified).
+  bool verify_file_checksum = true;
+  // Corrupt checkpoints met while loading are recorded here. Not owned.
+  IncidentSink* incidents = nullptr;
+};
+
+struct CheckpointStats {
+  int64_t saves_started = 0;
+  int64_t checkpoints_written = 0;  // shards made durable by this process
+  int64_t manifests_committed = 0;
+  int64_t save_failures = 0;
+  int64_t restores_from_memory = 0;
+  int64_t restores_from_disk = 0;
+  int64_t corrupt_skipped = 0;   // checkpoints skipped by loads as corrupt
+  int64_t state_bytes = 0;       // uncompressed bytes of one save
+  int64_t last_file_bytes = 0;   // bytes of the last shard written
+  std::vector<double> stall_ms;  // blocking time of each SaveAsync
+  double last_write_ms = 0;      // background time of the last save (compress + write + commit)
+  Status last_error;             // the newest background failure
+};
+
+class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
+ public:
+  // Validates the options, creates the directory and finds the newest
+  // committed checkpoint in it (DurableStep()).
+  static StatusOr<std::unique_ptr<Checkpointer>> Create(const CheckpointOptions& options);
+  // Waits for background saves to finish.
+  ~Checkpointer() override;
+
+  // ---- registration (before the first save or load) ----
+  // A tensor at HDF5 path /<path> ("model/fc1.weight"). `data` holds
+  // prod(shape) elements, row-major; an empty shape is a scalar. kCuda needs
+  // a CUDA build. REQUIRES: data stays valid for the Checkpointer's life.
+  virtual Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
+                           MemoryLocation location = MemoryLocation::kHost) = 0;
+  // A stateful object with its own serialisation (optimizer scalars, RNG
+  // state, data position). `save` runs on the training thread during staging;
+  // `load` receives exactly the bytes `save` returned.
+  virtual Status AddObject(std::string path, std::function<std::vector<uint8_t>()> save,
+                           std::function<Status(std::span<const uint8_t>)> load) = 0;
+
+  // ---- saving ----
+  // Stages the registered state as step `step` and returns; the rest runs in
+  // the background. Blocks longer only when the staging budget is exhausted
+  // (back-pressure) or the state is staged in pieces. A background failure is
+  // reported by the next SaveAsync/Wait and in Stats().last_error.
+  virtual Status SaveAsync(int64_t step) = 0;
+  // Waits until every started save is durable (and committed when local).
+  // Returns the first background error since the last Wait.
+  virtual Status Wait() = 0;
+
+  // ---- loading ----
+  // Loads the newest checkpoint that verifies; corrupt ones are skipped with
+  // a warning naming the file and tensor. Returns its step. kNotFound when the
+  // directory holds no committed checkpoint, kDataLoss when none verifies.
+  // On error the registered state may be partly overwritten.
+  virtual StatusOr<int64_t> LoadLatest() = 0;
+  // Loads exactly `step` (kDataLoss when it does not verify).
+  virtual StatusOr<int64_t> Load(int64_t step) = 0;
+
+  // ---- the multi-rank seam ----
+  // Newest step whose shard of this rank is durable (renamed and its
+  // directory fsynced), committed or not. -1: none.
+  virtual int64_t ShardDurableStep() const = 0;
+  // Writes <dir>/step-S/MANIFEST.json naming `world_size` shards (rank 0,
+  // once every rank's shard of `step` is durable), then applies retention.
+  // Checks that every shard file exists. Any thread; blocks on file I/O.
+  virtual Status CommitManifest(int64_t step, int world_size) = 0;
+
+  virtual CheckpointStats Stats() const = 0;
+  virtual const CheckpointOptions& options() const = 0;
+
+  // RecoveryStore::WaitDurable: the saves in flight finish first (their errors
+  // are reported by the next Wait/SaveAsync).
+  int64_t WaitDurable() override {
+    (void)Wait();
+    return DurableStep();
+  }
+  // RecoveryStore::CommitDurable: with coordinator commit, the guard on rank 0
+  // calls this once the vote shows every rank's shard of `step` durable.
+  Status CommitDurable(int64_t step, int world_size) override {
+    if (options().commit_manifest_locally) return Status::Ok();
+    return CommitManifest(step, world_size);
+  }
+
+  // ---- RecoveryStore (the guard's view) ----
+  // DurableStep: the newest committed checkpoint (local commit) or
+  // ShardDurableStep() (coordinator commit). Restore(step): the in-memory
+  // snapshot when it holds `step`, else the newest checkpoint <= step on disk
+  // that verifies. OnStepCommitted: SaveAsync on the triggers of the options;
+  // never throws (a staging OOM is returned as kResourceExhausted).
+};
+
+// ---- offline inspection (the CLI, tools, tests); any thread ----
+
+struct TensorInfo {
+  std::string path;  // "/model/fc1.weight"
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> chunk;        // chunk dims (empty: not chunked)
+  int64_t bytes = 0;                 // uncompressed
+  int64_t stored_bytes = 0;          // on disk
+  std::string xxh3;                  // the stored attribute
+  std::vector<std::string> filters;  // "shuffle", "zstd(level=1)", ...
+};
+
+struct ShardInfo {
+  std::string file;
+  std::string format;
+  int64_t step = -1;
+  int rank = -1;
+  int world_size = -1;
+  int64_t file_bytes = 0;
+  std::vector<TensorInfo> tensors;
+};
+
+struct CheckpointInfo {
+  int64_t step = -1;
+  std::string dir;         // the step directory
+  bool committed = false;  // MANIFEST.json exists and parses
+  int world_size = -1;     // from the manifest
+  int64_t created_unix = 0;
+  int64_t bytes = 0;                // sum of shard bytes in the manifest (or on disk when uncommitted)
+  std::vector<std::string> shards;  // shard files present
+  std::string problem;              // why the manifest did not parse ("" : none)
+};
+
+// Every step directory under `dir`, oldest first.
+OOMGUARD_EXPORT StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& dir);
+
+// Verifies checkpoint `step` fully: manifest, world size (when
+// expected_world_size > 0), every shard's size and xxh3, every tensor's xxh3.
+// OK, or kDataLoss / kNotFound naming the file and tensor. `progress` (may
+// be null) is called with bytes verified so far and the total.
+OOMGUARD_EXPORT Status VerifyCheckpoint(const std::string& dir, int64_t step, int expected_world_size = -1,
+                                        const std::function<void(int64_t, int64_t)>& progress = nullptr);
+
+// The attributes, datasets, filters and checksums of one shard file.
+OOMGUARD_EXPORT StatusOr<ShardInfo> InspectShard(const std::string& file);
+
+}  // namespace oomguard
+
+#endif  // OOMGUARD_CHECKPOINT_H_

@@ -1,0 +1,803 @@
+// The Checkpointer: state registry, staging (the only blocking part of a
+// save), the background writer, manifest commit, retention, loading, and the
+// RecoveryStore the guard rolls back through.
+//
+// Staging buffers (struct Snapshot) are recycled: at steady state one holds
+// the retained snapshot (instant rollback) and one is being written or spare,
+// so a save copies into memory that is already faulted in. The staging budget
+// bounds the bytes of all of them together.
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "oomguard/checkpoint.h"
+#include "oomguard/device.h"
+#include "oomguard/faults.h"
+#include "oomguard/incident.h"
+#include "oomguard/logging.h"
+#include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/thread_pool.h"
+#include "sdk/core/ids.h"
+
+namespace oomguard {
+
+namespace fs = std::filesystem;
+using ckpt::ShardTensor;
+
+std::string_view DTypeName(DType t) {
+  switch (t) {
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt16:
+      return "int16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kUInt16:
+      return "uint16";
+    case DType::kUInt32:
+      return "uint32";
+    case DType::kUInt64:
+      return "uint64";
+    case DType::kBool:
+      return "bool";
+  }
+  return "uint8";
+}
+
+std::optional<DType> ParseDType(std::string_view name) {
+  for (int i = 0; i <= static_cast<int>(DType::kBool); ++i)
+    if (DTypeName(static_cast<DType>(i)) == name) return static_cast<DType>(i);
+  return std::nullopt;
+}
+
+size_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kInt16:
+    case DType::kUInt16:
+      return 2;
+    case DType::kFloat32:
+    case DType::kInt32:
+    case DType::kUInt32:
+      return 4;
+    case DType::kFloat64:
+    case DType::kInt64:
+    case DType::kUInt64:
+      return 8;
+    default:
+      return 1;
+  }
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// The dtype under which an object's bytes are stored.
+constexpr std::string_view kObjectDType = "uint8";
+
+struct Entry {
+  std::string path;  // without leading '/'
+  bool is_object = false;
+  DType dtype = DType::kUInt8;
+  std::vector<int64_t> shape;
+  void* data = nullptr;
+  int64_t bytes = 0;
+  std::function<std::vector<uint8_t>()> save;
+  std::function<Status(std::span<const uint8_t>)> load;
+};
+
+// One staged copy of the registered state (one buffer per entry).
+struct Snapshot {
+  int64_t step = -1;
+  std::vector<std::vector<uint8_t>> data;
+  int64_t bytes = 0;
+  bool writing = false;  // guarded by CheckpointerImpl::mu_
+};
+
+class SnapshotSource final : public ckpt::ChunkSource {
+ public:
+  explicit SnapshotSource(std::shared_ptr<Snapshot> s) : s_(std::move(s)) {}
+  const uint8_t* Acquire(size_t t, int64_t begin, int64_t) override { return s_->data[t].data() + begin; }
+  void Release(size_t, int64_t, int64_t) override {}
+
+ private:
+  std::shared_ptr<Snapshot> s_;
+};
+
+// Piece-wise staging for a state larger than the budget: the training thread
+// publishes chunk copies (blocking while the budget is used up); the writer
+// consumes them in the same order and releases each after compression.
+class PieceSource final : public ckpt::ChunkSource {
+ public:
+  PieceSource(int64_t budget, std::vector<std::vector<uint8_t>> whole)
+      : budget_(budget), whole_(std::move(whole)) {}
+
+  // Training thread. Copies [begin, begin+len) of entry t from `src`.
+  void Publish(size_t t, int64_t begin, const uint8_t* src, int64_t len) {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return used_ == 0 || used_ + len <= budget_ || aborted_; });
+    if (aborted_) return;
+    used_ += len;
+    lk.unlock();
+    std::vector<uint8_t> buf(src, src + len);
+    lk.lock();
+    pieces_[{t, begin}] = std::move(buf);
+    cv_.notify_all();
+  }
+  // Writer side, on failure: unblocks the training thread.
+  void Abort() {
+    std::lock_guard<std::mutex> lk(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+  const uint8_t* Acquire(size_t t, int64_t begin, int64_t) override {
+    if (!whole_[t].empty()) return whole_[t].data() + begin;
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return pieces_.count({t, begin}) > 0; });
+    return pieces_[{t, begin}].data();
+  }
+  bool Ready(size_t t, int64_t begin) override {
+    if (!whole_[t].empty()) return true;
+    std::lock_guard<std::mutex> lk(mu_);
+    return pieces_.count({t, begin}) > 0;
+  }
+  void Release(size_t t, int64_t begin, int64_t len) override {
+    if (!whole_[t].empty()) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    pieces_.erase({t, begin});
+    used_ -= len;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const int64_t budget_;
+  int64_t used_ = 0;                                                   // guarded by mu_
+  bool aborted_ = false;                                               // guarded by mu_
+  std::map<std::pair<size_t, int64_t>, std::vector<uint8_t>> pieces_;  // guarded by mu_
+  const std::vector<std::vector<uint8_t>> whole_;                      // objects and scalars, staged up front
+};
+
+struct WriteJob {
+  int64_t step = -1;
+  std::vector<ShardTensor> tensors;
+  std::shared_ptr<ckpt::ChunkSource> source;
+  std::shared_ptr<Snapshot> snapshot;  // null in piece mode
+  std::shared_ptr<PieceSource> pieces;
+  Clock::time_point started;
+};
+
+std::vector<int64_t> CommittedSteps(const std::string& dir) {
+  std::vector<int64_t> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    auto step = ckpt::ParseStepDirName(e.path().filename().string());
+    if (step && fs::exists(e.path() / ckpt::kManifestName, ec)) out.push_back(*step);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+class CheckpointerImpl final : public Checkpointer {
+ public:
+  explicit CheckpointerImpl(const CheckpointOptions& o) : o_(o) {
+    int threads =
+        o.threads > 0 ? o.threads : std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
+    pool_ = std::make_unique<ckpt::ThreadPool>(std::max(1, threads));
+    auto steps = CommittedSteps(o_.dir);
+    committed_step_ = steps.empty() ? -1 : steps.back();
+    writer_ = std::thread([this] { WriterLoop(); });
+  }
+
+  ~CheckpointerImpl() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    writer_.join();
+  }
+
+  Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
+                   MemoryLocation location) override {
+    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+    if (location == MemoryLocation::kCuda)
+      return Status::Unimplemented("AddTensor(" + path +
+                                   "): CUDA tensors are not supported yet; stage them to host");
+    int64_t elems = 1;
+    for (int64_t d : shape) {
+      if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
+      elems *= d;
+    }
+    if (data == nullptr && elems > 0) return Status::InvalidArgument("AddTensor(" + path + "): data is null");
+    Entry e;
+    e.path = std::move(path);
+    e.dtype = dtype;
+    e.shape = std::move(shape);
+    e.data = data;
+    e.bytes = elems * static_cast<int64_t>(DTypeSize(dtype));
+    entries_.push_back(std::move(e));
+    return Status::Ok();
+  }
+
+  Status AddObject(std::string path, std::function<std::vector<uint8_t>()> save,
+                   std::function<Status(std::span<const uint8_t>)> load) override {
+    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+    if (!save || !load) return Status::InvalidArgument("AddObject(" + path + "): save and load must be set");
+    Entry e;
+    e.path = std::move(path);
+    e.is_object = true;
+    e.save = std::move(save);
+    e.load = std::move(load);
+    entries_.push_back(std::move(e));
+    return Status::Ok();
+  }
+
+  Status SaveAsync(int64_t step) override;
+  Status Wait() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+    Status s = pending_error_;
+    pending_error_ = Status::Ok();
+    return s;
+  }
+
+  StatusOr<int64_t> LoadLatest() override;
+  StatusOr<int64_t> Load(int64_t step) override {
+    (void)Wait();
+    Status s = LoadStep(step);
+    if (!s.ok()) return s;
+    return step;
+  }
+
+  int64_t ShardDurableStep() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return shard_durable_step_;
+  }
+  Status CommitManifest(int64_t step, int world_size) override;
+
+  CheckpointStats Stats() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return stats_;
+  }
+  const CheckpointOptions& options() const override { return o_; }
+
+  int64_t DurableStep() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return o_.commit_manifest_locally ? committed_step_ : shard_durable_step_;
+  }
+  int64_t SnapshotStep() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return retained_ != nullptr ? retained_->step : -1;
+  }
+  StatusOr<int64_t> Restore(int64_t step) override;
+  Status OnStepCommitted(int64_t step, bool after_recovery) override {
+    const bool by_count = o_.every_steps > 0 && (step + 1) % o_.every_steps == 0;
+    if (!by_count && !(after_recovery && o_.save_after_recovery)) return Status::Ok();
+    try {
+      return SaveAsync(step);
+    } catch (const std::bad_alloc& e) {
+      return Status::ResourceExhausted(std::string("staging checkpoint of step ") + std::to_string(step) +
+                                       " ran out of host memory: " + e.what());
+    } catch (const DeviceOomError& e) {
+      return Status::ResourceExhausted(std::string("staging checkpoint of step ") + std::to_string(step) +
+                                       " ran out of device memory: " + e.what());
+    } catch (const std::exception& e) {
+      return Status::Internal(std::string("checkpoint of step ") + std::to_string(step) +
+                              " failed: " + e.what());
+    }
+  }
+
+ private:
+  Status CheckNewPath(const std::string& path) const {
+    if (path.empty() || path.front() == '/' || path.back() == '/' || path.find("//") != std::string::npos ||
+        path.find('.') == 0)
+      return Status::InvalidArgument("state path '" + path + "' must look like 'model/fc1.weight'");
+    for (const auto& e : entries_)
+      if (e.path == path) return Status::InvalidArgument("state path '" + path + "' is registered twice");
+    return Status::Ok();
+  }
+  std::string StepDir(int64_t step) const { return o_.dir + "/" + ckpt::StepDirName(step); }
+  std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const {
+    std::vector<ShardTensor> out;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      ShardTensor t;
+      t.path = e.path;
+      if (e.is_object) {
+        t.dtype = DType::kUInt8;
+        t.bytes = static_cast<int64_t>((*object_bytes)[i].size());
+        t.shape = {t.bytes};
+      } else {
+        t.dtype = e.dtype;
+        t.shape = e.shape;
+        t.bytes = e.bytes;
+      }
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  void WriterLoop();
+  Status Write(WriteJob& job);
+  Status LoadStep(int64_t step);
+  void ApplyRetention(int64_t newest_committed);
+  void RecordCorrupt(int64_t step, const Status& why);
+
+  const CheckpointOptions o_;
+  std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
+  std::unique_ptr<ckpt::ThreadPool> pool_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<WriteJob> queue_;                         // guarded by mu_
+  bool busy_ = false;                                  // guarded by mu_: the writer holds a job
+  bool stop_ = false;                                  // guarded by mu_
+  std::shared_ptr<Snapshot> retained_;                 // guarded by mu_: newest complete staged state
+  std::shared_ptr<Snapshot> spare_;                    // guarded by mu_: a buffer set to reuse
+  int64_t inflight_bytes_ = 0;                         // guarded by mu_: snapshots queued or being written
+  int64_t committed_step_ = -1;                        // guarded by mu_
+  int64_t shard_durable_step_ = -1;                    // guarded by mu_
+  std::map<int64_t, ckpt::ManifestShard> own_shards_;  // guarded by mu_: durable, not yet committed
+  Status pending_error_;                               // guarded by mu_
+  CheckpointStats stats_;                              // guarded by mu_
+  std::mutex commit_mu_;                               // serialises CommitManifest + retention
+  std::thread writer_;
+};
+
+Status CheckpointerImpl::SaveAsync(int64_t step) {
+  const auto t0 = Clock::now();
+  FaultPoint(FaultSite::kCkptStage, FaultContext{step, o_.rank, -1, 0});
+  Status previous;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    previous = pending_error_;
+    pending_error_ = Status::Ok();
+    ++stats_.saves_started;
+  }
+  // Objects serialise first: their size is part of the state's size.
+  std::vector<std::vector<uint8_t>> object_bytes(entries_.size());
+  int64_t need = 0;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].is_object) object_bytes[i] = entries_[i].save();
+    need += entries_[i].is_object ? static_cast<int64_t>(object_bytes[i].size()) : entries_[i].bytes;
+  }
+  WriteJob job;
+  job.step = step;
+  job.tensors = Layout(&object_bytes);
+  const int64_t budget = o_.staging_budget_bytes;
+
+  if (budget == 0 || need <= budget) {
+    std::shared_ptr<Snapshot> snap;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      for (;;) {
+        const int64_t retained_idle = (retained_ && !retained_->writing) ? retained_->bytes : 0;
+        if (budget == 0 || inflight_bytes_ + retained_idle + need <= budget) break;
+        if (retained_idle > 0) {
+          // Its step is durable by now; rollback falls back to disk.
+          if (!spare_) spare_ = std::move(retained_);
+          retained_.reset();
+          continue;
+        }
+        cv_.wait(lk);  // back-pressure: a write must finish first
+      }
+      snap = std::move(spare_);
+    }
+    if (!snap) snap = std::make_shared<Snapshot>();
+    snap->data.resize(entries_.size());
+    snap->step = step;
+    snap->bytes = need;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      if (e.is_object) {
+        snap->data[i] = std::move(object_bytes[i]);
+        continue;
+      }
+      auto& buf = snap->data[i];
+      if (static_cast<int64_t>(buf.size()) != e.bytes) {
+        // Resize without value-initialising what memcpy overwrites anyway.
+        buf = std::vector<uint8_t>();
+        buf.resize(static_cast<size_t>(e.bytes));
+      }
+      if (e.bytes > 0) std::memcpy(buf.data(), e.data, static_cast<size_t>(e.bytes));
+    }
+    job.snapshot = snap;
+    job.source = std::make_shared<SnapshotSource>(snap);
+    job.started = Clock::now();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      snap->writing = true;
+      inflight_bytes_ += snap->bytes;
+      if (o_.keep_snapshot) {
+        std::shared_ptr<Snapshot> old = std::move(retained_);
+        retained_ = snap;
+        if (old && !old->writing && !spare_) spare_ = std::move(old);
+      }
+      stats_.state_bytes = need;
+      stats_.stall_ms.push_back(MsSince(t0));
+      queue_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  } else {
+    // Larger than the budget: wait until nothing else holds staging memory,
+    // then stream chunk copies to the writer.
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+      retained_.reset();
+      spare_.reset();
+    }
+    std::vector<std::vector<uint8_t>> whole(entries_.size());
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      if (e.is_object) {
+        whole[i] = std::move(object_bytes[i]);
+      } else if (e.shape.empty() && e.bytes > 0) {
+        const auto* p = static_cast<const uint8_t*>(e.data);
+        whole[i].assign(p, p + e.bytes);
+      }
+    }
+    auto pieces = std::make_shared<PieceSource>(budget, whole);
+    job.pieces = pieces;
+    job.source = pieces;
+    job.started = Clock::now();
+    std::vector<ShardTensor> tensors = job.tensors;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stats_.state_bytes = need;
+      queue_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+    std::vector<hsize_t> offset;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (!whole[i].empty() || entries_[i].bytes == 0) continue;
+      ckpt::ChunkLayout L = ckpt::PlanChunks(tensors[i].shape, DTypeSize(tensors[i].dtype), o_.chunk_bytes);
+      for (int64_t c = 0; c < L.count; ++c) {
+        int64_t begin = 0, len = 0;
+        ckpt::ChunkPosition(tensors[i].shape, L, c, &offset, &begin, &len);
+        pieces->Publish(i, begin, static_cast<const uint8_t*>(entries_[i].data) + begin, len);
+      }
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.stall_ms.push_back(MsSince(t0));
+  }
+  if (!previous.ok())
+    return Status(previous.code(), "an earlier checkpoint save failed: " + previous.message());
+  return Status::Ok();
+}
+
+void CheckpointerImpl::WriterLoop() {
+  for (;;) {
+    WriteJob job;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    Status s;
+    try {
+      s = Write(job);
+    } catch (const std::exception& e) {
+      // Injected faults (ckpt_write/ckpt_manifest oom rules) and allocation failures.
+      s = Status::ResourceExhausted(std::string("checkpoint writer: ") + e.what());
+    }
+    if (!s.ok() && job.pieces) job.pieces->Abort();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      busy_ = false;
+      stats_.last_write_ms = MsSince(job.started);
+      if (job.snapshot) {
+        job.snapshot->writing = false;
+        inflight_bytes_ -= job.snapshot->bytes;
+        if (job.snapshot != retained_ && !spare_) spare_ = job.snapshot;
+        // A snapshot whose write failed is not a checkpoint, but it is still
+        // a complete copy of that step's state: it stays usable for rollback.
+      }
+      if (!s.ok()) {
+        ++stats_.save_failures;
+        stats_.last_error = s;
+        pending_error_ = s;
+      }
+    }
+    if (!s.ok()) Logger()->error("checkpoint of step {} failed: {}", job.step, s.ToString());
+    cv_.notify_all();
+  }
+}
+
+Status CheckpointerImpl::Write(WriteJob& job) {
+  const std::string dir = StepDir(job.step);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::Internal("cannot create " + dir + ": " + ec.message());
+  // Re-saving a step that was committed before (a run resumed from an older
+  // checkpoint): retract the old commit first, so that a crash in between
+  // never pairs the old manifest with a new shard.
+  if (fs::exists(dir + "/" + ckpt::kManifestName, ec)) {
+    fs::remove(dir + "/" + ckpt::kManifestName, ec);
+    if (o_.fsync) OOMGUARD_RETURN_IF_ERROR(ckpt::FsyncPath(dir, true));
+    std::lock_guard<std::mutex> lk(mu_);
+    auto steps = CommittedSteps(o_.dir);
+    committed_step_ = steps.empty() ? -1 : steps.back();
+  }
+  ckpt::ShardWriteOptions wo;
+  wo.step = job.step;
+  wo.rank = o_.rank;
+  wo.world_size = o_.world_size;
+  wo.level = o_.compression_level;
+  wo.chunk_bytes = o_.chunk_bytes;
+  wo.fsync = o_.fsync;
+  const FaultContext ctx{job.step, o_.rank, -1, 0};
+  wo.midway = [ctx] { FaultPoint(FaultSite::kCkptWrite, ctx); };
+  const std::string file = ckpt::ShardFileName(o_.rank);
+  auto res = ckpt::WriteShard(dir + "/" + file, job.tensors, job.source.get(), pool_.get(), wo);
+  if (!res.ok()) return res.status();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    shard_durable_step_ = std::max(shard_durable_step_, job.step);
+    own_shards_[job.step] = ckpt::ManifestShard{o_.rank, file, res->file_bytes, res->file_xxh3};
+    ++stats_.checkpoints_written;
+    stats_.last_file_bytes = res->file_bytes;
+  }
+  if (o_.commit_manifest_locally) return CommitManifest(job.step, o_.world_size);
+  return Status::Ok();
+}
+
+Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
+  std::lock_guard<std::mutex> commit_lock(commit_mu_);
+  FaultPoint(FaultSite::kCkptManifest, FaultContext{step, o_.rank, -1, 0});
+  const std::string dir = StepDir(step);
+  ckpt::Manifest m;
+  m.format = std::string(kCheckpointFormat);
+  m.step = step;
+  m.world_size = world_size;
+  m.created_unix = internal::NowUnixMs() / 1000;
+  for (int r = 0; r < world_size; ++r) {
+    std::optional<ckpt::ManifestShard> own;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = own_shards_.find(step);
+      if (it != own_shards_.end() && it->second.rank == r) own = it->second;
+    }
+    if (own) {
+      m.shards.push_back(*own);
+      continue;
+    }
+    // Another rank's shard (shared filesystem): its bytes and hash from disk.
+    ckpt::ManifestShard sh{r, ckpt::ShardFileName(r), 0, ""};
+    uint64_t h = 0;
+    Status s = ckpt::HashFile(dir + "/" + sh.file, &h, &sh.bytes);
+    if (!s.ok())
+      return Status::FailedPrecondition("cannot commit step " + std::to_string(step) + ": " + s.message());
+    sh.xxh3 = ckpt::Hex64(h);
+    m.shards.push_back(std::move(sh));
+  }
+  OOMGUARD_RETURN_IF_ERROR(
+      ckpt::WriteFileDurably(dir + "/" + ckpt::kManifestName, ckpt::ManifestToJson(m), o_.fsync));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    committed_step_ = std::max(committed_step_, step);
+    own_shards_.erase(own_shards_.begin(), own_shards_.upper_bound(step));
+    ++stats_.manifests_committed;
+  }
+  ApplyRetention(step);
+  return Status::Ok();
+}
+
+void CheckpointerImpl::ApplyRetention(int64_t newest_committed) {
+  std::error_code ec;
+  std::vector<int64_t> committed = CommittedSteps(o_.dir);
+  std::vector<int64_t> doomed;
+  if (o_.keep > 0 && static_cast<int>(committed.size()) > o_.keep)
+    doomed.assign(committed.begin(), committed.end() - o_.keep);
+  // Incomplete directories older than a committed step are crash leftovers;
+  // newer ones may be saves in progress (here or on other ranks).
+  for (const auto& e : fs::directory_iterator(o_.dir, ec)) {
+    auto step = ckpt::ParseStepDirName(e.path().filename().string());
+    if (step && *step < newest_committed && !fs::exists(e.path() / ckpt::kManifestName, ec))
+      doomed.push_back(*step);
+  }
+  for (int64_t s : doomed) {
+    if (s == newest_committed) continue;
+    // Remove the manifest first: a crash mid-delete leaves an uncommitted directory, never a
+    // committed one with shards missing.
+    fs::remove(StepDir(s) + "/" + ckpt::kManifestName, ec);
+    fs::remove_all(StepDir(s), ec);
+    if (ec) Logger()->warn("retention: cannot remove {}: {}", StepDir(s), ec.message());
+  }
+  if (!doomed.empty() && o_.fsync) (void)ckpt::FsyncPath(o_.dir, true);
+}
+
+Status CheckpointerImpl::LoadStep(int64_t step) {
+  const std::string dir = StepDir(step);
+  auto m = ckpt::ReadManifest(dir);
+  if (!m.ok()) return m.status();
+  if (m->step != step) return Status::DataLoss(dir + "/MANIFEST.json names step " + std::to_string(m->step));
+  if (m->world_size != o_.world_size)
+    return Status::DataLoss(dir + "/MANIFEST.json names world size " + std::to_string(m->world_size) +
+                            ", this run has " + std::to_string(o_.world_size) +
+                            " (resharding is not supported)");
+  const ckpt::ManifestShard* sh = nullptr;
+  for (const auto& s : m->shards)
+    if (s.rank == o_.rank) sh = &s;
+  if (sh == nullptr)
+    return Status::DataLoss(dir + "/MANIFEST.json has no shard for rank " + std::to_string(o_.rank));
+  const std::string file = dir + "/" + sh->file;
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) return Status::DataLoss(file + " is missing");
+  if (st.st_size != sh->bytes)
+    return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
+                            std::to_string(sh->bytes) + " (truncated or rewritten)");
+  if (o_.verify_file_checksum) {
+    uint64_t h = 0;
+    int64_t n = 0;
+    OOMGUARD_RETURN_IF_ERROR(ckpt::HashFile(file, &h, &n));
+    if (ckpt::Hex64(h) != sh->xxh3)
+      return Status::DataLoss(file + ": file xxh3 " + ckpt::Hex64(h) + " differs from the manifest's " +
+                              sh->xxh3);
+  }
+  auto reader = ckpt::ShardReader::Open(file);
+  if (!reader.ok()) return reader.status();
+  auto& r = **reader;
+  if (r.step() != step || r.rank() != o_.rank || r.world_size() != o_.world_size)
+    return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
+                            std::to_string(r.rank()) + " world size " + std::to_string(r.world_size()));
+  // Tensors first, objects last: an object's load() runs only when every
+  // byte of the shard has verified.
+  std::vector<std::vector<uint8_t>> objects(entries_.size());
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    const std::string ds = "/" + e.path;
+    if (e.is_object) {
+      OOMGUARD_RETURN_IF_ERROR(r.ReadAll(ds, &objects[i], pool_.get()));
+    } else {
+      OOMGUARD_RETURN_IF_ERROR(
+          r.ReadInto(ds, true, e.dtype, e.shape, static_cast<uint8_t*>(e.data), e.bytes, pool_.get()));
+    }
+  }
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (!entries_[i].is_object) continue;
+    Status s = entries_[i].load(objects[i]);
+    if (!s.ok()) return Status(s.code(), file + ": object /" + entries_[i].path + ": " + s.message());
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  ++stats_.restores_from_disk;
+  return Status::Ok();
+}
+
+void CheckpointerImpl::RecordCorrupt(int64_t step, const Status& why) {
+  Logger()->warn("skipping checkpoint step {}: {}", step, why.ToString());
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.corrupt_skipped;
+  }
+  if (o_.incidents == nullptr) return;
+  Incident inc;
+  inc.id = internal::RandomHex16();
+  inc.time_unix_ms = internal::NowUnixMs();
+  inc.host = internal::HostName();
+  inc.rank = o_.rank;
+  inc.world_size = o_.world_size;
+  inc.step = step;
+  inc.phase = "checkpoint";
+  inc.kind = "host";
+  inc.exception_type = "oomguard::DataLoss";
+  inc.message = why.message();
+  inc.action = std::string(LadderActionName(LadderAction::kRollback));
+  inc.outcome = std::string(IncidentOutcomeName(IncidentOutcome::kFailed));
+  try {
+    o_.incidents->Record(inc);
+  } catch (...) {
+    Logger()->warn("incident sink failed to record a corrupt checkpoint");
+  }
+}
+
+StatusOr<int64_t> CheckpointerImpl::LoadLatest() {
+  (void)Wait();
+  std::vector<int64_t> steps = CommittedSteps(o_.dir);
+  if (steps.empty()) return Status::NotFound("no committed checkpoint in " + o_.dir);
+  std::string failures;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    Status s = LoadStep(*it);
+    if (s.ok()) return *it;
+    RecordCorrupt(*it, s);
+    failures += "; step " + std::to_string(*it) + ": " + s.message();
+  }
+  return Status::DataLoss("no checkpoint in " + o_.dir + " verifies" + failures);
+}
+
+StatusOr<int64_t> CheckpointerImpl::Restore(int64_t step) {
+  std::shared_ptr<Snapshot> snap;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (retained_ && retained_->step == step) snap = retained_;
+  }
+  if (snap) {
+    // The writer only reads a snapshot, so copying out of it is safe while it is written.
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      if (e.is_object) continue;
+      if (e.bytes > 0) std::memcpy(e.data, snap->data[i].data(), static_cast<size_t>(e.bytes));
+    }
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (!entries_[i].is_object) continue;
+      Status s = entries_[i].load(snap->data[i]);
+      if (!s.ok()) return Status(s.code(), "restoring object /" + entries_[i].path + ": " + s.message());
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.restores_from_memory;
+    return step;
+  }
+  (void)Wait();
+  std::vector<int64_t> steps = CommittedSteps(o_.dir);
+  std::string failures;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    if (*it > step) continue;
+    Status s = LoadStep(*it);
+    if (s.ok()) return *it;
+    RecordCorrupt(*it, s);
+    failures += "; step " + std::to_string(*it) + ": " + s.message();
+  }
+  return Status::DataLoss("nothing to restore at or before step " + std::to_string(step) + " in " + o_.dir +
+                          failures);
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOptions& o) {
+  auto bad = [](const std::string& m) { return Status::InvalidArgument("CheckpointOptions." + m); };
+  if (o.dir.empty()) return bad("dir must be set");
+  if (o.world_size < 1) return bad("world_size must be >= 1 (got " + std::to_string(o.world_size) + ")");
+  if (o.rank < 0 || o.rank >= o.world_size)
+    return bad("rank must be in [0, world_size) (got " + std::to_string(o.rank) + ")");
+  if (o.every_steps < 0) return bad("every_steps must be >= 0");
+  if (o.keep < 0) return bad("keep must be >= 0");
+  if (o.compression_level < 1 || o.compression_level > 22)
+    return bad("compression_level must be in [1, 22] (got " + std::to_string(o.compression_level) + ")");
+  if (o.chunk_bytes < 4096 || o.chunk_bytes > (int64_t{1} << 30))
+    return bad("chunk_bytes must be in [4 KiB, 1 GiB] (got " + std::to_string(o.chunk_bytes) + ")");
+  if (o.staging_budget_bytes < 0) return bad("staging_budget_bytes must be >= 0");
+  if (o.threads < 0) return bad("threads must be >= 0");
+  std::error_code ec;
+  fs::create_directories(o.dir, ec);
+  if (ec)
+    return Status::InvalidArgument("CheckpointOptions.dir: cannot create " + o.dir + ": " + ec.message());
+  return std::unique_ptr<Checkpointer>(new CheckpointerImpl(o));
+}
+
+Checkpointer::~Checkpointer() = default;
+
+}  // namespace oomguard

@@ -1,0 +1,37 @@
+// Chunk codec of format oomguard-ckpt/1: HDF5's byte shuffle (filter id 2)
+// followed by one Zstandard frame that records its content size (filter id
+// 32015, cd_values[0] = level). Shared by the writer, the loader, the
+// in-process HDF5 filter and the h5py/h5dump plugin, so that every reader
+// decodes exactly what the writer encoded.
+//
+// Thread-safety: pure functions; safe from any thread.
+#ifndef OOMGUARD_SDK_CHECKPOINT_CODEC_H_
+#define OOMGUARD_SDK_CHECKPOINT_CODEC_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace oomguard::ckpt {
+
+// HDF5 shuffle: byte j of element i goes to j * n + i (n = bytes / elem_size);
+// trailing bytes that do not fill an element are copied unchanged.
+void Shuffle(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size);
+void Unshuffle(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size);
+
+// Shuffle + zstd of one chunk. `scratch` is reused between calls.
+std::vector<uint8_t> EncodeChunk(const uint8_t* data, size_t bytes, size_t elem_size, int level,
+                                 std::vector<uint8_t>* scratch);
+
+// The inverse: decodes into `out`, which must hold exactly the frame's
+// content size. Returns "" or what is wrong (not a zstd frame, size mismatch).
+std::string DecodeChunk(const uint8_t* frame, size_t frame_bytes, size_t elem_size, uint8_t* out,
+                        size_t out_bytes, std::vector<uint8_t>* scratch);
+
+// 16 lowercase hex digits of XXH3_64bits (seed 0).
+std::string Hex64(uint64_t v);
+
+}  // namespace oomguard::ckpt
+
+#endif  // OOMGUARD_SDK_CHECKPOINT_CODEC_H_

@@ -1,0 +1,218 @@
+#include "sdk/checkpoint/hdf5_io.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "sdk/checkpoint/zstd_filter.h"
+
+namespace oomguard::ckpt {
+namespace {
+std::recursive_mutex& Hdf5Mutex() {
+  static std::recursive_mutex mu;
+  return mu;
+}
+}  // namespace
+
+Hdf5Lock::Hdf5Lock() : lock_(Hdf5Mutex()) {
+  H5Eget_auto2(H5E_DEFAULT, &old_func_, &old_data_);
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+}
+
+Hdf5Lock::~Hdf5Lock() { H5Eset_auto2(H5E_DEFAULT, old_func_, old_data_); }
+
+void H5Handle::reset() {
+  if (id_ < 0) return;
+  switch (H5Iget_type(id_)) {
+    case H5I_FILE:
+      H5Fclose(id_);
+      break;
+    case H5I_GROUP:
+      H5Gclose(id_);
+      break;
+    case H5I_DATASET:
+      H5Dclose(id_);
+      break;
+    case H5I_DATASPACE:
+      H5Sclose(id_);
+      break;
+    case H5I_DATATYPE:
+      H5Tclose(id_);
+      break;
+    case H5I_ATTR:
+      H5Aclose(id_);
+      break;
+    case H5I_GENPROP_LST:
+      H5Pclose(id_);
+      break;
+    default:
+      H5Idec_ref(id_);
+      break;
+  }
+  id_ = H5I_INVALID_HID;
+}
+
+Status EnsureZstdRegistered() {
+  if (H5Zfilter_avail(kZstdFilter) > 0) return Status::Ok();
+  if (H5Zregister(ZstdFilterClass()) < 0) return Status::Internal("cannot register the zstd HDF5 filter");
+  return Status::Ok();
+}
+
+H5Handle FileType(DType t) {
+  switch (t) {
+    case DType::kFloat16: {
+      // IEEE binary16, which h5py maps to numpy float16.
+      hid_t h = H5Tcopy(H5T_IEEE_F32LE);
+      H5Tset_fields(h, 15, 10, 5, 0, 10);
+      H5Tset_size(h, 2);
+      H5Tset_ebias(h, 15);
+      return H5Handle(h);
+    }
+    case DType::kBFloat16:
+      return H5Handle(H5Tcopy(H5T_STD_U16LE));  // raw bits; `dtype` says bfloat16
+    case DType::kFloat32:
+      return H5Handle(H5Tcopy(H5T_IEEE_F32LE));
+    case DType::kFloat64:
+      return H5Handle(H5Tcopy(H5T_IEEE_F64LE));
+    case DType::kInt8:
+      return H5Handle(H5Tcopy(H5T_STD_I8LE));
+    case DType::kInt16:
+      return H5Handle(H5Tcopy(H5T_STD_I16LE));
+    case DType::kInt32:
+      return H5Handle(H5Tcopy(H5T_STD_I32LE));
+    case DType::kInt64:
+      return H5Handle(H5Tcopy(H5T_STD_I64LE));
+    case DType::kUInt8:
+      return H5Handle(H5Tcopy(H5T_STD_U8LE));
+    case DType::kUInt16:
+      return H5Handle(H5Tcopy(H5T_STD_U16LE));
+    case DType::kUInt32:
+      return H5Handle(H5Tcopy(H5T_STD_U32LE));
+    case DType::kUInt64:
+      return H5Handle(H5Tcopy(H5T_STD_U64LE));
+    case DType::kBool:
+      return H5Handle(H5Tcopy(H5T_STD_U8LE));
+  }
+  return H5Handle(H5Tcopy(H5T_STD_U8LE));
+}
+
+Status WriteStringAttr(hid_t obj, const char* name, const std::string& value) {
+  H5Handle type(H5Tcopy(H5T_C_S1));
+  H5Tset_size(type.get(), std::max<size_t>(1, value.size()));
+  H5Tset_strpad(type.get(), H5T_STR_NULLTERM);
+  H5Handle space(H5Screate(H5S_SCALAR));
+  H5Handle attr(H5Acreate2(obj, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT));
+  if (!attr.valid()) return Status::Internal(std::string("cannot create attribute ") + name);
+  std::string padded = value;
+  padded.resize(std::max<size_t>(1, value.size()), '\0');
+  if (H5Awrite(attr.get(), type.get(), padded.data()) < 0)
+    return Status::Internal(std::string("cannot write attribute ") + name);
+  return Status::Ok();
+}
+
+Status WriteInt64Attr(hid_t obj, const char* name, int64_t value) {
+  H5Handle space(H5Screate(H5S_SCALAR));
+  H5Handle attr(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT));
+  if (!attr.valid()) return Status::Internal(std::string("cannot create attribute ") + name);
+  if (H5Awrite(attr.get(), H5T_NATIVE_INT64, &value) < 0)
+    return Status::Internal(std::string("cannot write attribute ") + name);
+  return Status::Ok();
+}
+
+std::optional<std::string> ReadStringAttr(hid_t obj, const char* name) {
+  if (H5Aexists(obj, name) <= 0) return std::nullopt;
+  H5Handle attr(H5Aopen(obj, name, H5P_DEFAULT));
+  if (!attr.valid()) return std::nullopt;
+  H5Handle type(H5Aget_type(attr.get()));
+  if (H5Tget_class(type.get()) != H5T_STRING) return std::nullopt;
+  if (H5Tis_variable_str(type.get()) > 0) {
+    H5Handle mem(H5Tcopy(H5T_C_S1));
+    H5Tset_size(mem.get(), H5T_VARIABLE);
+    char* s = nullptr;
+    if (H5Aread(attr.get(), mem.get(), &s) < 0 || s == nullptr) return std::nullopt;
+    std::string out(s);
+    H5free_memory(s);
+    return out;
+  }
+  size_t n = H5Tget_size(type.get());
+  std::string buf(n, '\0');
+  if (H5Aread(attr.get(), type.get(), buf.data()) < 0) return std::nullopt;
+  buf.resize(std::strlen(buf.c_str()));
+  return buf;
+}
+
+std::optional<int64_t> ReadInt64Attr(hid_t obj, const char* name) {
+  if (H5Aexists(obj, name) <= 0) return std::nullopt;
+  H5Handle attr(H5Aopen(obj, name, H5P_DEFAULT));
+  int64_t v = 0;
+  if (!attr.valid() || H5Aread(attr.get(), H5T_NATIVE_INT64, &v) < 0) return std::nullopt;
+  return v;
+}
+
+ChunkLayout PlanChunks(const std::vector<int64_t>& shape, size_t elem_size, int64_t target_bytes) {
+  ChunkLayout L;
+  int64_t elems = 1;
+  for (int64_t d : shape) elems *= d;
+  if (shape.empty() || elems == 0) return L;
+  const int n = static_cast<int>(shape.size());
+  // Smallest k whose trailing block (dims after k) fits the target.
+  int64_t tail = static_cast<int64_t>(elem_size);
+  int k = n - 1;
+  std::vector<int64_t> tail_at(static_cast<size_t>(n));
+  for (int i = n - 1; i >= 0; --i) {
+    tail_at[static_cast<size_t>(i)] = tail;
+    tail *= shape[static_cast<size_t>(i)];
+  }
+  for (int i = 0; i < n; ++i) {
+    if (tail_at[static_cast<size_t>(i)] <= target_bytes) {
+      k = i;
+      break;
+    }
+  }
+  const int64_t row = tail_at[static_cast<size_t>(k)];
+  const int64_t r = std::clamp<int64_t>(target_bytes / row, 1, shape[static_cast<size_t>(k)]);
+  L.k = k;
+  L.chunk_dims.assign(static_cast<size_t>(n), 1);
+  L.chunk_dims[static_cast<size_t>(k)] = static_cast<hsize_t>(r);
+  for (int i = k + 1; i < n; ++i)
+    L.chunk_dims[static_cast<size_t>(i)] = static_cast<hsize_t>(shape[static_cast<size_t>(i)]);
+  L.chunk_bytes = r * row;
+  int64_t outer = 1;
+  for (int i = 0; i < k; ++i) outer *= shape[static_cast<size_t>(i)];
+  L.count = outer * ((shape[static_cast<size_t>(k)] + r - 1) / r);
+  return L;
+}
+
+bool IsContiguousLayout(const std::vector<int64_t>& shape, const std::vector<hsize_t>& cd, int* k) {
+  if (cd.size() != shape.size() || shape.empty()) return false;
+  const int n = static_cast<int>(shape.size());
+  int kk = 0;
+  while (kk < n - 1 && cd[static_cast<size_t>(kk)] == 1) ++kk;
+  // dims before kk are 1; kk may be cut; dims after kk must be whole.
+  for (int i = kk + 1; i < n; ++i)
+    if (static_cast<int64_t>(cd[static_cast<size_t>(i)]) != shape[static_cast<size_t>(i)]) return false;
+  *k = kk;
+  return true;
+}
+
+void ChunkPosition(const std::vector<int64_t>& shape, const ChunkLayout& L, int64_t i,
+                   std::vector<hsize_t>* offset, int64_t* byte_begin, int64_t* byte_len) {
+  const int n = static_cast<int>(shape.size());
+  const size_t ks = static_cast<size_t>(L.k);
+  const int64_t r = static_cast<int64_t>(L.chunk_dims[ks]);
+  const int64_t per_k = (shape[ks] + r - 1) / r;
+  const int64_t row = L.chunk_bytes / r;  // bytes of one index step along dim k
+  int64_t outer = i / per_k;
+  const int64_t j = i % per_k;
+  offset->assign(static_cast<size_t>(n), 0);
+  (*offset)[ks] = static_cast<hsize_t>(j * r);
+  // Row-major outer index -> coordinates of dims before k.
+  for (int d = L.k - 1; d >= 0; --d) {
+    (*offset)[static_cast<size_t>(d)] = static_cast<hsize_t>(outer % shape[static_cast<size_t>(d)]);
+    outer /= shape[static_cast<size_t>(d)];
+  }
+  const int64_t outer_index = i / per_k;
+  *byte_begin = outer_index * shape[ks] * row + j * r * row;
+  *byte_len = std::min(r, shape[ks] - j * r) * row;
+}
+
+}  // namespace oomguard::ckpt

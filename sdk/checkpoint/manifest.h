@@ -1,0 +1,59 @@
+// Names, the manifest and durable file operations of format oomguard-ckpt/1.
+//
+// Durability protocol (crash consistency): a file is written as <name>.tmp,
+// fsynced, renamed over <name>, and its directory fsynced; MANIFEST.json is
+// written the same way, last. A reader trusts a step only when its manifest
+// exists, so a crash at any moment leaves either the previous checkpoints or
+// a complete new one, plus *.tmp litter that retention removes.
+//
+// Thread-safety: free functions on distinct paths may run concurrently.
+#ifndef OOMGUARD_SDK_CHECKPOINT_MANIFEST_H_
+#define OOMGUARD_SDK_CHECKPOINT_MANIFEST_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "oomguard/status.h"
+
+namespace oomguard::ckpt {
+
+inline constexpr const char* kManifestName = "MANIFEST.json";
+
+std::string StepDirName(int64_t step);  // "step-00000100"
+std::string ShardFileName(int rank);    // "rank-00000.h5"
+// The step of a "step-NNNNNNNN" name, or nullopt.
+std::optional<int64_t> ParseStepDirName(const std::string& name);
+
+struct ManifestShard {
+  int rank = 0;
+  std::string file;  // relative to the step directory
+  int64_t bytes = 0;
+  std::string xxh3;  // of the whole file
+};
+
+struct Manifest {
+  std::string format;
+  int64_t step = -1;
+  int world_size = 0;
+  int64_t created_unix = 0;
+  std::vector<ManifestShard> shards;
+};
+
+std::string ManifestToJson(const Manifest& m);
+// kDataLoss naming what is malformed.
+StatusOr<Manifest> ParseManifest(const std::string& text);
+// Reads <step_dir>/MANIFEST.json. kNotFound when absent.
+StatusOr<Manifest> ReadManifest(const std::string& step_dir);
+
+// Writes `data` to `path` durably (tmp, fsync, rename, directory fsync).
+Status WriteFileDurably(const std::string& path, const std::string& data, bool fsync);
+// fsync of a file or directory by path.
+Status FsyncPath(const std::string& path, bool directory);
+// XXH3_64bits of a whole file, and its size.
+Status HashFile(const std::string& path, uint64_t* hash, int64_t* bytes);
+
+}  // namespace oomguard::ckpt
+
+#endif  // OOMGUARD_SDK_CHECKPOINT_MANIFEST_H_

@@ -1,0 +1,106 @@
+// ShardWriter and ShardReader: one rank's HDF5 file of one checkpoint.
+//
+// Write path: datasets are created with the pipeline shuffle (2) + zstd
+// (32015) so that any HDF5 reader with the plugin decodes them, but the SDK
+// encodes chunks itself in a thread pool, outside the HDF5 lock, and hands
+// the finished bytes to H5Dwrite_chunk in chunk order (a sequential file).
+// Read path: H5Dread_chunk under the lock, decoding in the pool, the tensor's
+// xxh3 checked before the call returns.
+//
+// Thread-safety: a writer or reader is used by one thread at a time; several
+// may run concurrently (HDF5 calls are serialised by Hdf5Lock).
+#ifndef OOMGUARD_SDK_CHECKPOINT_SHARD_H_
+#define OOMGUARD_SDK_CHECKPOINT_SHARD_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "oomguard/checkpoint.h"
+#include "oomguard/status.h"
+#include "sdk/checkpoint/thread_pool.h"
+
+namespace oomguard::ckpt {
+
+struct ShardTensor {
+  std::string path;  // without the leading '/'
+  DType dtype = DType::kUInt8;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+};
+
+// Where the writer finds staged bytes. Acquire may block until the range is
+// staged (piece-wise staging); Release says the writer is done with it.
+class ChunkSource {
+ public:
+  virtual ~ChunkSource() = default;
+  virtual const uint8_t* Acquire(size_t tensor, int64_t begin, int64_t len) = 0;
+  virtual void Release(size_t tensor, int64_t begin, int64_t len) = 0;
+  // Whether Acquire of this range would return at once. The writer reads
+  // ahead only over ready ranges: blocking on a range that staging cannot
+  // produce until the writer releases budget would deadlock.
+  virtual bool Ready(size_t /*tensor*/, int64_t /*begin*/) { return true; }
+};
+
+struct ShardWriteOptions {
+  int64_t step = 0;
+  int rank = 0;
+  int world_size = 1;
+  int level = 1;
+  int64_t chunk_bytes = 1 << 20;
+  bool fsync = true;
+  // Called once, halfway through the chunks, with the *.tmp file open (the
+  // ckpt_write fault point: a kill there leaves a partial *.tmp behind).
+  std::function<void()> midway;
+};
+
+struct ShardWriteResult {
+  int64_t file_bytes = 0;
+  std::string file_xxh3;
+};
+
+// Writes <final_path>.tmp, fsyncs, renames to final_path, fsyncs the directory.
+StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::vector<ShardTensor>& tensors,
+                                      ChunkSource* source, ThreadPool* pool,
+                                      const ShardWriteOptions& options);
+
+// The chunk layout a writer uses for a tensor (bytes per full chunk, count).
+int64_t ChunkCount(const ShardTensor& t, int64_t chunk_bytes);
+
+class ShardReader {
+ public:
+  // Opens `path` and reads its root attributes. kDataLoss when it is not an
+  // HDF5 file of this format; kNotFound when missing.
+  static StatusOr<std::unique_ptr<ShardReader>> Open(const std::string& path);
+  ~ShardReader();
+
+  const std::string& path() const { return path_; }
+  const std::string& format() const { return format_; }
+  int64_t step() const { return step_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
+  // Every dataset path in the file ("/model/fc1.weight"), sorted.
+  StatusOr<std::vector<std::string>> DatasetPaths();
+  StatusOr<TensorInfo> Info(const std::string& dataset);
+  // Decodes `dataset` into out[0, bytes), checking dtype and shape (when
+  // `check` is true) and the xxh3 attribute. kDataLoss naming file and tensor.
+  Status ReadInto(const std::string& dataset, bool check, DType dtype, const std::vector<int64_t>& shape,
+                  uint8_t* out, int64_t bytes, ThreadPool* pool);
+  // Decodes a whole dataset into `out` (sized from the file), xxh3 checked.
+  Status ReadAll(const std::string& dataset, std::vector<uint8_t>* out, ThreadPool* pool);
+
+ private:
+  ShardReader() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::string path_, format_;
+  int64_t step_ = -1;
+  int rank_ = -1, world_size_ = -1;
+};
+
+}  // namespace oomguard::ckpt
+
+#endif  // OOMGUARD_SDK_CHECKPOINT_SHARD_H_

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# `oomguard ckpt list|verify|inspect` on checkpoints written by mlp_train,
+# before and after corruption. Usage: ckpt_cli_test.sh OOMGUARD MLP_TRAIN
+set -u
+CLI=$1
+MLP=$2
+WORK=$(mktemp -d /tmp/oomguard-ckptcli-XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+D="$WORK/ck"
+"$MLP" --steps 15 --hidden 16 --quiet --ckpt-dir "$D" --ckpt-every 5 --keep 0 || fail "mlp_train"
+
+out=$("$CLI" ckpt list "$D") || fail "list: $out"
+[ "$(echo "$out" | grep -c committed)" = "3" ] || fail "list shows 3 committed checkpoints: $out"
+out=$("$CLI" ckpt list "$D" --json) || fail "list --json"
+echo "$out" | /usr/bin/python3 -c 'import json,sys; l=json.load(sys.stdin); assert [c["step"] for c in l]==[4,9,14] and all(c["committed"] for c in l), l' \
+  || fail "list --json: $out"
+"$CLI" ckpt verify "$D" > /dev/null || fail "verify of good checkpoints"
+out=$("$CLI" ckpt inspect "$D/step-00000014/rank-00000.h5" --json) || fail "inspect"
+echo "$out" | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["step"]==14 and j["format"]=="oomguard-ckpt/1"; t={x["path"]:x for x in j["tensors"]}; assert t["/model/fc2.weight"]["shape"]==[16,16] and t["/model/fc2.weight"]["filters"]==["shuffle","zstd(level=1)"], t' \
+  || fail "inspect --json: $out"
+
+# Flip one byte near the end of a shard's data: verify names the file, exits 1.
+F="$D/step-00000009/rank-00000.h5"
+/usr/bin/python3 -c 'import sys; p=sys.argv[1]; b=bytearray(open(p,"rb").read()); b[len(b)//2]^=0xff; open(p,"wb").write(b)' "$F"
+out=$("$CLI" ckpt verify "$D" --step 9 2>&1)
+[ $? -eq 1 ] || fail "verify of a flipped byte must exit 1: $out"
+echo "$out" | grep -q "rank-00000.h5" || fail "verify must name the shard: $out"
+rm "$D/step-00000014/MANIFEST.json"
+out=$("$CLI" ckpt verify "$D" --step 14 --json)
+[ $? -eq 1 ] || fail "verify of a missing manifest must exit 1"
+echo "$out" | grep -q "no MANIFEST.json" || fail "verify must say the manifest is missing: $out"
+"$CLI" ckpt inspect "$WORK/nope.h5" > /dev/null 2>&1
+[ $? -eq 1 ] || fail "inspect of a missing file exits 1"
+"$CLI" ckpt verify > /dev/null 2>&1
+[ $? -eq 2 ] || fail "verify without DIR exits 2"
+echo "ok: ckpt list/verify/inspect"
