@@ -1,0 +1,179 @@
+#include "sdk/kb/file_set.h"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <ctime>
+#include <map>
+#include <set>
+
+namespace oomguard::kb {
+
+StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& specs) {
+  if (specs.empty())
+    return Status::InvalidArgument("--db is required (repeat it, or use a glob, to read several files)");
+  std::vector<std::string> out;
+  std::set<std::string> seen;
+  for (const std::string& spec : specs) {
+    if (spec.find_first_of("*?[") == std::string::npos) {
+      if (seen.insert(spec).second) out.push_back(spec);
+      continue;
+    }
+    glob_t g{};
+    int rc = ::glob(spec.c_str(), 0, nullptr, &g);
+    if (rc != 0 || g.gl_pathc == 0) {
+      globfree(&g);
+      return Status::InvalidArgument("--db '" + spec + "': no file matches");
+    }
+    for (size_t i = 0; i < g.gl_pathc; ++i)
+      if (seen.insert(g.gl_pathv[i]).second) out.emplace_back(g.gl_pathv[i]);
+    globfree(&g);
+  }
+  return out;
+}
+
+StatusOr<int64_t> ParseSince(std::string_view text, int64_t now_unix_ms) {
+  if (text.empty()) return int64_t{0};
+  std::string s(text);
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno == 0 && end != s.c_str()) {
+    std::string_view unit(end);
+    if (unit.empty()) return static_cast<int64_t>(v);  // unix milliseconds
+    int64_t mult = unit == "s"   ? 1000
+                   : unit == "m" ? 60'000
+                   : unit == "h" ? 3'600'000
+                   : unit == "d" ? 86'400'000
+                                 : 0;
+    // A duration longer than the epoch would overflow; it means "everything".
+    if (mult > 0 && v >= 0) return v > now_unix_ms / mult ? int64_t{0} : now_unix_ms - v * mult;
+  }
+  std::tm tm{};
+  if (s.size() == 10) {
+    const char* rest = strptime(s.c_str(), "%Y-%m-%d", &tm);
+    if (rest != nullptr && *rest == '\0') return static_cast<int64_t>(timegm(&tm)) * 1000;
+  }
+  return Status::InvalidArgument(
+      "'" + s + "': expected a duration (30m, 12h, 7d), a date (2024-05-01) or unix milliseconds");
+}
+
+bool MatchesQuery(const Incident& i, const IncidentQuery& q) {
+  if (!q.pattern.empty() && i.pattern != q.pattern) return false;
+  if (q.rank && i.rank != *q.rank) return false;
+  if (!q.run_id.empty() && i.run_id != q.run_id) return false;
+  if (!q.workload.empty() && i.workload != q.workload) return false;
+  if (!q.fingerprint.empty() && i.fingerprint != q.fingerprint) return false;
+  if (!q.id_prefix.empty() && i.id.compare(0, q.id_prefix.size(), q.id_prefix) != 0) return false;
+  if (q.since_unix_ms > 0 && i.time_unix_ms < q.since_unix_ms) return false;
+  return true;
+}
+
+bool NewerFirst(const Incident& a, const Incident& b) {
+  if (a.time_unix_ms != b.time_unix_ms) return a.time_unix_ms > b.time_unix_ms;
+  return a.id < b.id;
+}
+
+std::vector<IncidentGroup> GroupIncidents(const std::vector<Incident>& incidents) {
+  struct Acc {
+    IncidentGroup g;
+    std::set<std::string> runs;
+  };
+  std::map<std::string, Acc> groups;
+  for (const Incident& i : incidents) {
+    Acc& acc = groups[i.fingerprint];
+    IncidentGroup& g = acc.g;
+    if (g.count == 0)
+      g = {i.fingerprint, i.pattern, i.kind, i.phase, i.workload, 0, 0, i.time_unix_ms, i.time_unix_ms, i.id};
+    ++g.count;
+    acc.runs.insert(i.run_id);
+    g.first_seen_unix_ms = std::min(g.first_seen_unix_ms, i.time_unix_ms);
+    if (i.time_unix_ms > g.last_seen_unix_ms) {
+      g.last_seen_unix_ms = i.time_unix_ms;
+      g.last_id = i.id;
+    }
+  }
+  std::vector<IncidentGroup> out;
+  out.reserve(groups.size());
+  for (auto& [fp, acc] : groups) {
+    acc.g.runs = static_cast<int64_t>(acc.runs.size());
+    out.push_back(std::move(acc.g));
+  }
+  std::sort(out.begin(), out.end(), [](const IncidentGroup& x, const IncidentGroup& y) {
+    return x.count != y.count ? x.count > y.count : x.last_seen_unix_ms > y.last_seen_unix_ms;
+  });
+  return out;
+}
+
+StatusOr<KnowledgeBaseSet> KnowledgeBaseSet::Open(const std::vector<std::string>& specs) {
+  auto paths = ExpandPaths(specs);
+  if (!paths.ok()) return paths.status();
+  KnowledgeBaseSet set;
+  for (const std::string& path : *paths) {
+    KnowledgeBaseOptions o;
+    o.create_if_missing = false;
+    auto kb = KnowledgeBase::Open(path, o);
+    if (!kb.ok()) return kb.status();
+    set.files_.push_back(std::move(kb).value());
+  }
+  return set;
+}
+
+StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& query) {
+  std::vector<Incident> all;
+  for (auto& kb : files_) {
+    auto r = kb->Query(query);  // each file already limited, so the merge is too
+    if (!r.ok()) return r.status();
+    if (all.empty()) {
+      all = std::move(r).value();
+    } else {
+      for (auto& inc : *r) all.push_back(std::move(inc));
+    }
+  }
+  if (files_.size() > 1) std::stable_sort(all.begin(), all.end(), NewerFirst);
+  if (query.limit > 0 && all.size() > static_cast<size_t>(query.limit))
+    all.resize(static_cast<size_t>(query.limit));
+  return all;
+}
+
+StatusOr<std::vector<IncidentGroup>> KnowledgeBaseSet::Groups(IncidentQuery filters) {
+  filters.limit = 0;
+  auto all = Query(filters);
+  if (!all.ok()) return all.status();
+  return GroupIncidents(*all);
+}
+
+StatusOr<FileSetStats> KnowledgeBaseSet::Stats() {
+  FileSetStats out;
+  std::map<std::string, int64_t> by_pattern, by_outcome, by_kind;
+  for (auto& kb : files_) {
+    auto s = kb->Stats();
+    if (!s.ok()) return s.status();
+    out.files.push_back({kb->path(), s->schema_version, s->incidents, s->dropped_recorded});
+    out.incidents += s->incidents;
+    out.dropped += s->dropped_recorded;
+    for (auto& [k, n] : s->by_pattern) by_pattern[k] += n;
+    for (auto& [k, n] : s->by_outcome) by_outcome[k] += n;
+    for (auto& [k, n] : s->by_kind) by_kind[k] += n;
+    for (auto& p : s->priors) out.priors.push_back(p);
+  }
+  auto sorted = [](const std::map<std::string, int64_t>& m) {
+    std::vector<std::pair<std::string, int64_t>> v(m.begin(), m.end());
+    std::stable_sort(v.begin(), v.end(), [](auto& x, auto& y) { return x.second > y.second; });
+    return v;
+  };
+  out.by_pattern = sorted(by_pattern);
+  out.by_outcome = sorted(by_outcome);
+  out.by_kind = sorted(by_kind);
+  return out;
+}
+
+std::vector<std::string> KnowledgeBaseSet::paths() const {
+  std::vector<std::string> out;
+  for (const auto& kb : files_) out.push_back(kb->path());
+  return out;
+}
+
+}  // namespace oomguard::kb

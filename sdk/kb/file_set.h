@@ -1,0 +1,88 @@
+// Reading several knowledge-base files as one: the `oomguard kb` commands and
+// the browser (`kb serve`, `kb report`) share this so that a filter, a merge
+// or a group means the same thing in the terminal and in the page.
+//
+// One file per host is the documented layout across hosts, so every read
+// here merges: incidents newest first, groups and stats recounted over the
+// union (a run spanning two files counts once).
+//
+// Thread-safety: the free functions are pure. A KnowledgeBaseSet is used by
+// one thread at a time (the server gives it to its loader only).
+#ifndef OOMGUARD_SDK_KB_FILE_SET_H_
+#define OOMGUARD_SDK_KB_FILE_SET_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "oomguard/knowledge_base.h"
+#include "oomguard/status.h"
+
+namespace oomguard::kb {
+
+// Expands --db specs: a spec with '*', '?' or '[' is a glob (it must match at
+// least one file), any other is a path. Duplicates are dropped, order kept.
+// kInvalidArgument names the spec that matched nothing, or says none was given.
+StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& specs);
+
+// "30m", "12h", "7d", "45s" (ago, relative to now_unix_ms), "2024-05-01"
+// (UTC midnight) or unix milliseconds; "" is 0 (no filter). kInvalidArgument
+// quotes the text and lists the accepted forms; the caller prefixes the name
+// of the option or parameter it came from.
+StatusOr<int64_t> ParseSince(std::string_view text, int64_t now_unix_ms);
+
+// The in-memory twin of the store's WHERE clause (Store::Query): true when
+// `incident` passes every non-empty filter of `query`. `limit` is ignored.
+bool MatchesQuery(const Incident& incident, const IncidentQuery& query);
+
+// The store's order: newest first, ties by id ascending.
+bool NewerFirst(const Incident& a, const Incident& b);
+
+// Groups by fingerprint: count, distinct runs, first/last seen and the newest
+// id; most frequent first, ties newest first.
+std::vector<IncidentGroup> GroupIncidents(const std::vector<Incident>& incidents);
+
+// Totals over several files.
+struct FileSetStats {
+  struct File {
+    std::string path;
+    int schema_version = 0;
+    int64_t incidents = 0;
+    int64_t dropped = 0;
+  };
+  std::vector<File> files;
+  int64_t incidents = 0;
+  int64_t dropped = 0;                                      // recorded drops of full queues
+  std::vector<std::pair<std::string, int64_t>> by_pattern;  // count descending, then name
+  std::vector<std::pair<std::string, int64_t>> by_outcome;
+  std::vector<std::pair<std::string, int64_t>> by_kind;
+  std::vector<MicroBatchPrior> priors;  // every file's, in file order
+};
+
+// The knowledge-base files named by --db specs, opened for reading (never
+// created). Movable, not copyable.
+class KnowledgeBaseSet {
+ public:
+  // Expands `specs` and opens every file. Fails on the first file that does
+  // not open, with KnowledgeBase::Open's code and message (naming the path).
+  static StatusOr<KnowledgeBaseSet> Open(const std::vector<std::string>& specs);
+
+  // Every file's matches, merged newest first; query.limit applies to the merge.
+  StatusOr<std::vector<Incident>> Query(const IncidentQuery& query);
+  // GroupIncidents over Query(filters) with the limit cleared.
+  StatusOr<std::vector<IncidentGroup>> Groups(IncidentQuery filters);
+  StatusOr<FileSetStats> Stats();
+
+  std::vector<std::string> paths() const;
+  size_t size() const { return files_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<KnowledgeBase>> files_;
+};
+
+}  // namespace oomguard::kb
+
+#endif  // OOMGUARD_SDK_KB_FILE_SET_H_

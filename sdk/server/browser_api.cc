@@ -1,0 +1,397 @@
+#include "sdk/server/browser_api.h"
+
+#include <charconv>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "oomguard/knowledge_base.h"
+#include "sdk/core/ids.h"
+#include "sdk/kb/file_set.h"
+#include "sdk/server/assets.h"
+#include "sdk/server/metrics.h"
+
+namespace oomguard::server {
+namespace {
+
+using nlohmann::json;
+
+// The page loads only its own script and style; data arrives through fetch
+// from the same origin. Defence in depth: the page never turns data into
+// markup, and this policy would keep an injected inline script from running.
+constexpr const char* kCsp =
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+HttpResponse Json(int status, std::string body) {
+  HttpResponse r;
+  r.status = status;
+  r.content_type = "application/json; charset=utf-8";
+  r.body = std::move(body);
+  return r;
+}
+
+HttpResponse Error(int status, const std::string& message) {
+  return Json(status, Dump({{"error", message}, {"status", status}}));
+}
+
+// A parameter value quoted for an error message: bounded, so a huge value is
+// not echoed back whole.
+std::string Quote(std::string_view v) {
+  constexpr size_t kMax = 64;
+  return "'" + std::string(v.substr(0, kMax)) + (v.size() > kMax ? "...'" : "'");
+}
+
+struct Params {
+  std::map<std::string, std::string> values;
+  std::string error;  // set when the query string is unacceptable
+};
+
+Params ParseQuery(std::string_view query, const ApiLimits& limits) {
+  Params p;
+  size_t count = 0;
+  while (!query.empty()) {
+    size_t amp = query.find('&');
+    std::string_view part = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+    if (part.empty()) continue;
+    if (++count > limits.max_params) {
+      p.error = "too many parameters (at most " + std::to_string(limits.max_params) + ")";
+      return p;
+    }
+    size_t eq = part.find('=');
+    std::string key, value;
+    if (!PercentDecode(part.substr(0, eq), &key) ||
+        !PercentDecode(eq == std::string_view::npos ? std::string_view() : part.substr(eq + 1), &value)) {
+      p.error = "parameter " + Quote(part) + ": bad percent-encoding";
+      return p;
+    }
+    if (key.size() > 64) {
+      p.error = "parameter name " + Quote(key) + " is too long";
+      return p;
+    }
+    if (value.size() > limits.max_param_bytes) {
+      p.error = "parameter '" + key + "' is longer than " + std::to_string(limits.max_param_bytes) + " bytes";
+      return p;
+    }
+    if (!p.values.emplace(key, value).second) {
+      p.error = "parameter '" + key + "' is given more than once";
+      return p;
+    }
+  }
+  return p;
+}
+
+// Rejects any parameter outside `allowed`, naming it.
+std::string CheckAllowed(const Params& p, std::initializer_list<std::string_view> allowed) {
+  for (const auto& [k, v] : p.values) {
+    bool ok = false;
+    for (std::string_view a : allowed) ok = ok || k == a;
+    if (!ok) return "unknown parameter " + Quote(k);
+  }
+  return "";
+}
+
+bool ParseInt(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
+  int64_t v = 0;
+  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || ptr != s.data() + s.size() || v < lo || v > hi) return false;
+  *out = v;
+  return true;
+}
+
+// The CLI's filters (sdk/kb/file_set.h semantics) from query parameters.
+std::string ParseFilters(const Params& p, IncidentQuery* q) {
+  auto get = [&](const char* k) -> const std::string* {
+    auto it = p.values.find(k);
+    return it == p.values.end() || it->second.empty() ? nullptr : &it->second;
+  };
+  if (auto* v = get("pattern")) q->pattern = *v;
+  if (auto* v = get("run")) q->run_id = *v;
+  if (auto* v = get("workload")) q->workload = *v;
+  if (auto* v = get("fingerprint")) q->fingerprint = *v;
+  if (auto* v = get("rank")) {
+    int64_t r = 0;
+    if (!ParseInt(*v, 0, INT32_MAX, &r))
+      return "parameter 'rank': " + Quote(*v) + " is not a rank (0, 1, ...)";
+    q->rank = static_cast<int>(r);
+  }
+  if (auto* v = get("since")) {
+    auto since = kb::ParseSince(*v, internal::NowUnixMs());
+    if (!since.ok()) return "parameter 'since': " + since.status().message();
+    q->since_unix_ms = *since;
+  }
+  return "";
+}
+
+json GroupJson(const IncidentGroup& g) {
+  return {{"fingerprint", g.fingerprint},
+          {"pattern", g.pattern},
+          {"kind", g.kind},
+          {"phase", g.phase},
+          {"workload", g.workload},
+          {"count", g.count},
+          {"runs", g.runs},
+          {"first_seen_unix_ms", g.first_seen_unix_ms},
+          {"last_seen_unix_ms", g.last_seen_unix_ms},
+          {"last_id", g.last_id}};
+}
+
+json Counts(const std::vector<std::pair<std::string, int64_t>>& v) {
+  json a = json::array();
+  for (const auto& [name, n] : v) a.push_back({{"name", name}, {"count", n}});
+  return a;
+}
+
+HttpResponse ListIncidents(const IncidentIndex& index, const Params& p, const ApiLimits& limits) {
+  std::string err =
+      CheckAllowed(p, {"pattern", "rank", "run", "since", "workload", "fingerprint", "q", "offset", "limit"});
+  IncidentIndex::ListQuery q;
+  if (err.empty()) err = ParseFilters(p, &q.filters);
+  if (!err.empty()) return Error(400, err);
+  if (auto it = p.values.find("q"); it != p.values.end()) q.text = it->second;
+  int64_t v = 0;
+  if (auto it = p.values.find("offset"); it != p.values.end()) {
+    if (!ParseInt(it->second, 0, INT64_MAX / 2, &v))
+      return Error(400, "parameter 'offset': " + Quote(it->second) + " is not a non-negative integer");
+    q.offset = static_cast<size_t>(v);
+  }
+  if (auto it = p.values.find("limit"); it != p.values.end()) {
+    if (!ParseInt(it->second, 1, static_cast<int64_t>(limits.max_page), &v))
+      return Error(400, "parameter 'limit': " + Quote(it->second) + " must be between 1 and " +
+                            std::to_string(limits.max_page));
+    q.limit = static_cast<size_t>(v);
+  }
+  IncidentIndex::Page page = index.List(q);
+  // Items are the stored exchange records, concatenated as they are: no
+  // second parse and dump per row (this is the hot path of the page).
+  std::string body = "{\"total\":" + std::to_string(page.total) + ",\"offset\":" + std::to_string(q.offset) +
+                     ",\"limit\":" + std::to_string(q.limit) + ",\"items\":[";
+  body.reserve(body.size() + page.items.size() * 1024);
+  for (size_t k = 0; k < page.items.size(); ++k) {
+    if (k > 0) body += ',';
+    body += IncidentToJson(*page.items[k]);
+  }
+  body += "]}";
+  return Json(200, std::move(body));
+}
+
+HttpResponse Asset(std::string_view name) {
+  const EmbeddedAsset* a = FindAsset(name);
+  if (a == nullptr) return Error(404, "no such page");
+  HttpResponse r;
+  r.content_type = std::string(AssetContentType(name));
+  r.body = std::string(a->data);
+  r.headers.emplace_back("Cache-Control", "no-cache");
+  return r;
+}
+
+}  // namespace
+
+std::string_view AssetContentType(std::string_view name) {
+  auto ends = [&](std::string_view ext) {
+    return name.size() >= ext.size() && name.substr(name.size() - ext.size()) == ext;
+  };
+  if (ends(".html")) return "text/html; charset=utf-8";
+  if (ends(".js")) return "text/javascript; charset=utf-8";
+  if (ends(".css")) return "text/css; charset=utf-8";
+  if (ends(".svg")) return "image/svg+xml";
+  return "application/octet-stream";
+}
+
+bool PercentDecode(std::string_view in, std::string* out) {
+  out->clear();
+  out->reserve(in.size());
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < in.size(); ++i) {
+    char c = in[i];
+    if (c == '+') {
+      out->push_back(' ');
+    } else if (c == '%') {
+      if (i + 2 >= in.size()) return false;
+      int h = hex(in[i + 1]), l = hex(in[i + 2]);
+      if (h < 0 || l < 0) return false;
+      out->push_back(static_cast<char>(h * 16 + l));
+      i += 2;
+    } else {
+      out->push_back(c);
+    }
+  }
+  return true;
+}
+
+std::string StatsJson(const IncidentIndex& index) {
+  const kb::FileSetStats& s = index.stats();
+  json files = json::array();
+  for (const auto& f : s.files)
+    files.push_back({{"db", f.path},
+                     {"schema_version", f.schema_version},
+                     {"incidents", f.incidents},
+                     {"dropped", f.dropped}});
+  json priors = json::array();
+  for (const auto& p : s.priors)
+    priors.push_back(
+        {{"workload", p.workload}, {"micro_batch", p.micro_batch}, {"updated_unix_ms", p.updated_unix_ms}});
+  json ranks = json::array();
+  for (const auto& [rank, n] : index.by_rank()) ranks.push_back({{"rank", rank}, {"count", n}});
+  const auto& incs = index.incidents();
+  int64_t last_ms = incs.empty() ? 0 : incs.front().time_unix_ms;
+  return Dump({{"incidents", s.incidents},
+               {"dropped", s.dropped},
+               {"runs", index.runs().size()},
+               {"groups", index.groups().size()},
+               {"last_incident_unix_ms", last_ms},
+               {"loaded_unix_ms", index.loaded_unix_ms()},
+               {"by_pattern", Counts(s.by_pattern)},
+               {"by_outcome", Counts(s.by_outcome)},
+               {"by_kind", Counts(s.by_kind)},
+               {"by_rank", ranks},
+               {"files", files},
+               {"priors", priors}});
+}
+
+std::string PatternsJson(const IncidentIndex& index) {
+  std::map<std::string, int64_t> counts(index.stats().by_pattern.begin(), index.stats().by_pattern.end());
+  json arr = json::array();
+  for (const PatternInfo& p : PatternCatalogue()) {
+    auto it = counts.find(p.name);
+    arr.push_back({{"name", p.name},
+                   {"title", p.title},
+                   {"signal", p.signal},
+                   {"rule", p.rule},
+                   {"remedies", p.remedies},
+                   {"count", it == counts.end() ? 0 : it->second}});
+  }
+  return Dump(arr);
+}
+
+std::string GroupsJson(const std::vector<IncidentGroup>& groups) {
+  json arr = json::array();
+  for (const auto& g : groups) arr.push_back(GroupJson(g));
+  return Dump(arr);
+}
+
+std::string RunsJson(const IncidentIndex& index) {
+  json arr = json::array();
+  for (const RunSummary& r : index.runs())
+    arr.push_back({{"run_id", r.run_id},
+                   {"workload", r.workload},
+                   {"incidents", r.incidents},
+                   {"failed", r.failed},
+                   {"first_unix_ms", r.first_unix_ms},
+                   {"last_unix_ms", r.last_unix_ms},
+                   {"first_step", r.first_step},
+                   {"last_step", r.last_step},
+                   {"hosts", r.hosts}});
+  return Dump(arr);
+}
+
+std::string RunJson(const IncidentIndex& index, std::string_view run_id) {
+  std::vector<const Incident*> members = index.Run(run_id);
+  if (members.empty()) return "";
+  json points = json::array();
+  for (const Incident* i : members)
+    points.push_back({{"id", i->id},
+                      {"step", i->step},
+                      {"time_unix_ms", i->time_unix_ms},
+                      {"rank", i->rank},
+                      {"micro_before", i->micro_before},
+                      {"micro_after", i->micro_after},
+                      {"pattern", i->pattern},
+                      {"action", i->action},
+                      {"outcome", i->outcome}});
+  return Dump({{"run_id", run_id}, {"points", points}});
+}
+
+BrowserApi::BrowserApi(SnapshotFn snapshot, ApiLimits limits)
+    : snapshot_(std::move(snapshot)), limits_(limits) {}
+
+HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target) const {
+  HttpResponse r = [&]() -> HttpResponse {
+    if (method != "GET" && method != "HEAD") {
+      HttpResponse e = Error(405, "only GET and HEAD are served (the browser is read-only)");
+      e.headers.emplace_back("Allow", "GET, HEAD");
+      return e;
+    }
+    if (target.size() > limits_.max_target_bytes)
+      return Error(414, "request target longer than " + std::to_string(limits_.max_target_bytes) + " bytes");
+    if (target.empty() || target[0] != '/') return Error(400, "request target must be a path");
+    size_t qm = target.find('?');
+    std::string_view raw_path = target.substr(0, qm);
+    Params params =
+        ParseQuery(qm == std::string_view::npos ? std::string_view() : target.substr(qm + 1), limits_);
+    if (!params.error.empty()) return Error(400, params.error);
+    std::string path;
+    if (!PercentDecode(raw_path, &path) || path.find('\0') != std::string::npos)
+      return Error(400, "bad percent-encoding in the path");
+
+    // Static files: a fixed list of names; nothing maps a path to the disk.
+    if (path == "/" || path == "/index.html") return Asset("index.html");
+    if (path == "/app.js" || path == "/app.css") return Asset(std::string_view(path).substr(1));
+
+    std::shared_ptr<const IncidentIndex> snap = snapshot_();
+    const IncidentIndex& index = *snap;
+    auto no_params = [&]() -> std::string { return CheckAllowed(params, {}); };
+    std::string_view p = path;
+    constexpr std::string_view kIncidents = "/api/incidents", kRuns = "/api/runs";
+    if (p == kIncidents || p == "/api/incidents/") return ListIncidents(index, params, limits_);
+    if (p.substr(0, kIncidents.size() + 1) == "/api/incidents/") {
+      if (auto e = no_params(); !e.empty()) return Error(400, e);
+      std::string_view id = p.substr(kIncidents.size() + 1);
+      const Incident* inc = index.Find(id);
+      if (inc == nullptr) return Error(404, "no incident with id " + Quote(id));
+      return Json(200, IncidentToJson(*inc));
+    }
+    if (p == kRuns) {
+      if (auto e = no_params(); !e.empty()) return Error(400, e);
+      return Json(200, RunsJson(index));
+    }
+    if (p.substr(0, kRuns.size() + 1) == "/api/runs/") {
+      if (auto e = no_params(); !e.empty()) return Error(400, e);
+      std::string_view run = p.substr(kRuns.size() + 1);
+      std::string body = RunJson(index, run);
+      if (body.empty()) return Error(404, "no run with id " + Quote(run));
+      return Json(200, std::move(body));
+    }
+    if (p == "/api/groups") {
+      std::string err = CheckAllowed(params, {"pattern", "rank", "run", "since", "workload"});
+      IncidentQuery q;
+      if (err.empty()) err = ParseFilters(params, &q);
+      if (!err.empty()) return Error(400, err);
+      if (q.pattern.empty() && !q.rank && q.run_id.empty() && q.since_unix_ms == 0 && q.workload.empty())
+        return Json(200, GroupsJson(index.groups()));
+      std::vector<Incident> matching;
+      for (const Incident& i : index.incidents())
+        if (kb::MatchesQuery(i, q)) matching.push_back(i);
+      return Json(200, GroupsJson(kb::GroupIncidents(matching)));
+    }
+    if (p == "/api/patterns") {
+      if (auto e = no_params(); !e.empty()) return Error(400, e);
+      return Json(200, PatternsJson(index));
+    }
+    if (p == "/api/stats") {
+      if (auto e = no_params(); !e.empty()) return Error(400, e);
+      return Json(200, StatsJson(index));
+    }
+    if (p == "/metrics") {
+      HttpResponse m;
+      m.content_type = "text/plain; version=0.0.4; charset=utf-8";
+      m.body = PrometheusText(index);
+      return m;
+    }
+    return Error(404, "no such path " + Quote(path));
+  }();
+  r.headers.emplace_back("Content-Security-Policy", kCsp);
+  r.headers.emplace_back("X-Content-Type-Options", "nosniff");
+  r.headers.emplace_back("Referrer-Policy", "no-referrer");
+  if (r.content_type.rfind("application/json", 0) == 0) r.headers.emplace_back("Cache-Control", "no-store");
+  return r;
+}
+
+}  // namespace oomguard::server

@@ -1,0 +1,80 @@
+// BrowserApi: everything the knowledge-base browser answers, as a function
+// from (method, target) to a response. No sockets here: HttpServer feeds it
+// requests, tests and the benchmark call it directly.
+//
+//   GET /                      the page (assets/index.html); /app.js, /app.css
+//   GET /api/incidents         ?pattern=&rank=&run=&since=&workload=&fingerprint=&q=&offset=&limit=
+//                              -> {"total":N,"offset":O,"limit":L,"items":[incident...]}
+//   GET /api/incidents/{id}    one incident (the JSON exchange record)
+//   GET /api/runs              runs with their incident counts
+//   GET /api/runs/{run}        the run's incidents by step (micro-batch timeline)
+//   GET /api/groups            incidents grouped by fingerprint (?pattern=&rank=&run=&since=)
+//   GET /api/patterns          the pattern catalogue with each pattern's count
+//   GET /api/stats             totals by pattern, kind, outcome and rank; files; priors
+//   GET /metrics               Prometheus text format
+//
+// Errors are JSON {"error": "...", "status": N}: 400 names the bad parameter,
+// 404 an unknown id or path, 405 a method other than GET/HEAD, 414 a target
+// over the limit. Every response carries a Content-Security-Policy that
+// allows only the page's own script and style, and nosniff.
+//
+// Thread-safety: Handle may be called from several threads at once; each
+// call works on the snapshot current when it started.
+#ifndef OOMGUARD_SDK_SERVER_BROWSER_API_H_
+#define OOMGUARD_SDK_SERVER_BROWSER_API_H_
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "sdk/server/incident_index.h"
+
+namespace oomguard::server {
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type;
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;  // besides Content-Type and Content-Length
+};
+
+struct ApiLimits {
+  size_t max_target_bytes = 4096;  // whole request target, before decoding
+  size_t max_params = 32;
+  size_t max_param_bytes = 256;  // one decoded value
+  size_t max_page = 1000;        // largest `limit` of /api/incidents
+};
+
+class BrowserApi {
+ public:
+  using SnapshotFn = std::function<std::shared_ptr<const IncidentIndex>()>;
+  explicit BrowserApi(SnapshotFn snapshot, ApiLimits limits = {});
+
+  // `method` as sent ("GET"); `target` the request target ("/api/incidents?q=x").
+  // HEAD gets GET's status and headers; the caller drops the body.
+  HttpResponse Handle(std::string_view method, std::string_view target) const;
+
+ private:
+  SnapshotFn snapshot_;
+  ApiLimits limits_;
+};
+
+// The JSON documents of the API, shared with the HTML report (which embeds
+// them so the page can run without a server).
+std::string StatsJson(const IncidentIndex& index);
+std::string PatternsJson(const IncidentIndex& index);
+std::string GroupsJson(const std::vector<IncidentGroup>& groups);
+std::string RunsJson(const IncidentIndex& index);
+// The run's incidents by step; "" when the run is unknown.
+std::string RunJson(const IncidentIndex& index, std::string_view run_id);
+
+// Decodes %XX and '+' of a query-string component; false on a bad escape.
+bool PercentDecode(std::string_view in, std::string* out);
+
+}  // namespace oomguard::server
+
+#endif  // OOMGUARD_SDK_SERVER_BROWSER_API_H_

@@ -1,0 +1,191 @@
+#!/usr/bin/python3
+"""Headless Chromium loads the knowledge-base browser and the test asserts the rendered DOM.
+
+Usage: browser_test.py --oomguard BIN [--db PATH ...] [--artifacts DIR] [--chromium PATH]
+
+--db (repeatable) is the knowledge base to browse, e.g. one that mlp_train wrote; without it the
+test imports tests/kb/testdata/patterns.jsonl and testdata/runs.jsonl. Either way a second file
+with an XSS incident is served beside it. Expectations are read from the API, so any knowledge
+base works. Exits 77 (ctest SKIP_RETURN_CODE) when Chromium is not installed."""
+import argparse
+import html.parser
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve_fixture as fx  # noqa: E402
+
+SKIP = 77
+FAILS = []
+
+
+def check(cond, what):
+    if not cond:
+        FAILS.append(what)
+        print("FAIL:", what)
+
+
+class Dom(html.parser.HTMLParser):
+    """Just enough of a DOM: every element with its attributes, and the text under id'd elements."""
+
+    def __init__(self, text):
+        super().__init__(convert_charrefs=True)
+        self.elements = []  # (tag, attrs dict)
+        self.text_by_id = {}
+        self._open = []  # ids being collected
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.elements.append((tag, a))
+        if tag not in ("br", "img", "input", "meta", "link", "circle", "rect", "line", "polyline"):
+            self._open.append(a.get("id"))
+            if a.get("id"):
+                self.text_by_id[a["id"]] = ""
+
+    def handle_endtag(self, tag):
+        if self._open:
+            self._open.pop()
+
+    def handle_data(self, data):
+        for i in self._open:
+            if i:
+                self.text_by_id[i] += data
+
+    def count(self, tag, cls=None):
+        return sum(1 for t, a in self.elements
+                   if t == tag and (cls is None or cls in (a.get("class") or "").split()))
+
+
+def chromium(browser, profile, url, *args):
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--no-first-run", "--user-data-dir=" + profile,
+           "--virtual-time-budget=5000"] + list(args) + [url]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        # A page that opened a dialog (alert) never finishes loading headless.
+        FAILS.append("chromium hung on " + url + " (did a script open a dialog?)")
+        print("FAIL:", FAILS[-1])
+        return ""
+    if r.returncode != 0:
+        raise RuntimeError("chromium failed (%d): %s" % (r.returncode, r.stderr[-2000:]))
+    return r.stdout
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--oomguard", required=True)
+    ap.add_argument("--db", action="append", default=[])
+    ap.add_argument("--artifacts", default=None)
+    ap.add_argument("--chromium", default=None)
+    a = ap.parse_args()
+    browser = a.chromium or shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if not browser or not os.access(browser, os.X_OK):
+        print("SKIP: Chromium is not installed (apt-get install chromium, or scripts/install-deps)")
+        return SKIP
+
+    tmp = tempfile.mkdtemp()
+    profile = tempfile.mkdtemp()
+    artifacts = a.artifacts or os.path.join(tmp, "artifacts")
+    os.makedirs(artifacts, exist_ok=True)
+    try:
+        dbs = (a.db or fx.default_dbs(a.oomguard, tmp)) + [fx.xss_db(a.oomguard, tmp)]
+        with fx.Server(a.oomguard, dbs) as s:
+            stats = s.json("/api/stats")
+            total = stats["incidents"]
+
+            # 1. The incident table and the per-pattern summary chart.
+            dom = Dom(chromium(browser, profile, s.url, "--dump-dom"))
+            check(dom.count("tr", "incident-row") == min(total, 50),
+                  "rows: %d, want %d" % (dom.count("tr", "incident-row"), min(total, 50)))
+            bars = sum(1 for r in stats["by_pattern"] if r["count"] > 0)
+            check(dom.count("svg", "chart-patterns") == 1 and dom.count("rect", "bar") == bars,
+                  "pattern chart bars: %d, want %d" % (dom.count("rect", "bar"), bars))
+            check("of %d" % total in dom.text_by_id.get("total", "").replace(",", ""),
+                  "pager says the total: %r" % dom.text_by_id.get("total"))
+            chromium(browser, profile, s.url, "--screenshot=" + os.path.join(artifacts, "browser.png"),
+                     "--window-size=1400,1000", "--hide-scrollbars")
+
+            # 2. A filtered table (the hash carries the filter, as the page's own controls set it).
+            top = stats["by_pattern"][0]
+            dom = Dom(chromium(browser, profile, s.url + "#/?pattern=" + top["name"], "--dump-dom"))
+            check(dom.count("tr", "incident-row") == min(top["count"], 50), "filtered rows for %s" % top["name"])
+
+            # 3. An incident's detail: memory bars, step peaks, ranks, diagnosis, ladder, run timeline.
+            items = s.json("/api/incidents?limit=1000")["items"]
+            rich = sorted(items, key=lambda i: (len(i.get("ranks", [])) > 0, len(i["history"]["step_peaks"]) > 0,
+                                                bool(i["run_id"]), i["memory"]["total"] > 0), reverse=True)[0]
+            dom = Dom(chromium(browser, profile, s.url + "#/incident/" + rich["id"], "--dump-dom"))
+            check(dom.count("svg", "chart-memory") == 1, "memory chart present")
+            mem = rich["memory"]
+            want_segments = sum(1 for v in (mem["allocated"], max(mem["reserved"], mem["allocated"]) - mem["allocated"],
+                                            max(0, mem["total"] - max(mem["reserved"], mem["allocated"]) - mem["free"])
+                                            if mem["total"] else 0, mem["free"]) if v > 0)
+            segs = sum(dom.count("rect", c) for c in ("allocated", "cached", "outside", "free"))
+            check(segs == want_segments, "memory segments: %d, want %d" % (segs, want_segments))
+            peaks = rich["history"]["step_peaks"]
+            check(dom.count("circle", "point") == len(peaks), "step-peak points: %d, want %d" % (dom.count("circle", "point"), len(peaks)))
+            check(dom.count("rect", "rank-bar") == len(rich.get("ranks", [])),
+                  "rank bars: %d, want %d" % (dom.count("rect", "rank-bar"), len(rich.get("ranks", []))))
+            rungs = rich["actions"] or ([rich["action"]] if rich["action"] else [])
+            check(dom.count("li", "rung") == len(rungs), "ladder rungs: %d, want %d" % (dom.count("li", "rung"), len(rungs)))
+            check(dom.text_by_id.get("evidence", "") == (rich["evidence"] or "No evidence recorded."), "evidence shown")
+            check(dom.count("ol", "remedies") == (1 if rich["remedies"] else 0), "remedies list")
+            if rich["run_id"]:
+                run = s.json("/api/runs/" + rich["run_id"])
+                check(dom.count("svg", "chart-timeline") == 1 and dom.count("circle", "oom") == len(run["points"]),
+                      "timeline OOM marks: %d, want %d" % (dom.count("circle", "oom"), len(run["points"])))
+                check(dom.count("circle", "current") == 1, "the open incident is marked on its run")
+            chromium(browser, profile, s.url + "#/incident/" + rich["id"],
+                     "--screenshot=" + os.path.join(artifacts, "browser-detail.png"), "--window-size=1400,1800",
+                     "--hide-scrollbars")
+
+            # 4. The XSS incident: its text on screen, no element injected.
+            for view in ("#/incident/xss-00000001", "#/?q=onerror"):
+                dom = Dom(chromium(browser, profile, s.url + view, "--dump-dom"))
+                check(dom.count("img") == 0, view + ": an <img> was injected")
+                scripts = [at for t, at in dom.elements if t == "script"]
+                check(scripts == [{"src": "/app.js"}], view + ": scripts in the DOM: %r" % scripts)
+                check(dom.count("svg") == sum(1 for t, at in dom.elements if t == "svg" and "chart" in (at.get("class") or "")),
+                      view + ": an <svg> not drawn by the page")
+                check(not any(k.startswith("on") for t, at in dom.elements for k in at), view + ": an on* attribute")
+            dom = Dom(chromium(browser, profile, s.url + "#/incident/xss-00000001", "--dump-dom"))
+            check(dom.text_by_id.get("message") == fx.XSS_MESSAGE, "payload shown as text: %r" % dom.text_by_id.get("message"))
+            dom = Dom(chromium(browser, profile, s.url + "#/?q=onerror", "--dump-dom"))
+            check(dom.count("tr", "incident-row") == 1, "search for the payload finds its row")
+
+            # 5. Unknown incident: an error view, not a blank page.
+            dom = Dom(chromium(browser, profile, s.url + "#/incident/does-not-exist", "--dump-dom"))
+            check("does-not-exist" in dom.text_by_id.get("error", ""), "unknown id explained: %r" % dom.text_by_id.get("error"))
+
+        # 6. The self-contained report: same views from a file, no server.
+        report = os.path.join(artifacts, "report.html")
+        args = [a.oomguard, "kb", "report", "--html", report]
+        for db in dbs:
+            args += ["--db", db]
+        subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+        text = open(report, encoding="utf-8").read()
+        check("<img src=x" not in text and "alert(2)</script>" not in text, "report embeds the payload escaped")
+        dom = Dom(chromium(browser, profile, "file://" + report, "--dump-dom"))
+        check(dom.count("tr", "incident-row") == min(total, 50), "report rows: %d" % dom.count("tr", "incident-row"))
+        check(dom.count("rect", "bar") >= 1, "report pattern chart")
+        check(dom.count("img") == 0, "report: no injected <img>")
+        dom = Dom(chromium(browser, profile, "file://" + report + "#/incident/xss-00000001", "--dump-dom"))
+        check(dom.text_by_id.get("message") == fx.XSS_MESSAGE, "report detail shows the payload as text")
+        check(dom.count("img") == 0 and dom.count("svg", "chart-memory") == 1, "report detail renders safely")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(profile, ignore_errors=True)
+    if FAILS:
+        print("%d failure(s)" % len(FAILS))
+        return 1
+    print("browser: all checks passed; screenshots in " + artifacts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
