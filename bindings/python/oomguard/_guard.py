@@ -1,0 +1,174 @@
+"""oomguard.Guard: one optimizer step that survives out-of-memory errors."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any, Callable, Optional, Sequence, Union
+
+from . import _oomguard as _C
+
+Phase = _C.Phase
+MicroBatch = _C.MicroBatch
+StepReport = _C.StepReport
+
+_PHASES = {p.name: p for p in Phase.__members__.values()}
+
+
+def _release_cuda_cache() -> None:
+    # Only when CUDA is in use: torch.cuda.empty_cache would otherwise create a
+    # CUDA context (hundreds of MiB) in a CPU-only process.
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_available() and cuda.is_initialized():
+        cuda.empty_cache()
+
+
+def _native(obj: Any) -> Any:
+    """The compiled object behind a Python wrapper (Checkpointer), or obj itself."""
+    return getattr(obj, "native", obj)
+
+
+class Guard:
+    """Runs optimizer steps so that out-of-memory errors inside them are survived
+    without changing the result.
+
+    The keyword arguments mirror the C++ ``oomguard::GuardOptions`` (same names,
+    same defaults). ``coordinator`` (an ``oomguard.Coordinator``, e.g.
+    ``oomguard.torch.TorchDistributedCoordinator``), ``knowledge_base`` (an
+    ``oomguard.KnowledgeBase``) and ``recovery`` (an ``oomguard.Checkpointer``)
+    are kept alive by the guard.
+
+    On every OOM, before the retry, the guard calls its cache releasers in
+    order: ``gc.collect`` (``collect_garbage``), ``torch.cuda.empty_cache`` when
+    CUDA is in use (``empty_cuda_cache``), then those added with
+    ``add_cache_releaser``. By then the OOM exception, its traceback and the
+    frames holding tensors have been dropped.
+
+    Thread-safety: one thread drives a Guard. ``step`` releases the GIL while
+    the C++ side runs (planning, waiting for other ranks), so other Python
+    threads keep running; the callbacks run on the calling thread, with the GIL.
+    """
+
+    def __init__(
+        self,
+        *,
+        initial_micro_batch: int = 0,
+        min_micro_batch: int = 1,
+        max_micro_batch: int = 0,
+        grow_after: int = 10,
+        grow_tolerance: float = 0.05,
+        forget_bad_after: int = 500,
+        max_ooms_per_step: int = 32,
+        retry_after_release: bool = True,
+        history_steps: int = 32,
+        uniform_micro_batch: bool = False,
+        vote_deadline_ms: int = 60000,
+        run_id: str = "",
+        workload: str = "",
+        coordinator: Optional[_C.Coordinator] = None,
+        knowledge_base: Optional[_C.KnowledgeBase] = None,
+        recovery: Any = None,
+        collect_garbage: bool = True,
+        empty_cuda_cache: bool = True,
+    ) -> None:
+        o = _C.GuardOptions()
+        o.initial_micro_batch = initial_micro_batch
+        o.min_micro_batch = min_micro_batch
+        o.max_micro_batch = max_micro_batch
+        o.grow_after = grow_after
+        o.grow_tolerance = grow_tolerance
+        o.forget_bad_after = forget_bad_after
+        o.max_ooms_per_step = max_ooms_per_step
+        o.retry_after_release = retry_after_release
+        o.history_steps = history_steps
+        o.uniform_micro_batch = uniform_micro_batch
+        o.vote_deadline_ms = vote_deadline_ms
+        o.run_id = run_id
+        o.workload = workload
+        self._recovery = recovery  # the wrapper too, so its callbacks stay alive
+        self.native = _C.Guard(
+            o,
+            coordinator=coordinator,
+            knowledge_base=knowledge_base,
+            recovery=None if recovery is None else _native(recovery),
+        )
+        if collect_garbage:
+            self.native.add_cache_releaser("python.gc", gc.collect)
+        if empty_cuda_cache:
+            self.native.add_cache_releaser("torch.cuda.empty_cache", _release_cuda_cache)
+
+    def step(
+        self,
+        samples: int,
+        micro: Callable[[MicroBatch], Any],
+        commit: Optional[Callable[[], Any]] = None,
+        reset: Optional[Callable[[], Any]] = None,
+        costs: Optional[Sequence[int]] = None,
+    ) -> StepReport:
+        """Runs one optimizer step of ``samples`` samples.
+
+        ``micro(mb)`` does forward and backward of samples
+        ``[mb.offset, mb.offset + mb.size)`` (``mb.slice``) with the mean loss
+        multiplied by ``mb.weight``; ``commit()`` synchronises gradients and
+        steps the optimizer, once, after every rank is ready; ``reset()`` zeroes
+        accumulated gradients (needed to redo a step after an OOM in backward).
+        ``costs``: optional per-sample costs (e.g. tokens); the micro-batch limit
+        is then in cost units.
+
+        Returns the StepReport. Raises OutOfMemoryError (unrecoverable),
+        RolledBackError (continue from ``e.next_step``), CoordinationTimeoutError,
+        FailedPreconditionError (an OOM after backward and no reset), and any
+        other exception the callbacks raise, unchanged.
+        """
+        return self.native.step(samples, micro, commit, reset, None if costs is None else list(costs))
+
+    def mark_phase(self, phase: Union[str, Phase]) -> None:
+        """Marks what the code inside ``micro``/``commit`` is doing: "data",
+        "forward", "backward", "optimizer", ... (incidents carry it; completed
+        micro-batches are kept after an OOM in "data" or "forward")."""
+        if isinstance(phase, str):
+            try:
+                phase = _PHASES[phase]
+            except KeyError:
+                raise ValueError(f"unknown phase {phase!r}; one of {sorted(_PHASES)}") from None
+        self.native.mark_phase(phase)
+
+    def set_reset_hook(self, reset: Optional[Callable[[], Any]]) -> None:
+        self.native.set_reset_hook(reset)
+
+    def add_cache_releaser(self, name: str, release: Callable[[], Any]) -> None:
+        """Adds a function called on every OOM before the retry (after the built-in ones)."""
+        self.native.add_cache_releaser(name, release)
+
+    @property
+    def next_step(self) -> int:
+        """The number of the next step (advances on success; set it after resuming)."""
+        return self.native.next_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self.native.next_step = step
+
+    @property
+    def micro_limit(self) -> int:
+        """The micro-batch limit the next step will use."""
+        return self.native.micro_limit
+
+    @micro_limit.setter
+    def micro_limit(self, limit: int) -> None:
+        self.native.micro_limit = limit
+
+    @property
+    def total_ooms(self) -> int:
+        return self.native.total_ooms
+
+    @property
+    def run_id(self) -> str:
+        return self.native.run_id
+
+    @property
+    def options(self) -> _C.GuardOptions:
+        return self.native.options

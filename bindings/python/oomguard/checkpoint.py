@@ -1,0 +1,152 @@
+"""oomguard.Checkpointer: sharded asynchronous checkpoints through the C++ core.
+
+Tensors and NumPy arrays are registered by address, without a copy: the
+checkpointer reads them while a save is staged and writes into them on
+restore, so they must keep their storage (no ``model.to(...)`` or
+re-assignment of ``param.data`` after registration). Objects (optimizer state,
+RNG state, data position) are registered with ``save() -> bytes`` and
+``load(bytes)`` functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from . import _oomguard as _C
+from .errors import CheckpointNotFoundError
+
+_NUMPY_DTYPES = {
+    "float16": "float16", "float32": "float32", "float64": "float64",
+    "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
+    "bool": "bool",
+}
+_TORCH_DTYPES = {
+    "torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32",
+    "torch.float64": "float64", "torch.int8": "int8", "torch.int16": "int16",
+    "torch.int32": "int32", "torch.int64": "int64", "torch.uint8": "uint8", "torch.bool": "bool",
+}
+
+
+def _describe(value: Any):
+    """(dtype name, shape, data pointer, location) of a torch tensor or NumPy array."""
+    if hasattr(value, "data_ptr") and hasattr(value, "is_contiguous"):  # torch.Tensor
+        if not value.is_contiguous():
+            raise ValueError("checkpointed tensors must be contiguous (registered by address)")
+        dtype = _TORCH_DTYPES.get(str(value.dtype))
+        if dtype is None:
+            raise ValueError(f"unsupported tensor dtype {value.dtype}")
+        location = "cuda" if value.device.type == "cuda" else "host"
+        if value.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported tensor device {value.device}")
+        return dtype, list(value.shape), value.data_ptr(), location
+    interface = getattr(value, "__array_interface__", None)
+    if interface is not None:  # NumPy
+        if not value.flags["C_CONTIGUOUS"] or not value.flags["WRITEABLE"]:
+            raise ValueError("checkpointed arrays must be C-contiguous and writeable")
+        dtype = _NUMPY_DTYPES.get(value.dtype.name)
+        if dtype is None:
+            raise ValueError(f"unsupported array dtype {value.dtype}")
+        return dtype, list(value.shape), interface["data"][0], "host"
+    raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+
+
+class Checkpointer:
+    """Sharded checkpoints in format oomguard-ckpt/1 (HDF5 + shuffle + zstd).
+
+    Give it to ``Guard(recovery=...)``: the guard then saves every
+    ``every_steps`` steps (and after an OOM was recovered), restores the
+    in-memory snapshot when an OOM hits the optimizer step, and rolls every
+    rank back to the newest complete checkpoint when splitting is not enough.
+
+    Thread-safety: registration, save, load and restore from one thread.
+    """
+
+    def __init__(
+        self,
+        dir: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        every_steps: int = 0,
+        save_after_recovery: bool = True,
+        keep: int = 3,
+        compression_level: int = 1,
+        chunk_bytes: int = 1 << 20,
+        threads: int = 0,
+        staging_budget_bytes: int = 0,
+        keep_snapshot: bool = True,
+        commit_manifest_locally: Optional[bool] = None,
+        fsync: bool = True,
+        verify_file_checksum: bool = True,
+    ) -> None:
+        o = _C.CheckpointOptions()
+        o.dir = str(dir)
+        o.rank = rank
+        o.world_size = world_size
+        o.every_steps = every_steps
+        o.save_after_recovery = save_after_recovery
+        o.keep = keep
+        o.compression_level = compression_level
+        o.chunk_bytes = chunk_bytes
+        o.threads = threads
+        o.staging_budget_bytes = staging_budget_bytes
+        o.keep_snapshot = keep_snapshot
+        # Several ranks: rank 0 commits once every shard is durable (the guard's vote says when).
+        o.commit_manifest_locally = world_size == 1 if commit_manifest_locally is None else commit_manifest_locally
+        o.fsync = fsync
+        o.verify_file_checksum = verify_file_checksum
+        self.native = _C.Checkpointer(o)
+
+    def add_tensor(self, path: str, value: Any) -> None:
+        """Registers a contiguous tensor or array at ``/<path>`` by address (no copy)."""
+        dtype, shape, ptr, location = _describe(value)
+        self.native.add_tensor(path, dtype, shape, ptr, value, location)
+
+    def add_object(self, path: str, save: Callable[[], bytes], load: Callable[[bytes], Any]) -> None:
+        """Registers a stateful object stored as bytes at ``/<path>``."""
+        self.native.add_object(path, save, load)
+
+    def save_async(self, step: int) -> None:
+        """Stages the registered state as ``step``; compression and writing continue in the background."""
+        self.native.save_async(step)
+
+    def wait(self) -> None:
+        """Waits until every started save is durable; raises the first background error."""
+        self.native.wait()
+
+    def load_latest(self) -> Optional[int]:
+        """Loads the newest checkpoint that verifies and returns its step; None when there is none.
+
+        Raises CorruptCheckpointError when checkpoints exist but none verifies.
+        """
+        try:
+            return self.native.load_latest()
+        except CheckpointNotFoundError:
+            return None
+
+    def load(self, step: int) -> int:
+        return self.native.load(step)
+
+    def restore(self, step: int) -> int:
+        """Restores ``step`` from the in-memory snapshot when it holds it, else from disk."""
+        return self.native.restore(step)
+
+    def durable_step(self) -> int:
+        return self.native.durable_step()
+
+    def snapshot_step(self) -> int:
+        return self.native.snapshot_step()
+
+    @property
+    def stats(self) -> _C.CheckpointStats:
+        return self.native.stats
+
+    @property
+    def dir(self) -> str:
+        return self.native.options.dir
+
+
+list_checkpoints = _C.list_checkpoints
+verify_checkpoint = _C.verify_checkpoint
+inspect_shard = _C.inspect_shard

@@ -1,0 +1,72 @@
+// BudgetCpuAllocator: torch's CPU allocator with a byte budget, so that real
+// tensor allocations fail with torch's own out-of-memory error
+// (c10::OutOfMemoryError) on machines without a GPU. Shared by the Python
+// module oomguard._budget (budget_allocator.cc) and the C++ example
+// examples/cpp/libtorch_train.cpp; it depends on libc10 only (no pybind11,
+// no torch/torch.h), so each user compiles budget_allocator_core.cc into its
+// own target.
+//
+// The budget counts the live bytes allocated through this allocator since it
+// was installed; tensors that existed before keep their own deleters and are
+// not counted. Allocation is delegated to the allocator that was installed
+// before (torch's default CPU allocator), so alignment and behaviour are
+// torch's own.
+//
+// Thread-safety: allocate and free run on any thread (autograd, data loader
+// workers, intra-op pools); the counters are atomics. Install and Uninstall
+// swap the process-wide allocator and must not race each other.
+#ifndef OOMGUARD_BINDINGS_PYTHON_SRC_BUDGET_ALLOCATOR_CORE_H_
+#define OOMGUARD_BINDINGS_PYTHON_SRC_BUDGET_ALLOCATOR_CORE_H_
+
+#include <c10/core/Allocator.h>
+
+#include <atomic>
+#include <cstdint>
+
+namespace oomguard_budget {
+
+class BudgetCpuAllocator final : public c10::Allocator {
+ public:
+  // The process-wide instance. Leaked on purpose: tensors freed during
+  // interpreter or static shutdown still call its deleter.
+  static BudgetCpuAllocator& Instance();
+
+  // Throws c10::OutOfMemoryError ("CPU out of memory (oomguard budget): Tried
+  // to allocate ...") when the live bytes would pass a positive budget.
+  c10::DataPtr allocate(size_t n) const override;
+  // Contexts differ from data pointers, so there is no raw deleter.
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  // Routes torch CPU allocations through this allocator with `budget_bytes`
+  // (0: unlimited, counting only). Calling it again only changes the budget.
+  void Install(int64_t budget_bytes);
+  // Restores the allocator that was installed before. Blocks still alive free
+  // through their own wrapped DataPtr, so this is safe with tensors alive.
+  void Uninstall();
+  bool installed() const { return inner_ != nullptr; }
+
+  void set_budget(int64_t budget_bytes) { budget_.store(budget_bytes, std::memory_order_relaxed); }
+  int64_t budget() const { return budget_.load(std::memory_order_relaxed); }
+  // Live bytes allocated through the budget.
+  int64_t allocated() const { return allocated_.load(std::memory_order_relaxed); }
+  // High-water mark of allocated() since installation or ResetPeak.
+  int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  void ResetPeak() { peak_.store(allocated(), std::memory_order_relaxed); }
+  // Allocations refused since the process started.
+  int64_t ooms() const { return ooms_.load(std::memory_order_relaxed); }
+
+ private:
+  BudgetCpuAllocator() = default;
+  static void Delete(void* ctx);
+
+  // Counters are mutable: c10::Allocator::allocate is const.
+  std::atomic<int64_t> budget_{0};
+  mutable std::atomic<int64_t> allocated_{0};
+  mutable std::atomic<int64_t> peak_{0};
+  mutable std::atomic<int64_t> ooms_{0};
+  c10::Allocator* inner_ = nullptr;  // the allocator wrapped while installed
+};
+
+}  // namespace oomguard_budget
+
+#endif  // OOMGUARD_BINDINGS_PYTHON_SRC_BUDGET_ALLOCATOR_CORE_H_

@@ -1,0 +1,175 @@
+// Shared pieces of the oomguard._oomguard module: how Python callables are
+// held and called from C++ threads that do not hold the GIL, and how errors
+// cross the language boundary in both directions.
+//
+// Error crossings:
+//   Python -> C++  a Python exception raised inside a callback the guard runs
+//                  (micro, commit, reset, releasers, checkpoint objects) is
+//                  either an out-of-memory error, thrown on as PythonOomError
+//                  (classified by the translator registered in module.cc), or
+//                  anything else, carried unchanged in PythonPassthrough.
+//   C++ -> Python  a non-OK Status becomes StatusError, which the exception
+//                  translator turns into the class oomguard.errors picks for
+//                  its code (OutOfMemoryError subclasses MemoryError, ...).
+//
+// Thread-safety: PyCallable may be copied, called and destroyed on any thread;
+// it takes the GIL itself. Everything else here is called with the GIL held
+// unless its comment says otherwise.
+#ifndef OOMGUARD_BINDINGS_PYTHON_COMMON_H_
+#define OOMGUARD_BINDINGS_PYTHON_COMMON_H_
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "oomguard/guard.h"
+#include "oomguard/oom.h"
+#include "oomguard/status.h"
+
+namespace oomguard::python {
+
+namespace py = pybind11;
+
+// A Python OOM seen inside a guarded callback. Not a DeviceOomError or
+// HostOomError so that incidents name the Python type
+// ("torch.cuda.OutOfMemoryError"); the "python" translator maps it to an
+// OomInfo by its fields, never by message. It holds no Python object: by the
+// time the guard sees it, the Python exception, its traceback and the frames
+// (with their tensors) are released (pytorch/pytorch#27600).
+class PythonOomError : public std::exception {
+ public:
+  PythonOomError(OomKind kind, std::string type, std::string message, int64_t requested_bytes)
+      : kind_(kind), type_(std::move(type)), message_(std::move(message)), requested_bytes_(requested_bytes) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+  OomKind kind() const { return kind_; }
+  const std::string& type() const { return type_; }
+  int64_t requested_bytes() const { return requested_bytes_; }
+
+ private:
+  OomKind kind_;
+  std::string type_;
+  std::string message_;
+  int64_t requested_bytes_;
+};
+
+// A non-OOM Python exception on its way through C++ back to Python.
+// Deliberately not a std::exception: ClassifyException falls back to the
+// message of a std::exception, and a ValueError("... out of memory ...") must
+// not be taken for an OOM. An unknown type classifies as kNone, so the guard
+// rethrows it and the module re-raises the original exception object with its
+// traceback.
+struct PythonPassthrough {
+  py::error_already_set error;
+};
+
+// A non-OK Status thrown towards Python (see the translator in errors.cc).
+// `report` is set when the status ended a guarded step.
+class StatusError : public std::runtime_error {
+ public:
+  explicit StatusError(Status status, std::optional<StepReport> report = std::nullopt)
+      : std::runtime_error(status.ToString()), status_(std::move(status)), report_(std::move(report)) {}
+  const Status& status() const { return status_; }
+  const std::optional<StepReport>& report() const { return report_; }
+
+ private:
+  Status status_;
+  std::optional<StepReport> report_;
+};
+
+inline void ThrowIfError(const Status& s) {
+  if (!s.ok()) throw StatusError(s);
+}
+
+template <typename T>
+T ValueOrThrow(StatusOr<T> v) {
+  if (!v.ok()) throw StatusError(v.status());
+  return std::move(v).value();
+}
+
+// A Python callable that C++ may keep, copy and drop on any thread: the
+// reference is released under the GIL by the shared_ptr's deleter.
+class PyCallable {
+ public:
+  PyCallable() = default;
+  explicit PyCallable(py::object fn)
+      : fn_(new py::object(std::move(fn)), [](py::object* p) {
+          py::gil_scoped_acquire gil;
+          delete p;
+        }) {}
+  explicit operator bool() const { return fn_ != nullptr && !fn_->is_none(); }
+  // REQUIRES: the GIL is held.
+  const py::object& get() const { return *fn_; }
+
+ private:
+  std::shared_ptr<py::object> fn_;
+};
+
+// Turns a Python exception caught while running guarded user code into what
+// the guard must see: PythonOomError for an out-of-memory error (decided by
+// oomguard.errors._classify_for_guard), PythonPassthrough otherwise. Never
+// returns. REQUIRES: the GIL is held; `e` is the exception being handled.
+[[noreturn]] void RethrowForGuard(py::error_already_set&& e);
+
+// Calls `fn(args...)` from a thread that may not hold the GIL and converts the
+// result to R while the GIL is held (no Python object outlives the call), with
+// Python errors translated for the guard as RethrowForGuard does.
+template <typename R = void, typename... Args>
+R CallGuarded(const PyCallable& fn, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  std::optional<PythonOomError> oom;
+  try {
+    if constexpr (std::is_void_v<R>) {
+      fn.get()(std::forward<Args>(args)...);
+      return;
+    } else {
+      return fn.get()(std::forward<Args>(args)...).template cast<R>();
+    }
+  } catch (py::error_already_set& e) {
+    // Leaving this handler destroys `e`, which drops the last reference to the
+    // Python exception, its traceback and the frames it holds, before the
+    // guard releases caches.
+    try {
+      RethrowForGuard(std::move(e));
+    } catch (PythonOomError& translated) {
+      oom.emplace(std::move(translated));
+    }
+  }
+  throw std::move(*oom);
+}
+
+// Re-raises a PythonPassthrough as the original Python exception. Used where
+// a guarded call returns to Python. REQUIRES: the GIL is held.
+[[noreturn]] inline void Reraise(PythonPassthrough& p) { throw std::move(p.error); }
+
+// Runs `f` with the GIL released and returns its result; a Python exception
+// that a callback inside `f` carried through C++ is re-raised unchanged.
+// REQUIRES: the GIL is held; `f` touches no Python object except through
+// CallGuarded.
+template <typename F>
+auto WithoutGil(F&& f) -> decltype(f()) {
+  try {
+    py::gil_scoped_release release;
+    return f();
+  } catch (PythonPassthrough& passthrough) {
+    Reraise(passthrough);
+  }
+}
+
+// Registers the StatusError / PythonPassthrough translators and the
+// "python" OomTranslator.
+void RegisterErrorTranslation(py::module_& m);
+
+void BindGuard(py::module_& m);
+void BindCoordinator(py::module_& m);
+void BindKnowledgeBase(py::module_& m);
+void BindCheckpoint(py::module_& m);
+
+}  // namespace oomguard::python
+
+#endif  // OOMGUARD_BINDINGS_PYTHON_COMMON_H_

@@ -1,0 +1,276 @@
+// Bindings of guard.h, options.h, plan.h, incident.h, oom.h and faults.h.
+//
+// GIL: Guard.step releases the GIL for the whole C++ step, so other Python
+// threads run while the guard plans, waits on its coordinator or sleeps in an
+// injected delay; each callback into Python (micro, commit, reset, cache
+// releasers) takes it back for the duration of the call.
+
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "oomguard/coordinator.h"
+#include "oomguard/device.h"
+#include "oomguard/faults.h"
+#include "oomguard/guard.h"
+#include "oomguard/incident.h"
+#include "oomguard/knowledge_base.h"
+#include "oomguard/oom.h"
+#include "oomguard/options.h"
+#include "oomguard/plan.h"
+#include "oomguard/recovery.h"
+#include "oomguard/version.h"
+
+namespace oomguard::python {
+namespace {
+
+// A cache releaser runs on the recovery path: its own error is reported
+// through sys.unraisablehook and never replaces the OOM being handled.
+std::function<void()> Releaser(PyCallable fn, std::string name) {
+  return [fn = std::move(fn), name = std::move(name)] {
+    py::gil_scoped_acquire gil;
+    try {
+      fn.get()();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable(("oomguard cache releaser '" + name + "'").c_str());
+    }
+  };
+}
+
+}  // namespace
+
+void BindGuard(py::module_& m) {
+  py::enum_<StatusCode>(m, "StatusCode")
+      .value("OK", StatusCode::kOk)
+      .value("CANCELLED", StatusCode::kCancelled)
+      .value("UNKNOWN", StatusCode::kUnknown)
+      .value("INVALID_ARGUMENT", StatusCode::kInvalidArgument)
+      .value("DEADLINE_EXCEEDED", StatusCode::kDeadlineExceeded)
+      .value("NOT_FOUND", StatusCode::kNotFound)
+      .value("ALREADY_EXISTS", StatusCode::kAlreadyExists)
+      .value("PERMISSION_DENIED", StatusCode::kPermissionDenied)
+      .value("RESOURCE_EXHAUSTED", StatusCode::kResourceExhausted)
+      .value("FAILED_PRECONDITION", StatusCode::kFailedPrecondition)
+      .value("ABORTED", StatusCode::kAborted)
+      .value("OUT_OF_RANGE", StatusCode::kOutOfRange)
+      .value("UNIMPLEMENTED", StatusCode::kUnimplemented)
+      .value("INTERNAL", StatusCode::kInternal)
+      .value("UNAVAILABLE", StatusCode::kUnavailable)
+      .value("DATA_LOSS", StatusCode::kDataLoss);
+
+  py::class_<Status>(m, "Status")
+      .def_property_readonly("ok", &Status::ok)
+      .def_property_readonly("code", &Status::code)
+      .def_property_readonly("message", &Status::message)
+      .def("__str__", &Status::ToString)
+      .def("__repr__", [](const Status& s) { return "<oomguard.Status " + s.ToString() + ">"; });
+
+  py::enum_<Phase>(m, "Phase")
+      .value("unknown", Phase::kUnknown)
+      .value("data", Phase::kData)
+      .value("forward", Phase::kForward)
+      .value("backward", Phase::kBackward)
+      .value("optimizer", Phase::kOptimizer)
+      .value("commit", Phase::kCommit)
+      .value("checkpoint", Phase::kCheckpoint);
+
+  py::class_<MicroBatch>(m, "MicroBatch")
+      .def(py::init<>())
+      .def_readwrite("index", &MicroBatch::index)
+      .def_readwrite("count", &MicroBatch::count)
+      .def_readwrite("offset", &MicroBatch::offset)
+      .def_readwrite("size", &MicroBatch::size)
+      .def_readwrite("weight", &MicroBatch::weight)
+      .def_readwrite("cost", &MicroBatch::cost)
+      .def_property_readonly("slice", [](const MicroBatch& mb) {
+        return py::slice(mb.offset, mb.offset + mb.size, 1);
+      })
+      .def("__repr__", [](const MicroBatch& mb) {
+        return "MicroBatch(index=" + std::to_string(mb.index) + ", count=" + std::to_string(mb.count) +
+               ", offset=" + std::to_string(mb.offset) + ", size=" + std::to_string(mb.size) +
+               ", weight=" + std::to_string(mb.weight) + ")";
+      });
+
+  m.def("plan_by_samples", &PlanBySamples, py::arg("n"), py::arg("limit"), py::arg("begin") = 0,
+        py::arg("first_index") = 0);
+
+  py::class_<MemoryStats>(m, "MemoryStats")
+      .def(py::init<>())
+      .def_readwrite("total", &MemoryStats::total)
+      .def_readwrite("free", &MemoryStats::free)
+      .def_readwrite("allocated", &MemoryStats::allocated)
+      .def_readwrite("reserved", &MemoryStats::reserved)
+      .def_readwrite("peak_allocated", &MemoryStats::peak_allocated)
+      .def_readwrite("active", &MemoryStats::active)
+      .def_readwrite("inactive_split", &MemoryStats::inactive_split)
+      .def_readwrite("num_alloc_retries", &MemoryStats::num_alloc_retries)
+      .def_readwrite("num_ooms", &MemoryStats::num_ooms);
+
+  py::class_<RankMemory>(m, "RankMemory")
+      .def(py::init<>())
+      .def(py::init([](int rank, int64_t allocated, int64_t reserved, int64_t peak) {
+             return RankMemory{rank, allocated, reserved, peak};
+           }),
+           py::arg("rank"), py::arg("allocated") = 0, py::arg("reserved") = 0, py::arg("peak_allocated") = 0)
+      .def_readwrite("rank", &RankMemory::rank)
+      .def_readwrite("allocated", &RankMemory::allocated)
+      .def_readwrite("reserved", &RankMemory::reserved)
+      .def_readwrite("peak_allocated", &RankMemory::peak_allocated);
+
+  py::class_<Incident>(m, "Incident")
+      .def_readonly("id", &Incident::id)
+      .def_readonly("run_id", &Incident::run_id)
+      .def_readonly("rank", &Incident::rank)
+      .def_readonly("world_size", &Incident::world_size)
+      .def_readonly("step", &Incident::step)
+      .def_readonly("micro_index", &Incident::micro_index)
+      .def_readonly("phase", &Incident::phase)
+      .def_readonly("kind", &Incident::kind)
+      .def_readonly("exception_type", &Incident::exception_type)
+      .def_readonly("message", &Incident::message)
+      .def_readonly("requested_bytes", &Incident::requested_bytes)
+      .def_readonly("memory", &Incident::memory)
+      .def_readonly("ranks", &Incident::ranks)
+      .def_readonly("micro_before", &Incident::micro_before)
+      .def_readonly("micro_after", &Incident::micro_after)
+      .def_readonly("action", &Incident::action)
+      .def_readonly("actions", &Incident::actions)
+      .def_readonly("outcome", &Incident::outcome)
+      .def_readonly("recovery_ms", &Incident::recovery_ms)
+      .def_readonly("workload", &Incident::workload)
+      .def_readonly("injected", &Incident::injected)
+      .def_readonly("pattern", &Incident::pattern)
+      .def_readonly("remedies", &Incident::remedies)
+      .def_readonly("fingerprint", &Incident::fingerprint)
+      .def("to_json", [](const Incident& i) { return IncidentToJson(i); })
+      .def("__repr__", [](const Incident& i) {
+        return "<oomguard.Incident " + i.id + " " + i.kind + " " + i.phase + " step=" + std::to_string(i.step) +
+               " action=" + i.action + " outcome=" + i.outcome + ">";
+      });
+
+  py::class_<StepReport>(m, "StepReport")
+      .def_readonly("step", &StepReport::step)
+      .def_readonly("status", &StepReport::status)
+      .def_readonly("micro_batches", &StepReport::micro_batches)
+      .def_readonly("limit_before", &StepReport::limit_before)
+      .def_readonly("limit_after", &StepReport::limit_after)
+      .def_readonly("largest_micro", &StepReport::largest_micro)
+      .def_readonly("ooms", &StepReport::ooms)
+      .def_readonly("cache_releases", &StepReport::cache_releases)
+      .def_readonly("replans", &StepReport::replans)
+      .def_readonly("rolled_back_to", &StepReport::rolled_back_to)
+      .def_readonly("incidents", &StepReport::incidents)
+      .def_readonly("peak_allocated", &StepReport::peak_allocated)
+      .def_readonly("wall_ms", &StepReport::wall_ms)
+      .def_readonly("recovery_ms", &StepReport::recovery_ms)
+      .def("__repr__", [](const StepReport& r) {
+        return "<oomguard.StepReport step=" + std::to_string(r.step) + " " + r.status.ToString() +
+               " micro_batches=" + std::to_string(r.micro_batches) + " ooms=" + std::to_string(r.ooms) +
+               " limit_after=" + std::to_string(r.limit_after) + ">";
+      });
+
+  py::class_<GuardOptions>(m, "GuardOptions")
+      .def(py::init<>())
+      .def_readwrite("initial_micro_batch", &GuardOptions::initial_micro_batch)
+      .def_readwrite("min_micro_batch", &GuardOptions::min_micro_batch)
+      .def_readwrite("max_micro_batch", &GuardOptions::max_micro_batch)
+      .def_readwrite("grow_after", &GuardOptions::grow_after)
+      .def_readwrite("grow_tolerance", &GuardOptions::grow_tolerance)
+      .def_readwrite("forget_bad_after", &GuardOptions::forget_bad_after)
+      .def_readwrite("max_ooms_per_step", &GuardOptions::max_ooms_per_step)
+      .def_readwrite("retry_after_release", &GuardOptions::retry_after_release)
+      .def_readwrite("history_steps", &GuardOptions::history_steps)
+      .def_readwrite("uniform_micro_batch", &GuardOptions::uniform_micro_batch)
+      .def_readwrite("vote_deadline_ms", &GuardOptions::vote_deadline_ms)
+      .def_readwrite("run_id", &GuardOptions::run_id)
+      .def_readwrite("workload", &GuardOptions::workload);
+
+  m.def("validate_guard_options", [](const GuardOptions& o) { ThrowIfError(ValidateGuardOptions(o)); });
+
+  // The Python objects behind the raw pointers in GuardOptions are kept alive
+  // by the Guard (keep_alive), as the C++ contract "must outlive the Guard" asks.
+  py::class_<Guard>(m, "Guard")
+      .def(py::init([](const GuardOptions& options, Coordinator* coordinator, KnowledgeBase* knowledge_base,
+                       RecoveryStore* recovery) {
+             GuardOptions o = options;
+             o.coordinator = coordinator;
+             o.incidents = knowledge_base != nullptr ? knowledge_base->sink() : nullptr;
+             o.priors = knowledge_base;  // learned starting size for options.workload
+             o.recovery = recovery;
+             return ValueOrThrow(Guard::Create(o));
+           }),
+           py::arg("options"), py::kw_only(), py::arg("coordinator") = nullptr,
+           py::arg("knowledge_base") = nullptr, py::arg("recovery") = nullptr, py::keep_alive<1, 3>(),
+           py::keep_alive<1, 4>(), py::keep_alive<1, 5>())
+      .def(
+          "step",
+          [](Guard& guard, int64_t samples, const py::function& micro, const py::object& commit,
+             const py::object& reset, std::optional<std::vector<int64_t>> costs) {
+            // Made while the GIL is held; the request's std::functions only
+            // copy these shared handles, never Python references.
+            PyCallable micro_fn(micro), commit_fn(commit), reset_fn(reset);
+            StepRequest req;
+            req.samples = samples;
+            if (costs) req.costs = std::span<const int64_t>(*costs);
+            req.micro = [&micro_fn](const MicroBatch& mb) { CallGuarded(micro_fn, mb); };
+            if (commit_fn) req.commit = [&commit_fn] { CallGuarded(commit_fn); };
+            if (reset_fn) req.reset = [&reset_fn] { CallGuarded(reset_fn); };
+            StepReport report;
+            Status status;
+            try {
+              py::gil_scoped_release release;
+              status = guard.Step(req, &report);
+            } catch (PythonPassthrough& passthrough) {
+              Reraise(passthrough);  // the user's own exception, unchanged
+            }
+            if (!status.ok()) throw StatusError(status, std::move(report));
+            return report;
+          },
+          py::arg("samples"), py::arg("micro"), py::arg("commit") = py::none(), py::arg("reset") = py::none(),
+          py::arg("costs") = py::none())
+      .def(
+          "mark_phase", [](Guard& g, Phase p) { g.MarkPhase(p); }, py::arg("phase"))
+      .def(
+          "set_reset_hook",
+          [](Guard& g, const py::object& fn) {
+            PyCallable c(fn);
+            g.SetResetHook(c ? std::function<void()>([c] { CallGuarded(c); }) : std::function<void()>());
+          },
+          py::arg("reset"))
+      .def(
+          "add_cache_releaser",
+          [](Guard& g, std::string name, const py::function& fn) {
+            g.AddCacheReleaser(name, Releaser(PyCallable(fn), name));
+          },
+          py::arg("name"), py::arg("release"))
+      .def_property("next_step", &Guard::step, &Guard::SetStep)
+      .def_property("micro_limit", &Guard::micro_limit, &Guard::SetMicroLimit)
+      .def_property_readonly("total_ooms", &Guard::total_ooms)
+      .def_property_readonly("run_id", &Guard::run_id)
+      .def_property_readonly("options", [](const Guard& g) {
+        GuardOptions o = g.options();
+        return o;
+      });
+
+  // ---- OOM classification and fault injection ----
+  m.def(
+      "classify_message",
+      [](std::string_view message) {
+        OomInfo info = ClassifyMessage(message);
+        return py::make_tuple(std::string(OomKindName(info.kind)), info.requested_bytes);
+      },
+      py::arg("message"), "(kind, requested_bytes) of an error message; kind 'none' when it is not an OOM.");
+  m.def("set_fault_rules", [](std::string_view spec) { ThrowIfError(SetFaultRules(spec)); }, py::arg("spec"));
+  m.def("clear_fault_rules", &ClearFaultRules);
+  m.def("active_fault_rules", &ActiveFaultRules);
+  m.def("faults_fired", &FaultsFired);
+  m.attr("EXIT_COORDINATION_TIMEOUT") = kExitCoordinationTimeout;
+}
+
+}  // namespace oomguard::python

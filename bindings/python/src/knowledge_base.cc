@@ -1,0 +1,66 @@
+// Bindings of knowledge_base.h: open the incident store, give it to a Guard
+// (Guard(knowledge_base=kb) uses kb.sink()), read priors and incidents.
+//
+// Thread-safety: as the C++ class, every method may be called from any
+// thread; the ones that touch the file release the GIL.
+
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "oomguard/knowledge_base.h"
+
+namespace oomguard::python {
+
+void BindKnowledgeBase(py::module_& m) {
+  py::class_<SinkStats>(m, "SinkStats")
+      .def_readonly("enqueued", &SinkStats::enqueued)
+      .def_readonly("dropped", &SinkStats::dropped)
+      .def_readonly("written", &SinkStats::written)
+      .def_readonly("write_errors", &SinkStats::write_errors)
+      .def_readonly("last_error", &SinkStats::last_error);
+
+  py::class_<KnowledgeBase>(m, "KnowledgeBase")
+      .def(py::init([](const std::string& path, bool create_if_missing) {
+             KnowledgeBaseOptions o;
+             o.create_if_missing = create_if_missing;
+             return ValueOrThrow(WithoutGil([&] { return KnowledgeBase::Open(path, o); }));
+           }),
+           py::arg("path"), py::arg("create_if_missing") = true)
+      .def_property_readonly("path", &KnowledgeBase::path)
+      .def("flush", [](KnowledgeBase& kb) { ThrowIfError(WithoutGil([&] { return kb.Flush(); })); })
+      .def(
+          "prior_micro_batch",
+          [](KnowledgeBase& kb, const std::string& workload) {
+            return WithoutGil([&] { return kb.PriorMicroBatch(workload); });
+          },
+          py::arg("workload"))
+      .def(
+          "record_clean_micro_batch",
+          [](KnowledgeBase& kb, const std::string& workload, int64_t size) {
+            ThrowIfError(kb.RecordCleanMicroBatch(workload, size));
+          },
+          py::arg("workload"), py::arg("size"))
+      .def_property_readonly("sink_stats", &KnowledgeBase::sink_stats)
+      .def(
+          "query",
+          [](KnowledgeBase& kb, std::string pattern, std::optional<int> rank, std::string run_id,
+             std::string workload, int64_t limit) {
+            IncidentQuery q;
+            q.pattern = std::move(pattern);
+            q.rank = rank;
+            q.run_id = std::move(run_id);
+            q.workload = std::move(workload);
+            q.limit = limit;
+            return ValueOrThrow(WithoutGil([&] { return kb.Query(q); }));
+          },
+          py::kw_only(), py::arg("pattern") = "", py::arg("rank") = py::none(), py::arg("run_id") = "",
+          py::arg("workload") = "", py::arg("limit") = 0, "Incidents, newest first.");
+}
+
+}  // namespace oomguard::python

@@ -1,0 +1,52 @@
+"""Shared set-up of the Python tests (run by ctest through /usr/bin/python3 -m pytest).
+
+ctest passes the build's package directory in PYTHONPATH and the build tree in
+OOMGUARD_BUILD_DIR; run by hand:
+
+    PYTHONPATH=build/python OOMGUARD_BUILD_DIR=build /usr/bin/python3 -m pytest tests/python
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BUILD_DIR = pathlib.Path(os.environ.get("OOMGUARD_BUILD_DIR", REPO / "build"))
+PYTHON_DIR = BUILD_DIR / "python"
+if str(PYTHON_DIR) not in sys.path and not os.environ.get("OOMGUARD_TEST_INSTALLED"):
+    sys.path.insert(0, str(PYTHON_DIR))
+EXAMPLE = REPO / "examples" / "python" / "train_torch.py"
+HDF5_PLUGINS = BUILD_DIR / "lib" / "hdf5-plugins"
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment for child Python processes: this package first, no injected faults."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.pop("OOMGUARD_FAULTS", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(args, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """Runs /usr/bin/python3-equivalent (this interpreter) with args; fails the test on a non-zero exit."""
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env(**env))
+    if proc.returncode != 0:
+        pytest.fail(f"{args} exited with {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_rules():
+    import oomguard
+
+    oomguard.clear_fault_rules()
+    yield
+    oomguard.clear_fault_rules()

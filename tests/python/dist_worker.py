@@ -1,0 +1,65 @@
+"""One rank of the two-process torch.distributed test (test_distributed.py).
+
+    dist_worker.py RANK WORLD_SIZE INIT_FILE OUT_PREFIX BUDGET_MIB
+
+With WORLD_SIZE 1 it trains on every rank's data at once: the reference run.
+Rank r's samples are rows [r*B, (r+1)*B) of each step's global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import oomguard
+import oomguard.budget
+import oomguard.torch as ogt
+
+STEPS, PER_RANK, RANKS = 5, 256, 2
+
+
+def main() -> int:
+    rank, world, init_file, out, budget_mib = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                               float(sys.argv[5]))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(STEPS, RANKS * PER_RANK, 32, generator=g, dtype=torch.float64)
+    ys = torch.randn(STEPS, RANKS * PER_RANK, 1, generator=g, dtype=torch.float64)
+    coordinator = None
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        coordinator = ogt.TorchDistributedCoordinator()
+        xs = xs[:, rank * PER_RANK:(rank + 1) * PER_RANK]
+        ys = ys[:, rank * PER_RANK:(rank + 1) * PER_RANK]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    guard = oomguard.Guard(coordinator=coordinator, vote_deadline_ms=30000, grow_after=0)
+    train_step = ogt.TrainStep(model, opt, torch.nn.functional.mse_loss, guard=guard)
+    if budget_mib > 0:
+        oomguard.budget.install(int(budget_mib * (1 << 20)))
+    any_oom_steps = 0
+    while guard.next_step < STEPS:
+        train_step(xs[guard.next_step], ys[guard.next_step])
+        any_oom_steps += bool(train_step.last_report.incidents and train_step.last_report.incidents[0].ranks)
+    if budget_mib > 0:
+        oomguard.budget.uninstall()
+    ogt.flat_parameters(model).numpy().astype("<f8").tofile(out + ".f64")
+    with open(out + ".json", "w") as f:
+        json.dump({"rank": rank, "ooms": guard.total_ooms, "micro_limit": min(guard.micro_limit, PER_RANK),
+                   "steps": guard.next_step, "incidents_with_ranks": any_oom_steps,
+                   "engine": coordinator.engine() if coordinator else "local"}, f)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Error classes, and errors crossing the Python/C++ boundary in both directions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oomguard
+from oomguard import errors
+
+
+def test_error_classes_subclass_the_natural_builtin():
+    assert issubclass(oomguard.OutOfMemoryError, MemoryError)
+    assert issubclass(oomguard.RolledBackError, RuntimeError)
+    assert issubclass(oomguard.CoordinationTimeoutError, TimeoutError)
+    assert issubclass(oomguard.CorruptCheckpointError, OSError)
+    assert issubclass(oomguard.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(oomguard.InvalidArgumentError, ValueError)
+    for cls in (oomguard.OutOfMemoryError, oomguard.RolledBackError, oomguard.CoordinationTimeoutError,
+                oomguard.CorruptCheckpointError, oomguard.InvalidArgumentError, oomguard.FailedPreconditionError):
+        assert issubclass(cls, oomguard.OomguardError)
+    assert oomguard.CoordinationTimeoutError.exit_code == 75 == oomguard.EXIT_COORDINATION_TIMEOUT
+
+
+def test_oom_recognised_by_type_first_message_last():
+    assert errors.oom_kind(MemoryError()) == "host"
+    cuda_oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert errors.oom_kind(cuda_oom) == "device"
+    verdict = errors._classify_for_guard(cuda_oom)
+    assert verdict[1] == "torch.cuda.OutOfMemoryError" and verdict[3] == 2 << 30
+    # torch's OOM type with an unfamiliar message is still an OOM (the type decides).
+    assert errors.oom_kind(torch.cuda.OutOfMemoryError("allocator said no")) == "device"
+    # What torch 1.13's CPU allocator raises: a RuntimeError, recognised by message.
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:75] data. DefaultCPUAllocator: not enough memory: "
+                       "you tried to allocate 1073741824 bytes.")
+    assert errors.oom_kind(cpu) == "host"
+    assert errors.oom_kind(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")) == "workspace"
+    # Not OOMs: another type mentioning memory, or a RuntimeError that is not a failure.
+    assert errors.oom_kind(ValueError("out of memory")) is None
+    assert errors.oom_kind(RuntimeError("memory usage is fine")) is None
+    assert errors.oom_kind(KeyError("x")) is None
+
+
+def test_unrecoverable_oom_raises_memory_error_with_report():
+    guard = oomguard.Guard()
+
+    def always(mb):
+        raise MemoryError("no memory at all")
+
+    with pytest.raises(MemoryError) as info:
+        guard.step(4, always, reset=lambda: None)
+    e = info.value
+    assert isinstance(e, oomguard.OutOfMemoryError)
+    assert e.code == "RESOURCE_EXHAUSTED"
+    assert e.report.ooms == 3  # sizes 4, 2, 1
+    assert "incident" in str(e) and "remedies" in str(e)
+    assert e.report.incidents[-1].action == "give_up"
+
+
+def test_non_oom_exception_passes_through_unchanged_even_if_it_mentions_memory():
+    guard = oomguard.Guard()
+    calls = []
+
+    class Custom(ValueError):
+        pass
+
+    raised = Custom("cache out of memory (not really)")
+
+    def micro(mb):
+        calls.append(mb.size)
+        raise raised
+
+    with pytest.raises(Custom) as info:
+        guard.step(8, micro, reset=lambda: calls.append("reset"))
+    assert info.value is raised
+    assert info.value.__traceback__ is not None
+    assert calls == [8], "a non-OOM error must not be retried or trigger a reset"
+    assert guard.total_ooms == 0
+
+
+def test_exception_in_commit_passes_through():
+    guard = oomguard.Guard()
+
+    def commit():
+        raise KeyError("optimizer bug")
+
+    with pytest.raises(KeyError, match="optimizer bug"):
+        guard.step(2, lambda mb: None, commit=commit)
+
+
+def test_oom_in_backward_without_reset_is_failed_precondition():
+    guard = oomguard.Guard()
+
+    def micro(mb):
+        guard.mark_phase("backward")
+        if mb.size > 1:
+            raise MemoryError()
+
+    with pytest.raises(oomguard.FailedPreconditionError, match="no reset hook"):
+        guard.step(4, micro)
+
+
+def test_invalid_options_and_fault_rules_are_value_errors():
+    with pytest.raises(ValueError, match="min_micro_batch"):
+        oomguard.Guard(min_micro_batch=0)
+    with pytest.raises(oomguard.InvalidArgumentError, match="bogus"):
+        oomguard.set_fault_rules("bogus@step=1")
+    with pytest.raises(ValueError, match="unknown phase"):
+        oomguard.Guard().mark_phase("lunch")
+
+
+class _TimingOutCoordinator(oomguard.Coordinator):
+    """A Python coordinator whose vote never gets an answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.votes = 0
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+    def engine(self):
+        return "test"
+
+    def vote(self, vote_input, deadline_s):
+        self.votes += 1
+        assert deadline_s == pytest.approx(0.25)
+        raise TimeoutError("peer 1 did not answer")
+
+
+def test_coordination_timeout_raises_timeout_error():
+    coordinator = _TimingOutCoordinator()
+    guard = oomguard.Guard(coordinator=coordinator, vote_deadline_ms=250)
+    with pytest.raises(TimeoutError) as info:
+        guard.step(2, lambda mb: None, commit=lambda: pytest.fail("commit must not run without agreement"))
+    e = info.value
+    assert isinstance(e, oomguard.CoordinationTimeoutError)
+    assert e.code == "UNAVAILABLE"
+    assert "peer 1 did not answer" in str(e)
+    assert coordinator.votes == 1
+    assert e.report.incidents and e.report.incidents[0].kind == "coordination"
+
+
+def test_python_coordinator_vote_round_trip():
+    """A Python coordinator that packs, 'reduces' and unpacks the vote."""
+
+    class Single(_TimingOutCoordinator):
+        def size(self):
+            return 1
+
+        def vote(self, vote_input, deadline_s):
+            self.votes += 1
+            return oomguard.unpack_vote(oomguard.pack_vote(vote_input))
+
+    c = Single()
+    guard = oomguard.Guard(coordinator=c)
+    done = []
+    report = guard.step(3, lambda mb: None, commit=lambda: done.append(True))
+    assert report.status.ok and done == [True] and c.votes == 1
+    assert len(oomguard.pack_vote(oomguard.VoteInput())) == oomguard.VOTE_WORDS
+    with pytest.raises(ValueError):
+        oomguard.unpack_vote([0, 1])
