@@ -1,11 +1,13 @@
 #include "mlp.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 
 namespace mlp {
 namespace {
@@ -37,6 +39,11 @@ struct Layout {
 };
 
 }  // namespace
+
+int64_t SampleCost(uint64_t seed, int64_t step, int64_t index) {
+  const double u = Uniform(seed, 5000 + static_cast<uint64_t>(step), static_cast<uint64_t>(index), 99);
+  return u > 1.0 - 2.0 / 48.0 ? 12 : 1;
+}
 
 std::string WorkloadSignature(const Config& cfg) {
   if (!cfg.workload.empty()) return cfg.workload;
@@ -108,6 +115,16 @@ double MlpTrainer::Micro(int64_t step, const oomguard::MicroBatch& mb, int64_t g
   mark(oomguard::Phase::kForward);
   oomguard::DeviceBuffer a1b = alloc(m * h);
   double* A1 = a1b.as<double>();
+  // Costly samples hold more activation memory (as long sequences do); the
+  // extra memory does not change the arithmetic.
+  oomguard::DeviceBuffer extra;
+  if (cfg_.costly_samples && mb.cost > mb.size) extra = alloc((mb.cost - mb.size) * 2 * h);
+  if (cfg_.fragmentation) {
+    // A small block that outlives this micro-batch, placed between its
+    // activations: the segment it lands in can no longer be released.
+    pinned_small_.emplace_back(device_, 1024);
+    if (pinned_small_.size() > 64) pinned_small_.pop_front();
+  }
   for (int64_t k = 0; k < m; ++k)
     for (int i = 0; i < h; ++i) {
       double s = P[L.b1 + i];
@@ -198,6 +215,42 @@ void MlpTrainer::Commit(oomguard::Guard* guard) {
   ZeroGrad();
 }
 
+oomguard::Status MlpTrainer::RegisterState(oomguard::Checkpointer* ckpt) {
+  using oomguard::DType;
+  Layout L(cfg_.hidden);
+  const int64_t h = cfg_.hidden;
+  double* p = params_.as<double>();
+  struct Part {
+    const char* name;
+    int64_t offset;
+    std::vector<int64_t> shape;
+  };
+  const Part parts[] = {{"model/fc1.weight", L.w1, {h, kInputs}}, {"model/fc1.bias", L.b1, {h}},
+                        {"model/fc2.weight", L.w2, {h, h}},       {"model/fc2.bias", L.b2, {h}},
+                        {"model/fc3.weight", L.w3, {1, h}},       {"model/fc3.bias", L.b3, {1}}};
+  for (const Part& part : parts)
+    OOMGUARD_RETURN_IF_ERROR(ckpt->AddTensor(part.name, DType::kFloat64, part.shape, p + part.offset));
+  // Adam's moments may be allocated lazily (at the first optimizer step), so
+  // they travel as an object with the step counter rather than as tensors at
+  // fixed addresses.
+  return ckpt->AddObject(
+      "optimizer/state",
+      [this] {
+        std::vector<double> s = OptimizerState();
+        std::vector<uint8_t> b(s.size() * sizeof(double));
+        std::memcpy(b.data(), s.data(), b.size());
+        return b;
+      },
+      [this](std::span<const uint8_t> b) {
+        if (b.size() % sizeof(double) != 0)
+          return oomguard::Status::DataLoss("optimizer state is not a whole number of float64");
+        std::vector<double> s(b.size() / sizeof(double));
+        std::memcpy(s.data(), b.data(), b.size());
+        SetOptimizerState(s);
+        return oomguard::Status::Ok();
+      });
+}
+
 std::vector<double> MlpTrainer::Parameters() const {
   const double* p = params_.as<double>();
   return std::vector<double>(p, p + n_params_);
@@ -228,8 +281,33 @@ void MlpTrainer::SetOptimizerState(const std::vector<double>& s) {
   }
 }
 
+namespace {
+
+// A collective inside commit failed (a peer stopped answering). Not an OOM:
+// it passes through the guard unchanged and Train turns it into kUnavailable.
+class CollectiveError : public std::runtime_error {
+ public:
+  explicit CollectiveError(const oomguard::Status& s) : std::runtime_error(s.ToString()), status(s) {}
+  oomguard::Status status;
+};
+
+}  // namespace
+
 TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks& hooks) {
   TrainResult result;
+  oomguard::Coordinator* coord = hooks.coordinator;
+  const int world = coord != nullptr ? coord->size() : 1;
+  const int rank = coord != nullptr ? coord->rank() : 0;
+  if (cfg.global_batch % world != 0) {
+    result.status = oomguard::Status::InvalidArgument(
+        "the global batch (" + std::to_string(cfg.global_batch) + ") must divide evenly over " +
+        std::to_string(world) + " ranks");
+    return result;
+  }
+  // Rank r trains on samples [r*n, (r+1)*n) of every global batch, so the
+  // global batch is the same for any world size.
+  const int64_t n_local = cfg.global_batch / world;
+  const int64_t rank_offset = rank * n_local;
   std::unique_ptr<MlpTrainer> trainer_ptr;
   try {
     trainer_ptr = std::make_unique<MlpTrainer>(cfg, device);
@@ -246,42 +324,140 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
   opts.grow_after = cfg.grow_after;
   opts.device = device;
   opts.incidents = hooks.incidents;
+  opts.priors = hooks.priors;
+  opts.coordinator = coord;
+  opts.uniform_micro_batch = cfg.uniform_micro_batch;
   opts.workload = WorkloadSignature(cfg);
+  // Checkpoints: the guard's RecoveryStore (saves every N steps and after a
+  // recovered OOM; rollbacks restore through it). With several ranks each
+  // writes its shard and rank 0 commits the manifest through the vote.
+  std::unique_ptr<oomguard::Checkpointer> ckpt;
+  int64_t first_step = 0;
+  if (!cfg.ckpt_dir.empty()) {
+    oomguard::CheckpointOptions co;
+    co.dir = cfg.ckpt_dir;
+    co.every_steps = cfg.ckpt_every;
+    co.keep = cfg.ckpt_keep;
+    co.rank = rank;
+    co.world_size = world;
+    co.commit_manifest_locally = world == 1;
+    co.incidents = hooks.incidents;
+    auto ckpt_or = oomguard::Checkpointer::Create(co);
+    if (!ckpt_or.ok()) {
+      result.status = ckpt_or.status();
+      return result;
+    }
+    ckpt = std::move(ckpt_or).value();
+    oomguard::Status reg = trainer.RegisterState(ckpt.get());
+    if (!reg.ok()) {
+      result.status = reg;
+      return result;
+    }
+    if (cfg.resume) {
+      auto loaded = ckpt->LoadLatest();
+      if (loaded.ok()) {
+        result.resumed_from_step = *loaded;
+        first_step = *loaded + 1;
+        result.steps_done = first_step;
+      } else if (loaded.status().code() != oomguard::StatusCode::kNotFound) {
+        result.status = loaded.status();
+        return result;
+      }
+    }
+    opts.recovery = ckpt.get();
+  }
   auto guard_or = oomguard::Guard::Create(opts);
   if (!guard_or.ok()) {
     result.status = guard_or.status();
     return result;
   }
   auto guard = std::move(guard_or).value();
-  result.initial_micro_batch = std::min(guard->micro_limit(), cfg.global_batch);
+  guard->SetStep(first_step);
+  result.initial_micro_batch = std::min(guard->micro_limit(), n_local);
   guard->SetResetHook([&] { trainer.ZeroGrad(); });
-  for (int64_t s = guard->step(); s < cfg.steps; s = guard->step()) {
-    result.micro_limits.push_back(std::min(guard->micro_limit(), cfg.global_batch));
-    double loss = 0;
-    oomguard::StepRequest req;
-    req.samples = cfg.global_batch;
-    req.micro = [&](const oomguard::MicroBatch& mb) {
-      // Only completed micro-batches count: an OOM inside discards this one's loss.
-      double l = trainer.Micro(s, mb, cfg.global_batch, 0, guard.get());
-      loss += l;
-    };
-    req.reset = [&] {
-      trainer.ZeroGrad();
-      loss = 0;
-    };
-    req.commit = [&] { trainer.Commit(guard.get()); };
-    oomguard::StepReport report;
-    oomguard::Status st = guard->Step(req, &report);
-    result.ooms += report.ooms;
-    if (!st.ok()) {
-      result.status = st;
-      break;
+  const auto deadline = std::chrono::milliseconds(guard->options().vote_deadline_ms);
+  std::vector<int64_t> costs;
+  std::vector<double> sync;  // gradients + loss, summed over ranks
+  try {
+    for (int64_t s = guard->step(); s < cfg.steps; s = guard->step()) {
+      result.micro_limits.push_back(std::min(guard->micro_limit(), n_local));
+      double loss = 0;
+      oomguard::StepRequest req;
+      req.samples = n_local;
+      if (cfg.costly_samples) {
+        costs.resize(static_cast<size_t>(n_local));
+        for (int64_t i = 0; i < n_local; ++i) costs[static_cast<size_t>(i)] = SampleCost(cfg.seed, s, rank_offset + i);
+        req.costs = costs;
+      }
+      req.micro = [&](const oomguard::MicroBatch& mb) {
+        // Only completed micro-batches count: an OOM inside discards this one's loss.
+        double l = trainer.Micro(s, mb, n_local, static_cast<int>(rank_offset), guard.get());
+        loss += l;
+      };
+      req.reset = [&] {
+        trainer.ZeroGrad();
+        loss = 0;
+      };
+      req.commit = [&] {
+        if (world > 1) {
+          // After the vote: every rank is here, so the allreduce cannot hang on
+          // a rank that is still recovering from an OOM.
+          const int64_t n = trainer.ParameterCount();
+          sync.assign(trainer.grads(), trainer.grads() + n);
+          sync.push_back(loss);
+          oomguard::Status st = coord->AllreduceSum(sync, deadline);
+          if (!st.ok()) throw CollectiveError(st);
+          for (int64_t i = 0; i < n; ++i) trainer.grads()[i] = sync[static_cast<size_t>(i)] / world;
+          loss = sync.back() / world;
+        }
+        trainer.Commit(guard.get());
+      };
+      oomguard::StepReport report;
+      oomguard::Status st = guard->Step(req, &report);
+      result.ooms += report.ooms;
+      if (st.code() == oomguard::StatusCode::kAborted && report.rolled_back_to.has_value()) {
+        // Rolled back: the guard's step() says where to continue; the steps
+        // since the restored checkpoint are redone on the same data (the guard
+        // called the reset hook, so no gradient of the abandoned step remains).
+        ++result.rollbacks;
+        if (hooks.on_step) hooks.on_step(report, loss);
+        continue;
+      }
+      if (!st.ok()) {
+        result.status = st;
+        break;
+      }
+      if (s == 0) result.loss_first = loss;
+      result.loss_last = loss;
+      result.steps_done = s + 1;
+      result.final_micro_batch = report.largest_micro;
+      if (hooks.on_step) hooks.on_step(report, loss);
     }
-    if (s == 0) result.loss_first = loss;
-    result.loss_last = loss;
-    result.steps_done = s + 1;
-    result.final_micro_batch = report.largest_micro;
-    if (hooks.on_step) hooks.on_step(report, loss);
+  } catch (const CollectiveError& e) {
+    result.status = e.status.code() == oomguard::StatusCode::kUnavailable
+                        ? e.status
+                        : oomguard::Status::Unavailable(e.status.message());
+  }
+  if (ckpt != nullptr) {
+    // The last save must be durable before the run reports success.
+    oomguard::Status w = ckpt->Wait();
+    if (!w.ok() && result.status.ok()) result.status = w;
+    if (world > 1 && result.status.ok()) {
+      // The guard commits a step when a later vote shows it durable on every
+      // rank; after the last step there is no later vote, so agree here.
+      oomguard::VoteInput in;
+      in.durable_step = ckpt->ShardDurableStep();
+      auto v = coord->Vote(in, deadline);
+      if (!v.ok()) {
+        result.status = v.status();
+      } else if (rank == 0 && v->min_durable_step >= 0) {
+        oomguard::Status c = ckpt->CommitManifest(v->min_durable_step, world);
+        if (!c.ok()) result.status = c;
+      }
+    }
+    oomguard::CheckpointStats cs = ckpt->Stats();
+    result.checkpoints_written = cs.checkpoints_written;
+    result.stall_ms = cs.stall_ms;
   }
   result.params = trainer.Parameters();
   return result;

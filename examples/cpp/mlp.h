@@ -15,10 +15,12 @@
 #define OOMGUARD_EXAMPLES_MLP_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "oomguard/checkpoint.h"
 #include "oomguard/oomguard.h"
 
 namespace mlp {
@@ -38,6 +40,18 @@ struct Config {
   bool lazy_optimizer_state = false;  // allocate Adam moments at the first optimizer step
   int64_t leak_bytes_per_step = 0;    // deliberately never freed (gradual growth scenario)
   std::string workload;               // workload signature ("" : derived from the config)
+  // Data-dependent spikes: a few samples per step cost many times the others
+  // (think long sequences); the guard plans by cost (StepRequest::costs).
+  bool costly_samples = false;
+  // Small long-lived allocations interleaved with the activations, so that
+  // freed activation blocks are stranded in partly used segments.
+  bool fragmentation = false;
+  bool uniform_micro_batch = false;   // every rank uses the smallest limit (multi-rank)
+  // Checkpoints (oomguard::Checkpointer); off when ckpt_dir is empty.
+  std::string ckpt_dir;
+  int64_t ckpt_every = 0;             // save after every N steps (0: only after a recovered OOM)
+  int ckpt_keep = 3;                  // complete checkpoints kept (0: all)
+  bool resume = false;                // continue from the newest complete checkpoint in ckpt_dir
 };
 
 // Parameters, gradients and optimizer state, held in device buffers.
@@ -65,6 +79,10 @@ class MlpTrainer {
   int64_t ParameterCount() const { return n_params_; }
   // Gradient buffer (for a data-parallel allreduce in commit).
   double* grads() { return grads_.as<double>(); }
+  // Registers the parameters (one tensor per layer, model/fc1.weight, ...)
+  // and the optimizer state with a checkpointer. REQUIRES: the trainer
+  // outlives `ckpt`.
+  oomguard::Status RegisterState(oomguard::Checkpointer* ckpt);
 
  private:
   void EnsureOptimizerState();
@@ -74,6 +92,7 @@ class MlpTrainer {
   int64_t n_params_;
   oomguard::DeviceBuffer params_, grads_, m_, v_;
   std::vector<oomguard::DeviceBuffer> leaked_;
+  std::deque<oomguard::DeviceBuffer> pinned_small_;  // the fragmentation scenario's long-lived blocks
   int64_t adam_t_ = 0;
   std::vector<double> teacher_;
 };
@@ -88,13 +107,27 @@ struct TrainResult {
   double loss_first = 0;
   double loss_last = 0;
   std::vector<int64_t> micro_limits;  // limit used at each step (the controller's trajectory)
+  // Checkpoints (zero/empty without Config::ckpt_dir).
+  int64_t checkpoints_written = 0;
+  int64_t resumed_from_step = -1;     // -1: started from scratch
+  int64_t rollbacks = 0;              // steps that ended in a rollback (kAborted) and continued
+  std::vector<double> stall_ms;       // blocking time of each checkpoint save
 };
 
 struct TrainHooks {
   // Called after every step with its report and loss (progress, narration).
   std::function<void(const oomguard::StepReport&, double loss)> on_step;
   oomguard::IncidentSink* incidents = nullptr;
+  oomguard::MicroBatchPriors* priors = nullptr;  // learned starting sizes (the knowledge base)
+  // Data parallelism: this rank's coordinator (null: one process). Each rank
+  // trains on its shard of every global batch; gradients (and the reported
+  // loss) are summed over ranks in commit, after the guard's vote.
+  oomguard::Coordinator* coordinator = nullptr;
 };
+
+// The per-sample cost of the costly-samples scenario: 1 for most samples, 12
+// for about one in 48 (a pure function of seed, step and the global index).
+int64_t SampleCost(uint64_t seed, int64_t step, int64_t index);
 
 // Trains cfg.steps steps on `device` through a Guard. Non-OOM errors propagate.
 TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks& hooks = {});

@@ -1,21 +1,35 @@
 // mlp_train: a guarded training run of a small MLP on a simulated device.
 //
 //   mlp_train --steps 40 --global-batch 512 --device-budget-mib 4 --json
+//   mlp_train --steps 40 --ckpt-dir /tmp/ck --ckpt-every 5 --keep 3 [--resume]
+//   mlp_train --dist threads --ranks 4 --rank-budget-mib 1=0.5 --kb /tmp/kb.sqlite
+//   mpirun -np 4 mlp_train --dist mpi ...
 //
 // The simulated device has the capacity given by --device-budget-mib (0:
 // unlimited). When a micro-batch does not fit, the guard releases caches,
 // splits the step into smaller micro-batches (same global batch, same
 // gradient) and retries; the final parameters equal an unlimited run's.
-// Exit codes: 0 done, 1 training failed, 2 bad arguments, 3 --check-against mismatch.
+// Exit codes: 0 done, 1 training failed, 2 bad arguments, 3 --check-against
+// mismatch, 75 a peer rank stopped answering (restart every rank with --resume).
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "mlp.h"
 #include "oomguard/oomguard.h"
+#ifdef OOMGUARD_EXAMPLE_HAVE_MPI
+#include "oomguard/mpi_coordinator.h"
+#endif
 
 namespace {
 
@@ -36,7 +50,9 @@ std::string Json(double v) {
 int main(int argc, char** argv) {
   mlp::Config cfg;
   double budget_mib = 0;
-  std::string dump_params, check_against, faults;
+  std::string dump_params, check_against, faults, kb_path, dist = "none";
+  std::vector<std::string> rank_budgets;
+  int ranks = 1;
   bool json = false, quiet = false;
 
   CLI::App app{"Train a small MLP through the oomguard guard on a simulated device."};
@@ -62,7 +78,23 @@ int main(int argc, char** argv) {
   app.add_option("--device-budget-mib", budget_mib, "simulated device capacity in MiB (0: unlimited)")
       ->check(CLI::Range(0.0, 1e9));
   app.add_option("--faults", faults, "fault rules, as OOMGUARD_FAULTS (e.g. oom@step=3,site=backward)");
-  app.add_option("--dump-params", dump_params, "write the final parameters (little-endian float64)");
+  app.add_option("--ckpt-dir", cfg.ckpt_dir, "write checkpoints (oomguard-ckpt/1) to this directory");
+  app.add_option("--ckpt-every", cfg.ckpt_every, "save a checkpoint after every N steps (0: only after a recovered OOM)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--keep", cfg.ckpt_keep, "complete checkpoints kept (0: all)")->check(CLI::Range(0, 1 << 20));
+  app.add_flag("--resume", cfg.resume, "continue from the newest complete checkpoint in --ckpt-dir");
+  app.add_flag("--costly-samples", cfg.costly_samples,
+               "a few samples per step cost 12x the others (data-dependent activation spikes)");
+  app.add_flag("--fragmentation", cfg.fragmentation,
+               "keep small long-lived blocks between activations (allocator fragmentation)");
+  app.add_option("--kb", kb_path, "record incidents in this knowledge base (SQLite) and learn micro-batch priors");
+  app.add_option("--dist", dist, "none, threads (ranks as threads) or mpi (under mpirun)")
+      ->check(CLI::IsMember({"none", "threads", "mpi"}));
+  app.add_option("--ranks", ranks, "ranks for --dist threads")->check(CLI::Range(1, 64));
+  app.add_option("--rank-budget-mib", rank_budgets,
+                 "R=X: simulated capacity of rank R in MiB (repeatable; others use --device-budget-mib)");
+  app.add_flag("--uniform-micro-batch", cfg.uniform_micro_batch, "every rank uses the smallest micro-batch");
+  app.add_option("--dump-params", dump_params, "write the final parameters (little-endian float64; rank 0)");
   app.add_option("--check-against", check_against,
                  "compare the final parameters with a --dump-params file (1e-10 relative)");
   app.add_flag("--json", json, "end with one JSON line of results");
@@ -78,6 +110,10 @@ int main(int argc, char** argv) {
                  cfg.micro_batch, cfg.min_micro_batch);
     return 2;
   }
+  if ((cfg.resume || cfg.ckpt_every > 0) && cfg.ckpt_dir.empty()) {
+    std::fprintf(stderr, "mlp_train: --resume and --ckpt-every need --ckpt-dir\n");
+    return 2;
+  }
   if (!faults.empty()) {
     oomguard::Status s = oomguard::SetFaultRules(faults);
     if (!s.ok()) {
@@ -86,52 +122,195 @@ int main(int argc, char** argv) {
     }
   }
 
-  oomguard::SimulatedDeviceOptions dev_opts;
-  dev_opts.capacity_bytes = static_cast<int64_t>(budget_mib * 1024.0 * 1024.0);
-  // A caching allocator scaled to this small model: segments of 256 KiB (PyTorch
-  // uses 2 MiB for GiB-sized GPUs), so that budgets of a few MiB behave alike.
-  dev_opts.segment_bytes = 256 << 10;
-  dev_opts.small_request_bytes = 128 << 10;
-  auto device_or = oomguard::MakeSimulatedDevice(dev_opts);
-  if (!device_or.ok()) {
-    std::fprintf(stderr, "mlp_train: %s\n", device_or.status().ToString().c_str());
+  // Per-rank capacities: --device-budget-mib for all, --rank-budget-mib R=X for one.
+  std::map<int, double> budget_of;
+  for (const std::string& rb : rank_budgets) {
+    const size_t eq = rb.find('=');
+    char* end = nullptr;
+    const long r = eq == std::string::npos ? -1 : std::strtol(rb.c_str(), &end, 10);
+    const double mib = eq == std::string::npos ? -1 : std::strtod(rb.c_str() + eq + 1, nullptr);
+    if (eq == std::string::npos || end != rb.c_str() + eq || r < 0 || r > 1 << 20 || !(mib >= 0)) {
+      std::fprintf(stderr, "mlp_train: --rank-budget-mib '%s': expected R=X (rank, MiB), e.g. 1=2.5\n", rb.c_str());
+      return 2;
+    }
+    budget_of[static_cast<int>(r)] = mib;
+  }
+  if (dist != "threads" && ranks != 1) {
+    std::fprintf(stderr, "mlp_train: --ranks is for --dist threads (under MPI, mpirun -np sets the ranks)\n");
     return 2;
   }
-  auto device = std::move(device_or).value();
 
-  if (!quiet) {
-    std::printf("mlp_train: %" PRId64 " steps, global batch %" PRId64 ", hidden %d, %s, device %s\n",
-                cfg.steps, cfg.global_batch, cfg.hidden, cfg.optimizer.c_str(),
-                budget_mib > 0 ? ("budget " + Mib(dev_opts.capacity_bytes)).c_str() : "unlimited");
+  // ---- the ranks ----
+  std::unique_ptr<oomguard::Coordinator> mpi;
+  std::vector<std::unique_ptr<oomguard::Coordinator>> group;
+  if (dist == "mpi") {
+#ifdef OOMGUARD_EXAMPLE_HAVE_MPI
+    auto c = oomguard::MakeMpiCoordinator();
+    if (!c.ok()) {
+      std::fprintf(stderr, "mlp_train: --dist mpi: %s\n", c.status().ToString().c_str());
+      return 1;
+    }
+    mpi = std::move(c).value();
+#else
+    std::fprintf(stderr, "mlp_train: --dist mpi: built without MPI (OOMGUARD_WITH_MPI=OFF)\n");
+    return 2;
+#endif
+  } else if (dist == "threads") {
+    auto g = oomguard::MakeThreadGroup(ranks);
+    if (!g.ok()) {
+      std::fprintf(stderr, "mlp_train: --ranks: %s\n", g.status().message().c_str());
+      return 2;
+    }
+    group = std::move(g).value();
+  }
+  const int world = mpi ? mpi->size() : dist == "threads" ? ranks : 1;
+  const int first_rank = mpi ? mpi->rank() : 0;
+  const int local_ranks = dist == "threads" ? ranks : 1;
+  for (const auto& [r, mib] : budget_of) {
+    if (r >= world) {
+      std::fprintf(stderr, "mlp_train: --rank-budget-mib %d=...: there are only %d rank(s)\n", r, world);
+      return 2;
+    }
+  }
+  if (cfg.global_batch % world != 0) {
+    std::fprintf(stderr, "mlp_train: --global-batch %" PRId64 " must divide evenly over %d ranks\n",
+                 cfg.global_batch, world);
+    return 2;
+  }
+  const bool talk = !quiet && first_rank == 0;
+
+  // ---- the knowledge base: one per process, shared by its ranks ----
+  std::unique_ptr<oomguard::KnowledgeBase> kb;
+  if (!kb_path.empty()) {
+    auto kb_or = oomguard::KnowledgeBase::Open(kb_path);
+    if (!kb_or.ok()) {
+      // A broken knowledge base must not stop training: say so and go on.
+      std::fprintf(stderr, "mlp_train: --kb: %s (training without it)\n", kb_or.status().ToString().c_str());
+    } else {
+      kb = std::move(kb_or).value();
+    }
+  }
+
+  auto make_device = [&](int rank) {
+    oomguard::SimulatedDeviceOptions o;
+    const double mib = budget_of.count(rank) ? budget_of[rank] : budget_mib;
+    o.capacity_bytes = static_cast<int64_t>(mib * 1024.0 * 1024.0);
+    o.index = rank;
+    // A caching allocator scaled to this small model: segments of 256 KiB (PyTorch
+    // uses 2 MiB for GiB-sized GPUs), so that budgets of a few MiB behave alike.
+    o.segment_bytes = 256 << 10;
+    o.small_request_bytes = 128 << 10;
+    return oomguard::MakeSimulatedDevice(o);
+  };
+  std::vector<std::unique_ptr<oomguard::Device>> devices;
+  for (int i = 0; i < local_ranks; ++i) {
+    auto d = make_device(first_rank + i);
+    if (!d.ok()) {
+      std::fprintf(stderr, "mlp_train: %s\n", d.status().ToString().c_str());
+      return 2;
+    }
+    devices.push_back(std::move(d).value());
+  }
+
+  if (talk) {
+    std::printf("mlp_train: %" PRId64 " steps, global batch %" PRId64 ", hidden %d, %s, device %s%s\n", cfg.steps,
+                cfg.global_batch, cfg.hidden, cfg.optimizer.c_str(),
+                budget_mib > 0 ? ("budget " + Mib(static_cast<int64_t>(budget_mib * 1048576.0))).c_str()
+                               : "unlimited",
+                world > 1 ? (", " + std::to_string(world) + " ranks (" + dist + ")").c_str() : "");
     std::fflush(stdout);
   }
   const int64_t every = std::max<int64_t>(1, cfg.steps / 10);
-  mlp::TrainHooks hooks;
-  hooks.on_step = [&](const oomguard::StepReport& r, double loss) {
-    if (quiet) return;
-    for (const auto& inc : r.incidents) {
-      std::printf("  step %" PRId64 ": OOM in %s (%s memory; asked for %s with %s allocated, %s reserved of %s)"
-                  " -> released caches, micro-batch %" PRId64 " -> %" PRId64 " [%s], %s\n",
-                  inc.step, inc.phase.c_str(), inc.kind.c_str(), Mib(inc.requested_bytes).c_str(),
-                  Mib(inc.memory.allocated).c_str(), Mib(inc.memory.reserved).c_str(),
-                  inc.memory.total > 0 ? Mib(inc.memory.total).c_str() : "unlimited", inc.micro_before,
-                  inc.micro_after, inc.action.c_str(), inc.outcome.c_str());
-    }
-    if ((r.step + 1) % every == 0 || r.step + 1 == cfg.steps) {
-      std::printf("step %" PRId64 "/%" PRId64 "  loss %.6f  micro-batch %" PRId64 " x %d  peak %s\n", r.step + 1,
-                  cfg.steps, loss, r.largest_micro, r.micro_batches, Mib(r.peak_allocated).c_str());
-    }
-    std::fflush(stdout);
+  std::mutex print_mu;
+  auto hooks_for = [&](int rank) {
+    mlp::TrainHooks hooks;
+    hooks.incidents = kb ? kb->sink() : nullptr;
+    hooks.priors = kb.get();
+    hooks.on_step = [&, rank](const oomguard::StepReport& r, double loss) {
+      if (quiet) return;
+      std::lock_guard<std::mutex> lock(print_mu);
+      const std::string who = world > 1 ? "[rank " + std::to_string(rank) + "] " : "";
+      for (const auto& inc : r.incidents) {
+        if (inc.kind == "coordination") continue;
+        std::printf("  %sstep %" PRId64 ": OOM in %s (%s memory; asked for %s with %s allocated, %s reserved of %s)"
+                    " -> released caches, micro-batch %" PRId64 " -> %" PRId64 " [%s], %s\n",
+                    who.c_str(), inc.step, inc.phase.c_str(), inc.kind.c_str(), Mib(inc.requested_bytes).c_str(),
+                    Mib(inc.memory.allocated).c_str(), Mib(inc.memory.reserved).c_str(),
+                    inc.memory.total > 0 ? Mib(inc.memory.total).c_str() : "unlimited", inc.micro_before,
+                    inc.micro_after, inc.action.c_str(), inc.outcome.c_str());
+      }
+      if (rank == 0 && ((r.step + 1) % every == 0 || r.step + 1 == cfg.steps)) {
+        std::printf("step %" PRId64 "/%" PRId64 "  loss %.6f  micro-batch %" PRId64 " x %d  peak %s\n", r.step + 1,
+                    cfg.steps, loss, r.largest_micro, r.micro_batches, Mib(r.peak_allocated).c_str());
+      }
+      std::fflush(stdout);
+    };
+    return hooks;
   };
 
   const auto t0 = std::chrono::steady_clock::now();
-  mlp::TrainResult res = mlp::Train(cfg, device.get(), hooks);
+  std::vector<mlp::TrainResult> results(static_cast<size_t>(local_ranks));
+  if (dist == "threads") {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < local_ranks; ++i) {
+      threads.emplace_back([&, i] {
+        mlp::TrainHooks h = hooks_for(i);
+        h.coordinator = group[static_cast<size_t>(i)].get();
+        results[static_cast<size_t>(i)] = mlp::Train(cfg, devices[static_cast<size_t>(i)].get(), h);
+        // A rank that stopped must not leave its peers waiting out the deadline.
+        if (!results[static_cast<size_t>(i)].status.ok()) group[static_cast<size_t>(i)]->Abort();
+      });
+    }
+    for (auto& t : threads) t.join();
+  } else {
+    mlp::TrainHooks h = hooks_for(first_rank);
+    h.coordinator = mpi.get();
+    results[0] = mlp::Train(cfg, devices[0].get(), h);
+  }
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!res.status.ok()) {
-    std::fprintf(stderr, "mlp_train: training stopped at step %" PRId64 ": %s\n", res.steps_done,
-                 res.status.ToString().c_str());
+  if (kb) {
+    oomguard::Status f = kb->Flush();
+    if (!f.ok()) std::fprintf(stderr, "mlp_train: --kb: %s\n", f.ToString().c_str());
+  }
+  const mlp::TrainResult& res = results[0];
+  if (talk && res.resumed_from_step >= 0)
+    std::printf("resumed from the checkpoint of step %" PRId64 " in %s\n", res.resumed_from_step,
+                cfg.ckpt_dir.c_str());
+  for (const auto& r : results) {
+    if (r.status.ok()) continue;
+    std::fprintf(stderr, "mlp_train: training stopped at step %" PRId64 ": %s\n", r.steps_done,
+                 r.status.ToString().c_str());
+    std::fflush(stderr);
+    if (r.status.code() == oomguard::StatusCode::kUnavailable) {
+      // A peer stopped answering: the documented exit code tells the launcher
+      // to restart every rank, which then resume from the newest checkpoint.
+      // _exit: MPI_Finalize would wait for the collective that never completes.
+      std::fflush(stdout);
+      _exit(oomguard::kExitCoordinationTimeout);
+    }
     return 1;
   }
+
+  // Every rank must end with the same parameters.
+  bool agree = true;
+  if (dist == "threads") {
+    for (const auto& r : results) agree = agree && r.params == results[0].params;
+  } else if (mpi) {
+    std::vector<uint8_t> bytes(res.params.size() * sizeof(double));
+    std::memcpy(bytes.data(), res.params.data(), bytes.size());
+    const auto deadline = std::chrono::milliseconds(60000);
+    if (!mpi->Broadcast(&bytes, 0, deadline).ok()) _exit(oomguard::kExitCoordinationTimeout);
+    std::vector<double> differ = {std::memcmp(bytes.data(), res.params.data(), bytes.size()) != 0 ? 1.0 : 0.0};
+    if (!mpi->AllreduceSum(differ, deadline).ok()) _exit(oomguard::kExitCoordinationTimeout);
+    agree = differ[0] == 0;
+  }
+  if (world > 1 && talk)
+    std::printf("all %d ranks end with %s parameters\n", world, agree ? "identical" : "DIFFERENT");
+  if (!agree) {
+    std::fprintf(stderr, "mlp_train: ranks disagree on the final parameters\n");
+    return 1;
+  }
+  if (first_rank != 0) return 0;  // rank 0 writes files and the JSON line
 
   std::string error;
   if (!dump_params.empty() && !mlp::WriteDoubles(dump_params, res.params, &error)) {
@@ -150,19 +329,44 @@ int main(int argc, char** argv) {
       std::printf("final parameters vs %s: max relative difference %.3g (%s)\n", check_against.c_str(), rel,
                   rel <= 1e-10 ? "equal within 1e-10" : "DIFFERENT");
   }
+  // Staging stall of the checkpoint saves: median and max.
+  double stall_median = 0, stall_max = 0;
+  if (!res.stall_ms.empty()) {
+    std::vector<double> v = res.stall_ms;
+    std::sort(v.begin(), v.end());
+    stall_median = v[v.size() / 2];
+    stall_max = v.back();
+  }
+  int64_t ooms = 0;
+  std::string per_rank;
+  for (size_t i = 0; i < results.size(); ++i) {
+    ooms += results[i].ooms;
+    if (!per_rank.empty()) per_rank += ",";
+    per_rank += "{\"rank\":" + std::to_string(first_rank + static_cast<int>(i)) +
+                ",\"ooms\":" + std::to_string(results[i].ooms) +
+                ",\"final_micro_batch\":" + std::to_string(results[i].final_micro_batch) + "}";
+  }
+  if (!quiet && !cfg.ckpt_dir.empty())
+    std::printf("checkpoints: %" PRId64 " written to %s, %" PRId64 " rollbacks, staging stall %.3f ms median, %.3f ms max\n",
+                res.checkpoints_written, cfg.ckpt_dir.c_str(), res.rollbacks, stall_median, stall_max);
   if (!quiet)
-    std::printf("done: %" PRId64 " steps, %" PRId64 " OOMs recovered, micro-batch %" PRId64 " -> %" PRId64
+    std::printf("done: %" PRId64 " steps, %" PRId64 " OOMs recovered%s, micro-batch %" PRId64 " -> %" PRId64
                 ", loss %.6f -> %.6f, %.2f s\n",
-                res.steps_done, res.ooms, res.initial_micro_batch, res.final_micro_batch, res.loss_first,
-                res.loss_last, wall_s);
+                res.steps_done, ooms, world > 1 && dist == "threads" ? " (all ranks)" : "", res.initial_micro_batch,
+                res.final_micro_batch, res.loss_first, res.loss_last, wall_s);
   if (json) {
+    // With MPI, ooms and ranks[] are rank 0's own (each process knows its rank only).
     std::printf("{\"steps\":%" PRId64 ",\"global_batch\":%" PRId64 ",\"initial_micro_batch\":%" PRId64
                 ",\"final_micro_batch\":%" PRId64 ",\"ooms\":%" PRId64
                 ",\"loss_first\":%s,\"loss_last\":%s,\"wall_s\":%s,\"device_budget_mib\":%s,\"hidden\":%d,"
-                "\"max_rel_diff\":%s}\n",
-                res.steps_done, cfg.global_batch, res.initial_micro_batch, res.final_micro_batch, res.ooms,
+                "\"max_rel_diff\":%s,\"checkpoints_written\":%" PRId64 ",\"resumed_from_step\":%s,"
+                "\"rollbacks\":%" PRId64 ",\"ckpt_stall_ms_median\":%s,\"ckpt_stall_ms_max\":%s,"
+                "\"world_size\":%d,\"dist\":\"%s\",\"ranks\":[%s]}\n",
+                res.steps_done, cfg.global_batch, res.initial_micro_batch, res.final_micro_batch, ooms,
                 Json(res.loss_first).c_str(), Json(res.loss_last).c_str(), Json(wall_s).c_str(),
-                Json(budget_mib).c_str(), cfg.hidden, rel < 0 ? "null" : Json(rel).c_str());
+                Json(budget_mib).c_str(), cfg.hidden, rel < 0 ? "null" : Json(rel).c_str(), res.checkpoints_written,
+                res.resumed_from_step < 0 ? "null" : std::to_string(res.resumed_from_step).c_str(), res.rollbacks,
+                Json(stall_median).c_str(), Json(stall_max).c_str(), world, dist.c_str(), per_rank.c_str());
   }
   std::fflush(stdout);
   if (rel > 1e-10) return 3;

@@ -2,10 +2,10 @@
 //
 // The guard retries OOMs locally, then every rank calls Vote with its outcome.
 // The vote is one small allreduce of a few int64: the worst status, the min of
-// the restorable and durable checkpoint steps and of the micro-batch limit, and
-// whether any rank hit an OOM. Gradient collectives run only after a vote that
-// every rank passed, so one rank's OOM never leaves the others blocked inside a
-// collective.
+// the durable checkpoint step and of the micro-batch limit, the min and max of
+// the in-memory snapshot step, and whether any rank hit an OOM. Gradient
+// collectives run only after a vote that every rank passed, so one rank's OOM
+// never leaves the others blocked inside a collective.
 //
 // Collective calls (Vote, GatherMemory, Barrier, Broadcast, AllreduceSum) must
 // be made by every rank in the same order. Each takes a deadline; a call that
@@ -48,7 +48,7 @@ enum class VoteStatus : int64_t { kOk = 0, kRollback = 1, kFailed = 2 };
 struct VoteInput {
   VoteStatus status = VoteStatus::kOk;
   int64_t durable_step = -1;     // newest step durable on this rank (-1: none)
-  int64_t restorable_step = -1;  // newest step this rank can restore (snapshot or durable; -1: none)
+  int64_t snapshot_step = -1;    // step of this rank's in-memory snapshot (-1: none)
   int64_t micro_limit = 0;       // this rank's micro-batch limit
   bool had_oom = false;          // this rank handled an OOM in this step
 };
@@ -56,13 +56,14 @@ struct VoteInput {
 struct VoteResult {
   VoteStatus status = VoteStatus::kOk;  // max over ranks
   int64_t min_durable_step = -1;        // min over ranks
-  int64_t min_restorable_step = -1;     // min over ranks
+  int64_t min_snapshot_step = -1;       // min over ranks
+  int64_t max_snapshot_step = -1;       // max over ranks (equal to the min: every rank holds that snapshot)
   int64_t min_micro_limit = 0;          // min over ranks
   bool any_oom = false;                 // some rank handled an OOM
 };
 
 // The vote as it travels: kVoteWords int64, reduced with max (mins are negated).
-inline constexpr int kVoteWords = 5;
+inline constexpr int kVoteWords = 6;
 OOMGUARD_EXPORT void PackVote(const VoteInput& in, int64_t out[kVoteWords]);
 OOMGUARD_EXPORT VoteResult UnpackVote(const int64_t reduced_max[kVoteWords]);
 

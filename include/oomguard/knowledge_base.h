@@ -40,6 +40,7 @@
 
 #include "oomguard/export.h"
 #include "oomguard/incident.h"
+#include "oomguard/priors.h"
 #include "oomguard/status.h"
 
 namespace oomguard {
@@ -157,7 +158,7 @@ struct KnowledgeBaseStats {
   std::vector<MicroBatchPrior> priors;
 };
 
-class OOMGUARD_EXPORT KnowledgeBase {
+class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
  public:
   // The schema version this build writes (older files are migrated on Open).
   static int SchemaVersion();
@@ -184,14 +185,14 @@ class OOMGUARD_EXPORT KnowledgeBase {
 
   // The largest micro-batch known to run clean for `workload`, or nullopt.
   // Reads the file (not the training path: call it before training).
-  virtual std::optional<int64_t> PriorMicroBatch(const std::string& workload) = 0;
+  std::optional<int64_t> PriorMicroBatch(const std::string& workload) override = 0;
 
   // Notes that a micro-batch of `size` ran clean for `workload`. Queued like
   // Record (never blocks). The stored prior only grows from clean steps, except
   // that once this session recorded an OOM for the workload, the session's own
   // largest clean size after that OOM replaces it (memory conditions changed).
   // kInvalidArgument when workload is empty or size < 1.
-  virtual Status RecordCleanMicroBatch(const std::string& workload, int64_t size) = 0;
+  Status RecordCleanMicroBatch(const std::string& workload, int64_t size) override = 0;
 
   virtual SinkStats sink_stats() const = 0;
 

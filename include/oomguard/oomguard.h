@@ -3,6 +3,7 @@
 #ifndef OOMGUARD_OOMGUARD_H_
 #define OOMGUARD_OOMGUARD_H_
 
+#include "oomguard/checkpoint.h"
 #include "oomguard/coordinator.h"
 #include "oomguard/device.h"
 #include "oomguard/faults.h"
@@ -13,6 +14,7 @@
 #include "oomguard/oom.h"
 #include "oomguard/options.h"
 #include "oomguard/plan.h"
+#include "oomguard/priors.h"
 #include "oomguard/recovery.h"
 #include "oomguard/size_controller.h"
 #include "oomguard/status.h"

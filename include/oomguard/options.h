@@ -17,6 +17,7 @@ class Device;
 class Coordinator;
 class IncidentSink;
 class RecoveryStore;
+class MicroBatchPriors;
 
 struct GuardOptions {
   // Micro-batch limit at the first step (samples, or cost units when steps pass
@@ -54,6 +55,10 @@ struct GuardOptions {
   Coordinator* coordinator = nullptr;  // null: a single-process coordinator
   IncidentSink* incidents = nullptr;   // null: incidents are only logged and reported
   RecoveryStore* recovery = nullptr;   // null: no rollback rung (give up instead)
+  // Learned micro-batch sizes per workload (the knowledge base). With a
+  // workload signature, the guard starts at the prior when it is smaller than
+  // initial_micro_batch, and reports each clean step's largest micro-batch.
+  MicroBatchPriors* priors = nullptr;
 };
 
 // OK, or kInvalidArgument: "GuardOptions.min_micro_batch must be >= 1 (got 0)".

@@ -34,6 +34,9 @@ class OOMGUARD_EXPORT RecoveryStore {
   // Step `step` committed. `after_recovery`: an OOM was recovered at a reduced
   // size in this step (a good moment to save). Must not block beyond staging.
   virtual Status OnStepCommitted(int64_t step, bool after_recovery) = 0;
+  // Blocks until the saves in flight are durable, then returns DurableStep().
+  // Used when ranks must agree on a rollback target that only the disk has.
+  virtual int64_t WaitDurable() { return DurableStep(); }
   // Multi-rank: called on rank 0 once every rank's state of `step` is durable
   // (the min of DurableStep() over ranks reached it): write the commit marker.
   // A single process commits its own checkpoints and can ignore this.

@@ -1,12 +1,14 @@
 // Out-of-line anchors (vtables, type_info) of the interfaces that components
 // implement across the dependency graph, and the names of shared enums.
 #include "oomguard/incident.h"
+#include "oomguard/priors.h"
 #include "oomguard/recovery.h"
 
 namespace oomguard {
 
 IncidentSink::~IncidentSink() = default;
 RecoveryStore::~RecoveryStore() = default;
+MicroBatchPriors::~MicroBatchPriors() = default;
 
 std::string_view LadderActionName(LadderAction a) {
   switch (a) {

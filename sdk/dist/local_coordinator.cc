@@ -10,18 +10,20 @@ void PackVote(const VoteInput& in, int64_t out[kVoteWords]) {
   // One MAX-allreduce carries every field: minima travel negated.
   out[0] = static_cast<int64_t>(in.status);
   out[1] = -in.durable_step;
-  out[2] = -in.restorable_step;
-  out[3] = -in.micro_limit;
-  out[4] = in.had_oom ? 1 : 0;
+  out[2] = -in.snapshot_step;
+  out[3] = in.snapshot_step;
+  out[4] = -in.micro_limit;
+  out[5] = in.had_oom ? 1 : 0;
 }
 
 VoteResult UnpackVote(const int64_t m[kVoteWords]) {
   VoteResult r;
   r.status = static_cast<VoteStatus>(m[0]);
   r.min_durable_step = -m[1];
-  r.min_restorable_step = -m[2];
-  r.min_micro_limit = -m[3];
-  r.any_oom = m[4] != 0;
+  r.min_snapshot_step = -m[2];
+  r.max_snapshot_step = m[3];
+  r.min_micro_limit = -m[4];
+  r.any_oom = m[5] != 0;
   return r;
 }
 

@@ -27,7 +27,8 @@ TEST(VotePacking, RoundTripsMaxAndMins) {
   VoteResult r = UnpackVote(m);
   EXPECT_EQ(r.status, VoteStatus::kRollback);
   EXPECT_EQ(r.min_durable_step, 8);
-  EXPECT_EQ(r.min_restorable_step, 12);
+  EXPECT_EQ(r.min_snapshot_step, 12);
+  EXPECT_EQ(r.max_snapshot_step, 15);
   EXPECT_EQ(r.min_micro_limit, 32);
   EXPECT_TRUE(r.any_oom);
 }
@@ -40,7 +41,7 @@ TEST(ThreadGroup, VoteReducesOverAllRanksManyRounds) {
       VoteInput in;
       in.status = (round % 7 == 0 && rank == round % 4) ? VoteStatus::kRollback : VoteStatus::kOk;
       in.durable_step = round - rank;
-      in.restorable_step = round;
+      in.snapshot_step = round;
       in.micro_limit = 100 + rank * 10 + round;
       in.had_oom = rank == 2 && round % 5 == 0;
       auto r = c.Vote(in, milliseconds(5000));

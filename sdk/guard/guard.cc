@@ -20,6 +20,7 @@
 #include "oomguard/faults.h"
 #include "oomguard/logging.h"
 #include "oomguard/oom.h"
+#include "oomguard/priors.h"
 #include "oomguard/recovery.h"
 #include "oomguard/size_controller.h"
 #include "sdk/core/ids.h"
@@ -96,12 +97,21 @@ class GuardImpl final : public Guard {
       : options_(o),
         controller_(ControllerOptions(o)),
         run_id_(o.run_id.empty() ? internal::RandomHex16() : o.run_id) {
+    if (options_.priors != nullptr && !options_.workload.empty()) {
+      if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+          prior && *prior >= 1 && *prior < controller_.limit()) {
+        controller_.SetLimit(*prior);
+        Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
+      }
+    }
     if (options_.coordinator == nullptr) {
       own_coordinator_ = MakeLocalCoordinator();
       coordinator_ = own_coordinator_.get();
     } else {
       coordinator_ = options_.coordinator;
     }
+    // The guard is created on its training thread: its log lines carry its rank.
+    SetLogRank(coordinator_->rank());
   }
 
   static SizeControllerOptions ControllerOptions(const GuardOptions& o) {
@@ -368,7 +378,8 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
       action = LadderAction::kRelease;
     } else if (rep.ooms > options_.max_ooms_per_step) {
       action = LadderAction::kGiveUp;
-    } else if (controller_.OnOom(failed.cost)) {
+    } else if (controller_.OnOom(failed.cost) && failed.size > 1) {
+      // (A lone sample cannot be split, whatever its cost: it escalates.)
       action = LadderAction::kHalve;
       inc.actions.emplace_back(LadderActionName(action));
     } else if (options_.recovery != nullptr &&
@@ -450,9 +461,11 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
                     IncidentOutcome::kFailed);
     auto restored = recovery->Restore(target);
     if (!restored.ok()) return finish(restored.status(), IncidentOutcome::kFailed);
+    // The abandoned step's gradients must not leak into the redo.
+    if (reset) reset();
     rep.rolled_back_to = *restored;
     step_ = *restored + 1;
-    Logger()->warn("rolled back to step {} ({}); continuing at micro-batch {}", *restored, why, controller_.limit());
+    Logger()->warn("rolled back to step {} ({}); continuing at micro-batch {}", *restored, why, EffectiveLimit(req));
     return finish(Status::Aborted(why + "; rolled back to step " + std::to_string(*restored) +
                                   ", continue from step " + std::to_string(step_)),
                   IncidentOutcome::kRolledBack);
@@ -467,10 +480,21 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
                                            : VoteStatus::kFailed;
   if (pending_rollback_) vin.status = std::max(vin.status, VoteStatus::kRollback);
   vin.durable_step = recovery != nullptr ? recovery->DurableStep() : -1;
-  vin.restorable_step = restorable();
+  vin.snapshot_step = recovery != nullptr ? recovery->SnapshotStep() : -1;
   vin.micro_limit = controller_.limit();
   vin.had_oom = rep.ooms > 0;
-  FaultPoint(FaultSite::kVote, fault_ctx_);
+  try {
+    FaultPoint(FaultSite::kVote, fault_ctx_);
+  } catch (...) {
+    // An injected OOM at the vote site: there is nothing to split here, so
+    // this rank fails the step, but it still votes so its peers never wait.
+    OomInfo info = ClassifyException(std::current_exception());
+    if (!info.is_oom()) throw;
+    failure = Status::ResourceExhausted("out of memory at the vote of step " + std::to_string(step_) + ": " +
+                                        info.message);
+    vin.status = VoteStatus::kFailed;
+    local = Local::kFailed;
+  }
   const auto deadline = std::chrono::milliseconds(options_.vote_deadline_ms);
   auto vote = coordinator_->Vote(vin, deadline);
   if (!vote.ok()) return CoordinationFailure(vote.status(), req, rep, finish);
@@ -485,25 +509,60 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
     for (auto& inc : rep.incidents) inc.ranks = *ranks;
   }
   // Rank 0 commits a checkpoint once every rank's state of it is durable.
-  if (recovery != nullptr && coordinator_->rank() == 0 && vote->min_durable_step > committed_durable_) {
-    Status c = recovery->CommitDurable(vote->min_durable_step, world);
-    if (c.ok()) {
-      committed_durable_ = vote->min_durable_step;
-    } else {
-      Logger()->warn("committing checkpoint of step {} failed: {}", vote->min_durable_step, c.ToString());
+  // Every rank tracks the committed step, so that all take the same branches.
+  bool committed_now = recovery != nullptr && vote->min_durable_step > committed_durable_;
+  if (committed_now) {
+    if (coordinator_->rank() == 0) {
+      Status c = recovery->CommitDurable(vote->min_durable_step, world);
+      if (!c.ok()) Logger()->warn("committing checkpoint of step {} failed: {}", vote->min_durable_step, c.ToString());
     }
+    committed_durable_ = vote->min_durable_step;
   }
 
   if (options_.uniform_micro_batch && vote->min_micro_limit < controller_.limit())
     controller_.SetLimit(vote->min_micro_limit);
   if (local == Local::kFailed) return finish(failure, IncidentOutcome::kFailed);
   if (vote->status == VoteStatus::kFailed)
-    return finish(Status::Aborted("another rank could not recover from an OOM at step " + std::to_string(step_) +
-                                  "; stopping with it"),
+    return finish(Status::ResourceExhausted("another rank could not recover from an OOM at step " +
+                                            std::to_string(step_) + "; stopping with it"),
                   IncidentOutcome::kFailed);
   if (vote->status == VoteStatus::kRollback) {
     pending_rollback_ = false;
-    return rollback(vote->min_restorable_step,
+    // The newest step every rank can restore: a snapshot that every rank holds
+    // in memory (instant), else the newest checkpoint durable on every rank.
+    const bool same_snapshot = vote->min_snapshot_step >= 0 && vote->min_snapshot_step == vote->max_snapshot_step;
+    int64_t target = same_snapshot ? std::max(vote->min_durable_step, vote->min_snapshot_step) : vote->min_durable_step;
+    if (world > 1 && !same_snapshot && recovery != nullptr) {
+      // The ranks' snapshots differ (one rank's commit failed while the others
+      // saved): only the disk has a common step. Let the saves in flight land
+      // and agree once more on the newest step durable everywhere. Rare, so the
+      // second collective costs nothing in normal steps.
+      VoteInput again;
+      again.status = VoteStatus::kRollback;
+      again.durable_step = recovery->WaitDurable();
+      again.snapshot_step = recovery->SnapshotStep();
+      again.micro_limit = controller_.limit();
+      auto v2 = coordinator_->Vote(again, deadline);
+      if (!v2.ok()) return CoordinationFailure(v2.status(), req, rep, finish);
+      target = v2->min_durable_step;
+      if (target > committed_durable_) {
+        if (coordinator_->rank() == 0) {
+          Status c = recovery->CommitDurable(target, world);
+          if (!c.ok()) Logger()->warn("committing checkpoint of step {} failed: {}", target, c.ToString());
+        }
+        committed_durable_ = target;
+        committed_now = true;
+      }
+    }
+    Logger()->info("rollback agreed at step {}: durable on every rank {}, snapshots {}..{}, target {}", step_,
+                   vote->min_durable_step, vote->min_snapshot_step, vote->max_snapshot_step, target);
+    if (world > 1 && committed_now && target == committed_durable_) {
+      // Rank 0 has just written that checkpoint's manifest: nobody loads it
+      // before it exists.
+      Status b = coordinator_->Barrier(deadline);
+      if (!b.ok()) return CoordinationFailure(b, req, rep, finish);
+    }
+    return rollback(target,
                     local == Local::kRollback ? "out of memory at the minimum micro-batch at step " + std::to_string(step_)
                                               : "a rank asked for a rollback at step " + std::to_string(step_));
   }
@@ -559,6 +618,10 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
     while (static_cast<int>(peaks_.size()) > options_.history_steps) peaks_.pop_front();
   }
   ++steps_ok_since_oom_;
+  if (options_.priors != nullptr && !options_.workload.empty() && largest > 0) {
+    Status p = options_.priors->RecordCleanMicroBatch(options_.workload, largest);
+    if (!p.ok()) Logger()->debug("recording the clean micro-batch failed: {}", p.ToString());
+  }
   const int64_t done_step = step_++;
   if (recovery != nullptr) {
     // Agreed by the vote, so that every rank snapshots the same steps.
@@ -573,7 +636,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
 StatusOr<std::unique_ptr<Guard>> Guard::Create(const GuardOptions& options) {
   OOMGUARD_RETURN_IF_ERROR(ValidateGuardOptions(options));
   Status faults = LoadFaultRulesFromEnv();
-  if (!faults.ok()) return Status::InvalidArgument("OOMGUARD_FAULTS: " + faults.message());
+  if (!faults.ok()) return Status::InvalidArgument(faults.message());  // names the variable and the rule
   return std::unique_ptr<Guard>(new GuardImpl(options));
 }
 

@@ -159,7 +159,7 @@ TEST_F(MultiRank, RankThatCannotRecoverStopsEveryRankWithoutCommit) {
   for (auto& rk : ranks_) rk->recovery.durable = -1;
   Run(1);
   EXPECT_EQ(ranks_[0]->statuses[0].code(), StatusCode::kResourceExhausted) << ranks_[0]->statuses[0];
-  for (int r = 1; r < 3; ++r) EXPECT_EQ(ranks_[r]->statuses[0].code(), StatusCode::kAborted);
+  for (int r = 1; r < 3; ++r) EXPECT_EQ(ranks_[r]->statuses[0].code(), StatusCode::kResourceExhausted);
   for (int r = 0; r < 3; ++r) EXPECT_EQ(ranks_[r]->commits, 0);
 }
 

@@ -7,6 +7,7 @@
 
 #include "oomguard/device.h"
 #include "oomguard/faults.h"
+#include "oomguard/priors.h"
 #include "oomguard/recovery.h"
 
 namespace oomguard {
@@ -417,6 +418,78 @@ TEST_F(FaultsCleared, ReleaseThatFreesMemoryRetriesAtTheSameSize) {
   EXPECT_EQ(rep.incidents[0].action, "release");
   EXPECT_EQ(rep.limit_after, 32);
   ExpectEachSampleOnce(acc, 64);
+}
+
+}  // namespace
+}  // namespace oomguard
+
+namespace oomguard {
+namespace {
+
+TEST_F(FaultsCleared, OversizedLoneSampleEscalatesInsteadOfRetrying) {
+  GuardOptions o;
+  o.initial_micro_batch = 100;  // cost units
+  auto g = MakeGuard(o);
+  std::vector<int64_t> costs = {10, 500, 10};
+  StepRequest r;
+  r.samples = 3;
+  r.costs = costs;
+  r.micro = [&](const MicroBatch& mb) {
+    g->MarkPhase(Phase::kForward);
+    if (mb.cost >= 500) throw DeviceOomError("too long", 1 << 20, {});
+  };
+  StepReport rep;
+  Status s = g->Step(r, &rep);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(rep.ooms, 1) << "one sample cannot be split: no pointless retries";
+}
+
+TEST_F(FaultsCleared, InjectedOomAtTheVoteFailsTheStepWithoutEscaping) {
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=vote").ok());
+  auto g = MakeGuard(GuardOptions{});
+  Accumulator acc;
+  Status s = g->Step(Request(g.get(), &acc, 8));
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(acc.commits, 0);
+  EXPECT_TRUE(g->Step(Request(g.get(), &acc, 8)).ok()) << "the next step runs normally";
+}
+
+class FixedPriors : public MicroBatchPriors {
+ public:
+  std::optional<int64_t> PriorMicroBatch(const std::string& w) override {
+    asked = w;
+    return 24;
+  }
+  Status RecordCleanMicroBatch(const std::string& w, int64_t size) override {
+    recorded.emplace_back(w, size);
+    return Status::Ok();
+  }
+  std::string asked;
+  std::vector<std::pair<std::string, int64_t>> recorded;
+};
+
+TEST_F(FaultsCleared, LearnedPriorSetsTheStartingSizeAndCleanStepsAreReported) {
+  FixedPriors priors;
+  GuardOptions o;
+  o.initial_micro_batch = 128;
+  o.workload = "mlp-h64";
+  o.priors = &priors;
+  auto g = MakeGuard(o);
+  EXPECT_EQ(priors.asked, "mlp-h64");
+  EXPECT_EQ(g->micro_limit(), 24);
+  Accumulator acc;
+  StepReport rep;
+  ASSERT_TRUE(g->Step(Request(g.get(), &acc, 96), &rep).ok());
+  ASSERT_EQ(priors.recorded.size(), 1u);
+  EXPECT_EQ(priors.recorded[0].second, rep.largest_micro);
+  // Without a workload signature, priors are neither read nor written.
+  FixedPriors unused;
+  o.workload = "";
+  o.priors = &unused;
+  auto g2 = MakeGuard(o);
+  EXPECT_EQ(g2->micro_limit(), 128);
+  ASSERT_TRUE(g2->Step(Request(g2.get(), &acc, 96)).ok());
+  EXPECT_TRUE(unused.recorded.empty());
 }
 
 }  // namespace
