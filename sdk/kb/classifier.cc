@@ -201,6 +201,13 @@ std::optional<Candidate> Fragmentation(const Facts& f) {
           " allocation(s) after freeing its cache";
     conf += 0.05;
   }
+  if (f.inc.steps_ok_before == 0 && f.inc.step <= kStartupSteps) {
+    // Fragmentation builds up over many steps; before any clean step the
+    // cached blocks are the failed attempt's own, and the configuration
+    // itself is the likelier cause (startup_capacity then wins).
+    conf -= 0.2;
+    ev += "; but no step has completed yet";
+  }
   return Candidate{"fragmentation", std::min(conf, 0.95), ev};
 }
 
@@ -209,7 +216,9 @@ std::optional<Candidate> ActivationSpike(const Facts& f) {
   if (i.sample_cost_this > 0 && i.sample_cost_median > 0) {
     double ratio = i.sample_cost_this / i.sample_cost_median;
     if (ratio >= kSpikeCostRatio)
-      return Candidate{"activation_spike", ratio >= 3 ? 0.9 : 0.8,
+      // A data-dependent cause is more specific than any memory-layout signal
+      // seen at the same moment, so a strong ratio outranks fragmentation.
+      return Candidate{"activation_spike", ratio >= 3 ? 0.95 : 0.8,
                        "the failing micro-batch holds a sample of cost " + Num(i.sample_cost_this) + ", " +
                            Num(ratio) + "x the step's median " + Num(i.sample_cost_median) +
                            " (data-dependent peak) after " + std::to_string(i.steps_ok_before) + " clean steps"};
