@@ -1,0 +1,442 @@
+// libtorch_train: a real libtorch model trained through the oomguard guard.
+//
+//   libtorch_train --steps 20 --global-batch 512 --budget-mib 8 --json
+//   libtorch_train --device cuda --budget-mib 256 --hidden 2048
+//   libtorch_train --ckpt-dir /tmp/ck --ckpt-every 5 [--resume]
+//
+// Model: x (32) -> tanh(Linear) (H) -> tanh(Linear) (H) -> Linear (1), float64,
+// mean squared error, Adam. Data: sample i of step s is a pure function of
+// (seed, s, i), so any split of a step into micro-batches, a rollback or a
+// resumed run sees the same batch.
+//
+// On CPU, torch's CPU allocator is wrapped by a byte budget (--budget-mib,
+// BudgetCpuAllocator), so a micro-batch whose activations do not fit fails
+// inside a real tensor allocation with c10::OutOfMemoryError. On CUDA
+// (--device cuda, a libtorch built with CUDA) the budget is a memory fraction
+// of torch's CUDA caching allocator, so the OOMs are torch's own CUDA OOMs.
+// Either way the guard splits the step into smaller micro-batches with the
+// same global batch, and the final parameters equal those of a run without
+// OOMs (float64: within 1e-10 relative; compare with --dump-params and
+// --check-against).
+//
+// Exit codes: 0 done, 1 training failed, 2 bad arguments or device not
+// available, 3 --check-against mismatch.
+#include <CLI/CLI.hpp>
+#include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/serialize.h>
+#include <torch/utils.h>
+
+#ifdef OOMGUARD_EXAMPLE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "budget_allocator_core.h"
+#include "mlp.h"  // WriteDoubles, ReadDoubles, MaxRelativeDifference
+#include "oomguard/checkpoint.h"
+#include "oomguard/oomguard.h"
+
+namespace {
+
+constexpr int64_t kInputs = 32;
+
+// SplitMix64: a counter-based generator, so a sample depends only on its
+// coordinates and never on how many values were drawn before it.
+uint64_t Mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [-1, 1) from (seed, step, sample, feature).
+double Uniform(uint64_t seed, int64_t step, int64_t sample, int64_t feature) {
+  uint64_t h = Mix(seed);
+  h = Mix(h ^ static_cast<uint64_t>(step));
+  h = Mix(h ^ static_cast<uint64_t>(sample));
+  h = Mix(h ^ static_cast<uint64_t>(feature));
+  return static_cast<double>(h >> 11) * 0x1.0p-52 - 1.0;
+}
+
+// Inputs [n x kInputs] and targets [n x 1] of step `step`, in float64 on the
+// CPU. Target: a smooth nonlinear function of the inputs plus small noise.
+void MakeBatch(uint64_t seed, int64_t step, int64_t n, torch::Tensor* x, torch::Tensor* y) {
+  *x = torch::empty({n, kInputs}, torch::kFloat64);
+  *y = torch::empty({n, 1}, torch::kFloat64);
+  double* xd = x->data_ptr<double>();
+  double* yd = y->data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    double dot = 0;
+    for (int64_t j = 0; j < kInputs; ++j) {
+      const double v = Uniform(seed, step, i, j);
+      xd[i * kInputs + j] = v;
+      dot += Uniform(seed, -1, 0, j) * v;  // fixed projection (step -1 is never a real step)
+    }
+    yd[i] = std::sin(2.0 * dot) + 0.05 * Uniform(seed, step, i, kInputs);
+  }
+}
+
+std::string Json(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+std::string MibText(int64_t bytes) {
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.2f MiB", Mib(bytes));
+  return buf;
+}
+
+std::vector<double> FlatParameters(torch::nn::Module& model) {
+  std::vector<double> out;
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model.named_parameters()) {
+    torch::Tensor p = item.value().detach().to(torch::kCPU, torch::kFloat64).contiguous();
+    const double* d = p.data_ptr<double>();
+    out.insert(out.end(), d, d + p.numel());
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t steps = 20, global_batch = 512, micro_batch = 0, ckpt_every = 0;
+  int hidden = 256, grow_after = 10, keep = 3;
+  uint64_t seed = 1;
+  double budget_mib = 0, lr = 1e-3;
+  std::string device_name = "cpu", dump_params, check_against, ckpt_dir;
+  bool resume = false, json = false, quiet = false;
+
+  CLI::App app{"Train a small libtorch MLP (float64) through the oomguard guard."};
+  app.add_option("--steps", steps, "optimizer steps")->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_option("--global-batch", global_batch, "samples per optimizer step")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  app.add_option("--micro-batch", micro_batch, "starting micro-batch size (0: the whole batch)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  app.add_option("--grow-after", grow_after, "clean steps before probing a larger micro-batch (0: never)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--hidden", hidden, "hidden units per layer")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--seed", seed, "data and initialisation seed");
+  app.add_option("--lr", lr, "Adam learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--device", device_name, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--budget-mib", budget_mib,
+                 "memory budget in MiB (0: none). CPU: a byte budget on torch's CPU allocator; CUDA: a "
+                 "memory fraction of torch's caching allocator")
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--ckpt-dir", ckpt_dir, "write checkpoints (oomguard-ckpt/1) to this directory");
+  app.add_option("--ckpt-every", ckpt_every, "save after every N steps (0: only after a recovered OOM)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--keep", keep, "complete checkpoints kept (0: all)")->check(CLI::Range(0, 1 << 20));
+  app.add_flag("--resume", resume, "continue from the newest complete checkpoint in --ckpt-dir");
+  app.add_option("--dump-params", dump_params,
+                 "write the final parameters (named_parameters order, little-endian float64)");
+  app.add_option("--check-against", check_against,
+                 "compare the final parameters with a --dump-params file (1e-10 relative)");
+  app.add_flag("--json", json, "end with one JSON line of results");
+  app.add_flag("--quiet", quiet, "no progress lines");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  if ((resume || ckpt_every > 0) && ckpt_dir.empty()) {
+    std::fprintf(stderr, "libtorch_train: --resume and --ckpt-every need --ckpt-dir\n");
+    return 2;
+  }
+
+  // ---- the device and its memory limit ----
+  const bool cuda = device_name == "cuda";
+  const int64_t budget_bytes = static_cast<int64_t>(budget_mib * 1024.0 * 1024.0);
+  std::unique_ptr<oomguard::Device> sdk_device;  // memory figures for incidents (CUDA only)
+  auto& cpu_budget = oomguard_budget::BudgetCpuAllocator::Instance();
+  if (cuda) {
+#ifdef OOMGUARD_EXAMPLE_TORCH_CUDA
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr, "libtorch_train: --device cuda: no GPU is visible to libtorch\n");
+      return 2;
+    }
+    // The SDK's CudaDevice gives incidents the device's figures and the total
+    // memory for the fraction below. It is asked rather than the CUDA runtime
+    // directly: a pip libtorch brings its own libcudart, and this file should
+    // not bind to one of two runtimes by link order.
+    auto d = oomguard::MakeCudaDevice(0);
+    if (d.ok()) sdk_device = std::move(d).value();
+    if (budget_bytes > 0) {
+      if (sdk_device == nullptr) {
+        std::fprintf(stderr, "libtorch_train: --budget-mib on CUDA needs oomguard built with CUDA: %s\n",
+                     d.status().ToString().c_str());
+        return 2;
+      }
+      const int64_t total = sdk_device->Stats().total;
+      // torch's caching allocator refuses to reserve beyond this fraction and
+      // raises its own OutOfMemoryError: real CUDA OOMs at a chosen size.
+      const double fraction = std::min(1.0, static_cast<double>(budget_bytes) / static_cast<double>(total));
+      c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, /*device=*/0);
+    }
+#else
+    std::fprintf(stderr, "libtorch_train: --device cuda: this libtorch was built without CUDA\n");
+    return 2;
+#endif
+  } else {
+    // Before the model is built, so parameters, gradients, optimizer state and
+    // activations all count against the budget. 0 only counts (for the peak).
+    cpu_budget.Install(budget_bytes);
+  }
+  const torch::Device device = cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+
+  // ---- model and optimizer ----
+  torch::manual_seed(seed);
+  torch::nn::Sequential model(torch::nn::Linear(kInputs, hidden), torch::nn::Tanh(), torch::nn::Linear(hidden, hidden),
+                              torch::nn::Tanh(), torch::nn::Linear(hidden, 1));
+  std::unique_ptr<torch::optim::Adam> optimizer;
+  try {
+    // Initialised on the CPU in float32 from the seed, then converted, so a CPU
+    // and a CUDA run start from the same parameters.
+    model->to(device, torch::kFloat64);
+    optimizer = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(lr));
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "libtorch_train: the model does not fit: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+
+  // ---- the guard, and checkpoints through the SDK ----
+  oomguard::GuardOptions opts;
+  opts.initial_micro_batch = micro_batch;
+  opts.grow_after = grow_after;
+  opts.device = sdk_device.get();
+  opts.workload = "libtorch_train-mlp" + std::to_string(kInputs) + "x" + std::to_string(hidden) + "-float64-" +
+                  device_name + "-b" + std::to_string(global_batch);
+  std::unique_ptr<oomguard::Checkpointer> ckpt;
+  int64_t resumed_from = -1;
+  if (!ckpt_dir.empty()) {
+    oomguard::CheckpointOptions co;
+    co.dir = ckpt_dir;
+    co.every_steps = ckpt_every;
+    co.keep = keep;
+    auto ckpt_or = oomguard::Checkpointer::Create(co);
+    if (!ckpt_or.ok()) {
+      std::fprintf(stderr, "libtorch_train: --ckpt-dir: %s\n", ckpt_or.status().ToString().c_str());
+      return 1;
+    }
+    ckpt = std::move(ckpt_or).value();
+    // Parameters are registered in place (no copies): the optimizer updates
+    // them in place, so their storage is stable for the whole run, and a
+    // restore writes straight into the tensors the model uses.
+    for (const auto& item : model->named_parameters()) {
+      torch::Tensor p = item.value();
+      oomguard::Status s =
+          ckpt->AddTensor("model/" + item.key(), oomguard::DType::kFloat64, p.sizes().vec(), p.data_ptr(),
+                          cuda ? oomguard::MemoryLocation::kCuda : oomguard::MemoryLocation::kHost);
+      if (!s.ok()) {
+        std::fprintf(stderr, "libtorch_train: checkpoint registration: %s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
+    // Adam's moments and step counts: torch's own serialisation, as bytes.
+    oomguard::Status s = ckpt->AddObject(
+        "optimizer/adam",
+        [&] {
+          std::ostringstream os;
+          torch::save(*optimizer, os);
+          const std::string b = os.str();
+          return std::vector<uint8_t>(b.begin(), b.end());
+        },
+        [&](std::span<const uint8_t> bytes) -> oomguard::Status {
+          try {
+            std::istringstream is(std::string(bytes.begin(), bytes.end()));
+            torch::load(*optimizer, is, device);
+            return oomguard::Status::Ok();
+          } catch (const c10::Error& e) {
+            return oomguard::Status::DataLoss(std::string("optimizer state: ") + e.what_without_backtrace());
+          }
+        });
+    if (!s.ok()) {
+      std::fprintf(stderr, "libtorch_train: checkpoint registration: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    if (resume) {
+      auto loaded = ckpt->LoadLatest();
+      if (loaded.ok()) {
+        resumed_from = *loaded;
+      } else if (loaded.status().code() != oomguard::StatusCode::kNotFound) {
+        std::fprintf(stderr, "libtorch_train: --resume: %s\n", loaded.status().ToString().c_str());
+        return 1;
+      }
+    }
+    opts.recovery = ckpt.get();
+  }
+  auto guard_or = oomguard::Guard::Create(opts);
+  if (!guard_or.ok()) {
+    std::fprintf(stderr, "libtorch_train: %s\n", guard_or.status().ToString().c_str());
+    return 2;
+  }
+  std::unique_ptr<oomguard::Guard> guard = std::move(guard_or).value();
+  guard->SetStep(resumed_from + 1);
+  guard->SetResetHook([&] { optimizer->zero_grad(); });
+#ifdef OOMGUARD_EXAMPLE_TORCH_CUDA
+  if (cuda) {
+    // Blocks cached by torch's allocator are invisible to cudaMalloc; the
+    // retry after an OOM must see them.
+    guard->AddCacheReleaser("torch.cuda.empty_cache", [] { c10::cuda::CUDACachingAllocator::emptyCache(); });
+  }
+#endif
+
+  const bool talk = !quiet && !json;
+  if (!quiet) {
+    std::fprintf(stderr, "libtorch_train: %" PRId64 " steps, global batch %" PRId64 ", hidden %d, %s, %s\n", steps,
+                 global_batch, hidden, device_name.c_str(),
+                 budget_bytes > 0 ? ("budget " + MibText(budget_bytes)).c_str() : "no budget");
+    if (resumed_from >= 0)
+      std::fprintf(stderr, "resumed from the checkpoint of step %" PRId64 " in %s\n", resumed_from,
+                   ckpt_dir.c_str());
+  }
+
+  // ---- training ----
+  const int64_t initial_micro = std::min(guard->micro_limit(), global_batch);
+  int64_t final_micro = initial_micro, ooms = 0, rollbacks = 0;
+  double loss_first = NAN, loss_last = NAN;
+  bool have_first = false;
+  int rc = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (int64_t s = guard->step(); s < steps; s = guard->step()) {
+      torch::Tensor x_cpu, y_cpu;
+      MakeBatch(seed, s, global_batch, &x_cpu, &y_cpu);
+      const torch::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
+      double loss = 0;  // sum of completed micro-batches' weighted losses
+      oomguard::StepRequest req;
+      req.samples = global_batch;
+      req.micro = [&](const oomguard::MicroBatch& mb) {
+        guard->MarkPhase(oomguard::Phase::kData);
+        const torch::Tensor xb = x.narrow(0, mb.offset, mb.size);
+        const torch::Tensor yb = y.narrow(0, mb.offset, mb.size);
+        guard->MarkPhase(oomguard::Phase::kForward);
+        // Mean loss of the micro-batch times size/n: the accumulated gradient
+        // is the gradient of the whole batch's mean loss, whatever the split.
+        torch::Tensor l = torch::nn::functional::mse_loss(model->forward(xb), yb) * mb.weight;
+        guard->MarkPhase(oomguard::Phase::kBackward);
+        l.backward();
+        loss += l.item<double>();  // only completed micro-batches count
+      };
+      req.commit = [&] {
+        guard->MarkPhase(oomguard::Phase::kOptimizer);
+        optimizer->step();
+        optimizer->zero_grad();
+      };
+      req.reset = [&] {
+        optimizer->zero_grad();
+        loss = 0;
+      };
+      oomguard::StepReport report;
+      oomguard::Status st = guard->Step(req, &report);
+      ooms += report.ooms;
+      if (!quiet) {
+        for (const auto& inc : report.incidents) {
+          std::fprintf(stderr,
+                       "  step %" PRId64 ": OOM in %s (%s, %s) -> micro-batch %" PRId64 " -> %" PRId64 " [%s], %s\n",
+                       inc.step, inc.phase.c_str(), inc.exception_type.c_str(), inc.kind.c_str(), inc.micro_before,
+                       inc.micro_after, inc.action.c_str(), inc.outcome.c_str());
+        }
+      }
+      if (st.code() == oomguard::StatusCode::kAborted && report.rolled_back_to.has_value()) {
+        // Rolled back: continue from guard->step() on the same data.
+        ++rollbacks;
+        continue;
+      }
+      if (!st.ok()) {
+        std::fprintf(stderr, "libtorch_train: training stopped at step %" PRId64 ": %s\n", s, st.ToString().c_str());
+        rc = 1;
+        break;
+      }
+      if (!have_first) {
+        loss_first = loss;
+        have_first = true;
+      }
+      loss_last = loss;
+      final_micro = report.largest_micro;
+      if (talk && ((s + 1) % std::max<int64_t>(1, steps / 10) == 0 || s + 1 == steps))
+        std::printf("step %" PRId64 "/%" PRId64 "  loss %.6f  micro-batch %" PRId64 " x %d\n", s + 1, steps, loss,
+                    report.largest_micro, report.micro_batches);
+    }
+  } catch (const c10::Error& e) {
+    // Not an OOM (the guard passes other errors through unchanged), or an OOM
+    // outside the guarded step (building the step's batch).
+    std::fprintf(stderr, "libtorch_train: %s\n", e.what_without_backtrace());
+    rc = 1;
+  }
+  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t ckpt_written = 0;
+  if (ckpt != nullptr) {
+    oomguard::Status w = ckpt->Wait();  // the last save must be durable before success is reported
+    if (!w.ok()) {
+      std::fprintf(stderr, "libtorch_train: checkpoint: %s\n", w.ToString().c_str());
+      if (rc == 0) rc = 1;
+    }
+    ckpt_written = ckpt->Stats().checkpoints_written;
+  }
+  if (rc != 0) return rc;
+
+  // Reading back parameters allocates (conversions): lift the budget first.
+  const int64_t peak_bytes = cpu_budget.peak();
+  if (!cuda) cpu_budget.set_budget(0);
+  const std::vector<double> params = FlatParameters(*model);
+  std::string error;
+  if (!dump_params.empty() && !mlp::WriteDoubles(dump_params, params, &error)) {
+    std::fprintf(stderr, "libtorch_train: --dump-params: %s\n", error.c_str());
+    return 1;
+  }
+  double rel = -1;
+  if (!check_against.empty()) {
+    std::vector<double> ref;
+    if (!mlp::ReadDoubles(check_against, &ref, &error)) {
+      std::fprintf(stderr, "libtorch_train: --check-against: %s\n", error.c_str());
+      return 2;
+    }
+    rel = mlp::MaxRelativeDifference(params, ref);
+    if (!quiet)
+      std::fprintf(stderr, "final parameters vs %s: max relative difference %.3g (%s)\n", check_against.c_str(), rel,
+                   rel <= 1e-10 ? "equal within 1e-10" : "DIFFERENT");
+  }
+  if (!quiet)
+    std::fprintf(stderr,
+                 "done: %" PRId64 " OOMs recovered, micro-batch %" PRId64 " -> %" PRId64
+                 ", loss %.6f -> %.6f, %.2f s%s\n",
+                 ooms, initial_micro, final_micro, loss_first, loss_last, wall_s,
+                 cuda ? "" : (", CPU peak " + MibText(peak_bytes)).c_str());
+  if (json) {
+    std::printf("{\"steps\":%" PRId64 ",\"global_batch\":%" PRId64 ",\"initial_micro_batch\":%" PRId64
+                ",\"final_micro_batch\":%" PRId64 ",\"ooms\":%" PRId64
+                ",\"loss_first\":%s,\"loss_last\":%s,\"wall_s\":%s,\"device\":\"%s\",\"budget_mib\":%s,"
+                "\"cpu_peak_mib\":%s,\"hidden\":%d,\"parameters\":%zu,\"max_rel_diff\":%s,"
+                "\"checkpoints_written\":%" PRId64 ",\"resumed_from_step\":%s,\"rollbacks\":%" PRId64 "}\n",
+                steps, global_batch, initial_micro, final_micro, ooms, Json(loss_first).c_str(),
+                Json(loss_last).c_str(), Json(wall_s).c_str(), device_name.c_str(), Json(budget_mib).c_str(),
+                cuda ? "null" : Json(Mib(peak_bytes)).c_str(), hidden, params.size(),
+                rel < 0 ? "null" : Json(rel).c_str(), ckpt_written,
+                resumed_from < 0 ? "null" : std::to_string(resumed_from).c_str(), rollbacks);
+  }
+  std::fflush(stdout);
+  return rel > 1e-10 ? 3 : 0;
+}
