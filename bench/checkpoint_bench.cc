@@ -83,6 +83,7 @@ BenchState& State() {
     o.dir = s->dir + "/ckpt";
     o.keep = 1;
     o.chunk_bytes = 4 << 20;
+    if (const char* lv = std::getenv("OOMGUARD_BENCH_CKPT_LEVEL")) o.compression_level = std::atoi(lv);
     auto c = oomguard::Checkpointer::Create(o);
     if (!c.ok()) std::abort();
     s->ckpt = std::move(c).value();

@@ -19,7 +19,9 @@ if [[ ! -f $build/CMakeCache.txt ]]; then
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$py
 fi
 echo "== building the benchmarks in $build"
-cmake --build "$build" -j"$(nproc)" --target guard_overhead_bench controller_bench
+targets=(guard_overhead_bench controller_bench vote_bench kb_bench kb_serve_bench checkpoint_bench)
+grep -q '^OOMGUARD_WITH_MPI:BOOL=ON' "$build/CMakeCache.txt" && targets+=(mpi_vote)
+cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 
 out=$build/bench-results
 mkdir -p "$out"
@@ -47,4 +49,17 @@ $py "$root/bench/plot_controller.py" "$out/controller.csv" "$root/bench/controll
 $py "$root/bench/make_report.py" --overhead "$out/guard_overhead.json" \
   --controller "$out/controller.json" --machine "$out/machine.txt" --out "$root/bench/RESULTS.md" \
   --commit "$(git -C "$root" describe --always --dirty 2>/dev/null || true)"
+echo "== vote latency (ThreadGroup; MPI with 4 ranks)"
+"$build/bin/vote_bench" --ranks 4 --votes 20000 | tee "$out/vote.jsonl"
+if [[ -x $build/bin/mpi_vote ]]; then
+  mpirun --allow-run-as-root --oversubscribe -np 4 "$build/bin/mpi_vote" 20000 | tee -a "$out/vote.jsonl"
+fi
+echo "== knowledge base: Record() cost and classification"
+"$build/bin/kb_bench" --benchmark_out="$out/kb.json" --benchmark_out_format=json
+echo "== browser API over 100,000 incidents"
+"$build/bin/kb_serve_bench" --benchmark_out="$out/kb_serve.json" --benchmark_out_format=json
+echo "== checkpoints (${OOMGUARD_BENCH_CKPT_MIB:-1024} MiB state; set OOMGUARD_BENCH_CKPT_MIB to change)"
+"$root/bench/checkpoint_bench.sh" "$build" "${OOMGUARD_BENCH_CKPT_MIB:-1024}"
+$py "$root/bench/append_sections.py" --results "$root/bench/RESULTS.md" --vote "$out/vote.jsonl" \
+  --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md"
 echo "== wrote $root/bench/RESULTS.md and $root/bench/controller.svg"

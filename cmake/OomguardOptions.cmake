@@ -79,12 +79,54 @@ else()
   _og_note(OOMGUARD_WITH_TORCH OFF "libtorch (c10) not found")
 endif()
 
-# ---- Python bindings ----
-option(OOMGUARD_BUILD_PYTHON "Build the Python bindings (pybind11)" OFF)
-if(OOMGUARD_BUILD_PYTHON)
-  _og_note(OOMGUARD_BUILD_PYTHON ON "requested")
+# ---- Python bindings (pybind11) and the budgeted CPU allocator for torch ----
+# Use /usr/bin/python3 (-DPython_EXECUTABLE=/usr/bin/python3): the python3 first
+# on PATH may be another interpreter without torch, numpy or h5py.
+find_package(Python QUIET COMPONENTS Interpreter Development.Module)
+if(Python_FOUND)
+  find_package(pybind11 CONFIG QUIET)
+endif()
+if(Python_FOUND AND pybind11_FOUND)
+  set(_og_python_default ON)
 else()
-  _og_note(OOMGUARD_BUILD_PYTHON OFF "not built yet by default")
+  set(_og_python_default OFF)
+endif()
+option(OOMGUARD_BUILD_PYTHON "Build the Python package oomguard (pybind11 module oomguard._oomguard)"
+       ${_og_python_default})
+if(OOMGUARD_BUILD_PYTHON)
+  if(NOT (Python_FOUND AND pybind11_FOUND))
+    message(FATAL_ERROR "OOMGUARD_BUILD_PYTHON=ON needs the Python interpreter and headers and pybind11 "
+                        "(apt-get install python3-dev pybind11-dev)")
+  endif()
+  _og_note(OOMGUARD_BUILD_PYTHON ON "Python ${Python_VERSION} at ${Python_EXECUTABLE}, pybind11 ${pybind11_VERSION}")
+elseif(NOT Python_FOUND)
+  _og_note(OOMGUARD_BUILD_PYTHON OFF "Python interpreter or headers not found")
+elseif(NOT pybind11_FOUND)
+  _og_note(OOMGUARD_BUILD_PYTHON OFF "pybind11 not found (apt-get install pybind11-dev)")
+else()
+  _og_note(OOMGUARD_BUILD_PYTHON OFF "disabled by the user")
+endif()
+
+# The budgeted CPU allocator (oomguard._budget): real torch OOMs on CPU, for the
+# tests and the example. One translation unit against libc10 only.
+if(OOMGUARD_BUILD_PYTHON AND C10_INCLUDE_DIR AND C10_LIBRARY)
+  set(_og_budget_default ON)
+else()
+  set(_og_budget_default OFF)
+endif()
+option(OOMGUARD_BUILD_TORCH_BUDGET "Build oomguard._budget (c10::SetCPUAllocator with a byte budget)"
+       ${_og_budget_default})
+if(OOMGUARD_BUILD_TORCH_BUDGET)
+  if(NOT (OOMGUARD_BUILD_PYTHON AND C10_INCLUDE_DIR AND C10_LIBRARY))
+    message(FATAL_ERROR "OOMGUARD_BUILD_TORCH_BUDGET=ON needs OOMGUARD_BUILD_PYTHON and libtorch (apt-get install libtorch-dev)")
+  endif()
+  _og_note(OOMGUARD_BUILD_TORCH_BUDGET ON "${C10_LIBRARY}")
+elseif(NOT OOMGUARD_BUILD_PYTHON)
+  _og_note(OOMGUARD_BUILD_TORCH_BUDGET OFF "needs OOMGUARD_BUILD_PYTHON")
+elseif(NOT C10_LIBRARY)
+  _og_note(OOMGUARD_BUILD_TORCH_BUDGET OFF "libtorch (c10) not found")
+else()
+  _og_note(OOMGUARD_BUILD_TORCH_BUDGET OFF "disabled by the user")
 endif()
 
 # ---- tests, examples, benchmarks ----
@@ -111,6 +153,68 @@ if(OOMGUARD_BUILD_BENCH)
   _og_note(OOMGUARD_BUILD_BENCH ON "Google Benchmark ${benchmark_VERSION}")
 else()
   _og_note(OOMGUARD_BUILD_BENCH OFF "Google Benchmark not found or disabled")
+endif()
+
+# ---- the libtorch example (examples/cpp/libtorch_train): full libtorch ----
+# find_package(Torch) stops configuration with a fatal error when one of its
+# own dependencies (gflags, glog, protobuf, a CUDA toolkit of the version a
+# CUDA libtorch was built with) is missing. So it is first tried in a separate
+# CMake run; only when that succeeds does examples/cpp call it for real.
+# Otherwise the example is off and the reason is reported.
+set(_og_lt_default OFF)
+set(_og_lt_why "needs OOMGUARD_WITH_TORCH and OOMGUARD_BUILD_EXAMPLES")
+if(OOMGUARD_WITH_TORCH AND OOMGUARD_BUILD_EXAMPLES)
+  set(_og_probe_key "${Torch_DIR}|${CMAKE_PREFIX_PATH}|${CMAKE_CXX_COMPILER}")
+  if(NOT DEFINED OOMGUARD_TORCH_PROBE_KEY OR NOT OOMGUARD_TORCH_PROBE_KEY STREQUAL _og_probe_key)
+    set(_og_probe_dir ${PROJECT_BINARY_DIR}/torch-probe)
+    file(REMOVE_RECURSE ${_og_probe_dir})
+    file(WRITE ${_og_probe_dir}/CMakeLists.txt
+         "cmake_minimum_required(VERSION 3.20)\nproject(oomguard_torch_probe CXX)\nfind_package(Torch REQUIRED)\n")
+    set(_og_probe_args -S ${_og_probe_dir} -B ${_og_probe_dir}/build "-DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER}")
+    foreach(v Torch_DIR CMAKE_PREFIX_PATH CUDAToolkit_ROOT CUDA_TOOLKIT_ROOT_DIR CMAKE_CUDA_COMPILER)
+      if(DEFINED ${v})
+        list(APPEND _og_probe_args "-D${v}=${${v}}")
+      endif()
+    endforeach()
+    message(STATUS "oomguard: checking whether find_package(Torch) works (for libtorch_train)")
+    execute_process(COMMAND ${CMAKE_COMMAND} ${_og_probe_args}
+                    RESULT_VARIABLE _og_probe_rc OUTPUT_VARIABLE _og_probe_out ERROR_VARIABLE _og_probe_err)
+    if(_og_probe_rc EQUAL 0)
+      set(_og_probe_reason "")
+    else()
+      # The first error line says what was missing.
+      string(REGEX MATCH "CMake Error[^\n]*\n[^\n]*\n?[^\n]*" _og_probe_reason "${_og_probe_err}")
+      string(REGEX REPLACE "[ \n]+" " " _og_probe_reason "${_og_probe_reason}")
+      if(NOT _og_probe_reason)
+        set(_og_probe_reason "find_package(Torch) failed (see ${_og_probe_dir})")
+      endif()
+    endif()
+    if(_og_probe_rc EQUAL 0)
+      set(OOMGUARD_TORCH_PROBE_OK ON CACHE INTERNAL "find_package(Torch) works")
+    else()
+      set(OOMGUARD_TORCH_PROBE_OK OFF CACHE INTERNAL "find_package(Torch) works")
+    endif()
+    set(OOMGUARD_TORCH_PROBE_REASON "${_og_probe_reason}" CACHE INTERNAL "why find_package(Torch) failed")
+    set(OOMGUARD_TORCH_PROBE_KEY "${_og_probe_key}" CACHE INTERNAL "inputs of the Torch probe")
+  endif()
+  if(OOMGUARD_TORCH_PROBE_OK)
+    set(_og_lt_default ON)
+  else()
+    set(_og_lt_why "find_package(Torch) failed: ${OOMGUARD_TORCH_PROBE_REASON}")
+  endif()
+endif()
+option(OOMGUARD_BUILD_LIBTORCH_EXAMPLE "Build examples/cpp/libtorch_train when find_package(Torch) works"
+       ${_og_lt_default})
+# A cached ON that the environment no longer supports falls back to off with
+# the reason rather than failing the configuration.
+set(OOMGUARD_LIBTORCH_EXAMPLE OFF)
+if(OOMGUARD_BUILD_LIBTORCH_EXAMPLE AND _og_lt_default)
+  set(OOMGUARD_LIBTORCH_EXAMPLE ON)
+  _og_note(OOMGUARD_BUILD_LIBTORCH_EXAMPLE ON "find_package(Torch) works")
+elseif(_og_lt_default)
+  _og_note(OOMGUARD_BUILD_LIBTORCH_EXAMPLE OFF "disabled by the user")
+else()
+  _og_note(OOMGUARD_BUILD_LIBTORCH_EXAMPLE OFF "${_og_lt_why}")
 endif()
 
 # ---- required ----

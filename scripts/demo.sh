@@ -7,8 +7,13 @@ set -euo pipefail
 BUILD=${1:-build}
 BIN="$BUILD/bin/mlp_train"
 [ -x "$BIN" ] || { echo "demo: $BIN not built (run: make demo)" >&2; exit 1; }
+CLI="$BUILD/bin/oomguard"
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/oomguard-demo.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT
+# The knowledge base outlives the demo so that it can be browsed afterwards.
+KB="$BUILD/demo/incidents.sqlite"
+mkdir -p "$BUILD/demo"
+rm -f "$KB" "$KB-wal" "$KB-shm"
 export OOMGUARD_LOG_LEVEL=${OOMGUARD_LOG_LEVEL:-error}
 
 ARGS=(--steps 40 --global-batch 512 --micro-batch 512 --hidden 128 --seed 7)
@@ -31,7 +36,8 @@ echo "   it released the allocator caches, split the step into smaller micro-bat
 echo "   (same 512 samples per step, gradients accumulated with weights size/512),"
 echo "   and retried. Later it probes larger micro-batches again to find the largest that fits."
 echo
-"$BIN" "${ARGS[@]}" --device-budget-mib "$BUDGET" --json --check-against "$OUT/reference.bin" | tee "$OUT/guarded.txt"
+"$BIN" "${ARGS[@]}" --device-budget-mib "$BUDGET" --json --check-against "$OUT/reference.bin" --kb "$KB" \
+  | tee "$OUT/guarded.txt"
 echo
 OOMS=$(json_field "$OUT/guarded.txt" ooms)
 REF_LOSS=$(json_field "$OUT/reference.json" loss_last)
@@ -47,3 +53,20 @@ if [ "$OOMS" -lt 1 ]; then
   exit 1
 fi
 echo "   => same result as the unlimited run, on a device that could not hold the batch."
+echo
+echo "-- 3. The same run again, with the knowledge base the first one filled"
+echo "   Every incident went into $KB, and so did the largest micro-batch that ran"
+echo "   clean for this workload. A new run of the same workload starts there:"
+"$BIN" "${ARGS[@]}" --device-budget-mib "$BUDGET" --json --quiet --check-against "$OUT/reference.bin" --kb "$KB" \
+  > "$OUT/second.txt"
+OOMS2=$(json_field "$OUT/second.txt" ooms)
+echo "   second run: $OOMS2 OOMs (first run: $OOMS), starting at micro-batch $(json_field "$OUT/second.txt" initial_micro_batch);"
+echo "   parameters again equal the unlimited run's (max relative difference $(json_field "$OUT/second.txt" max_rel_diff))."
+echo
+echo "-- 4. The incidents, classified into known OOM patterns"
+"$CLI" kb list --db "$KB"
+echo
+"$CLI" kb groups --db "$KB"
+echo
+echo "Browse them:  $CLI kb serve --db $KB   (then open the printed address)"
+echo "Or share one file:  $CLI kb report --db $KB --html incidents.html"

@@ -785,8 +785,11 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
     return bad("rank must be in [0, world_size) (got " + std::to_string(o.rank) + ")");
   if (o.every_steps < 0) return bad("every_steps must be >= 0");
   if (o.keep < 0) return bad("keep must be >= 0");
-  if (o.compression_level < 1 || o.compression_level > 22)
-    return bad("compression_level must be in [1, 22] (got " + std::to_string(o.compression_level) + ")");
+  // Negative levels are zstd's fast mode (less ratio, much more speed); 0
+  // would silently mean zstd's default level 3, so it is refused.
+  if (o.compression_level < -7 || o.compression_level > 22 || o.compression_level == 0)
+    return bad("compression_level must be in [-7, -1] (fast) or [1, 22] (got " +
+               std::to_string(o.compression_level) + ")");
   if (o.chunk_bytes < 4096 || o.chunk_bytes > (int64_t{1} << 30))
     return bad("chunk_bytes must be in [4 KiB, 1 GiB] (got " + std::to_string(o.chunk_bytes) + ")");
   if (o.staging_budget_bytes < 0) return bad("staging_budget_bytes must be >= 0");

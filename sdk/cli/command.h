@@ -17,6 +17,13 @@ struct CommandResult {
 // `oomguard kb ...` (kb_commands.cc).
 void AddKbCommands(CLI::App* app, CommandResult* result);
 
+// `oomguard kb serve` and `kb report` (kb_serve_command.cc), added to the
+// `kb` group that AddKbCommands created.
+void AddKbServeCommands(CLI::App* kb, CommandResult* result);
+
+// `oomguard ckpt list|verify|inspect` (ckpt_commands.cc).
+void AddCkptCommands(CLI::App* app, CommandResult* result);
+
 }  // namespace oomguard::cli
 
 #endif  // OOMGUARD_SDK_CLI_COMMAND_H_

@@ -1,18 +1,14 @@
 // `oomguard kb ...`: browse, import, classify and export incident knowledge
 // bases. Read commands take several --db (repeatable; a glob reads every file
 // it matches, e.g. one file per host) and merge them.
-#include <glob.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -20,6 +16,7 @@
 #include "sdk/cli/command.h"
 #include "sdk/cli/table.h"
 #include "sdk/core/ids.h"
+#include "sdk/kb/file_set.h"
 
 namespace oomguard::cli {
 namespace {
@@ -41,55 +38,13 @@ struct Failure {
   std::string message;
 };
 
-std::vector<std::string> ExpandDbs(const std::vector<std::string>& specs) {
-  if (specs.empty()) throw Failure{"--db is required (repeat it, or use a glob, to read several files)"};
-  std::vector<std::string> out;
-  std::set<std::string> seen;
-  for (const std::string& spec : specs) {
-    if (spec.find_first_of("*?[") == std::string::npos) {
-      if (seen.insert(spec).second) out.push_back(spec);
-      continue;
-    }
-    glob_t g{};
-    int rc = ::glob(spec.c_str(), 0, nullptr, &g);
-    if (rc == GLOB_NOMATCH || g.gl_pathc == 0) {
-      globfree(&g);
-      throw Failure{"--db '" + spec + "': no file matches"};
-    }
-    for (size_t i = 0; i < g.gl_pathc; ++i)
-      if (seen.insert(g.gl_pathv[i]).second) out.emplace_back(g.gl_pathv[i]);
-    globfree(&g);
-  }
-  return out;
-}
-
-std::vector<std::unique_ptr<KnowledgeBase>> OpenAll(const KbArgs& a) {
-  std::vector<std::unique_ptr<KnowledgeBase>> out;
-  for (const std::string& path : ExpandDbs(a.dbs)) {
-    KnowledgeBaseOptions o;
-    o.create_if_missing = false;
-    auto kb = KnowledgeBase::Open(path, o);
-    if (!kb.ok()) throw Failure{kb.status().ToString()};
-    out.push_back(std::move(kb).value());
-  }
-  return out;
-}
-
-int64_t ParseSince(const std::string& s) {
-  if (s.empty()) return 0;
-  char* end = nullptr;
-  errno = 0;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  if (errno == 0 && end != s.c_str()) {
-    std::string unit(end);
-    int64_t now = internal::NowUnixMs();
-    if (unit.empty()) return v;  // unix milliseconds
-    int64_t mult = unit == "s" ? 1000 : unit == "m" ? 60'000 : unit == "h" ? 3'600'000 : unit == "d" ? 86'400'000 : 0;
-    if (mult > 0 && v >= 0) return now - v * mult;
-  }
-  std::tm tm{};
-  if (s.size() == 10 && strptime(s.c_str(), "%Y-%m-%d", &tm) != nullptr) return static_cast<int64_t>(timegm(&tm)) * 1000;
-  throw Failure{"--since '" + s + "': expected a duration (30m, 12h, 7d), a date (2024-05-01) or unix milliseconds"};
+// The shared multi-file reader (sdk/kb/file_set.h): the browser reads with the same code.
+kb::KnowledgeBaseSet OpenAll(const KbArgs& a) {
+  auto set = kb::KnowledgeBaseSet::Open(a.dbs);
+  if (!set.ok())
+    throw Failure{set.status().code() == StatusCode::kInvalidArgument ? set.status().message()
+                                                                      : set.status().ToString()};
+  return std::move(set).value();
 }
 
 IncidentQuery MakeQuery(const KbArgs& a, bool with_limit) {
@@ -97,24 +52,19 @@ IncidentQuery MakeQuery(const KbArgs& a, bool with_limit) {
   q.pattern = a.pattern;
   if (a.rank >= 0) q.rank = a.rank;
   q.run_id = a.run;
-  q.since_unix_ms = ParseSince(a.since);
+  auto since = kb::ParseSince(a.since, internal::NowUnixMs());
+  if (!since.ok()) throw Failure{"--since " + since.status().message()};
+  q.since_unix_ms = *since;
   q.limit = with_limit ? a.limit : 0;
   return q;
 }
 
-// Newest first across every file; each file is already limited, so the merge is too.
+// Newest first across every file.
 std::vector<Incident> QueryAll(const KbArgs& a, bool with_limit) {
-  std::vector<Incident> all;
   IncidentQuery q = MakeQuery(a, with_limit);
-  for (auto& kb : OpenAll(a)) {
-    auto r = kb->Query(q);
-    if (!r.ok()) throw Failure{r.status().ToString()};
-    for (auto& inc : *r) all.push_back(std::move(inc));
-  }
-  std::stable_sort(all.begin(), all.end(),
-                   [](const Incident& x, const Incident& y) { return x.time_unix_ms > y.time_unix_ms; });
-  if (with_limit && a.limit > 0 && all.size() > static_cast<size_t>(a.limit)) all.resize(static_cast<size_t>(a.limit));
-  return all;
+  auto r = OpenAll(a).Query(q);
+  if (!r.ok()) throw Failure{r.status().ToString()};
+  return std::move(r).value();
 }
 
 json IncidentJson(const Incident& inc) { return json::parse(IncidentToJson(inc)); }
@@ -150,11 +100,9 @@ void CmdShow(const KbArgs& a) {
   std::vector<Incident> found;
   IncidentQuery q;
   q.id_prefix = a.id;
-  for (auto& kb : OpenAll(a)) {
-    auto r = kb->Query(q);
-    if (!r.ok()) throw Failure{r.status().ToString()};
-    for (auto& inc : *r) found.push_back(std::move(inc));
-  }
+  auto r = OpenAll(a).Query(q);
+  if (!r.ok()) throw Failure{r.status().ToString()};
+  found = std::move(r).value();
   if (found.empty()) throw Failure{"no incident with id '" + a.id + "'"};
   if (found.size() > 1) {
     std::string ids;
@@ -204,22 +152,18 @@ void CmdShow(const KbArgs& a) {
 }
 
 void CmdStats(const KbArgs& a) {
+  auto merged = OpenAll(a).Stats();
+  if (!merged.ok()) throw Failure{merged.status().ToString()};
+  const kb::FileSetStats& st = *merged;
   json files = json::array();
-  std::map<std::string, int64_t> by_pattern, by_outcome, by_kind;
-  int64_t total = 0, dropped = 0;
-  std::vector<MicroBatchPrior> priors;
-  for (auto& kb : OpenAll(a)) {
-    auto s = kb->Stats();
-    if (!s.ok()) throw Failure{s.status().ToString()};
-    files.push_back({{"db", kb->path()}, {"schema_version", s->schema_version}, {"incidents", s->incidents},
-                     {"dropped", s->dropped_recorded}});
-    total += s->incidents;
-    dropped += s->dropped_recorded;
-    for (auto& [k, n] : s->by_pattern) by_pattern[k] += n;
-    for (auto& [k, n] : s->by_outcome) by_outcome[k] += n;
-    for (auto& [k, n] : s->by_kind) by_kind[k] += n;
-    for (auto& p : s->priors) priors.push_back(p);
-  }
+  for (const auto& f : st.files)
+    files.push_back({{"db", f.path}, {"schema_version", f.schema_version}, {"incidents", f.incidents},
+                     {"dropped", f.dropped}});
+  std::map<std::string, int64_t> by_pattern(st.by_pattern.begin(), st.by_pattern.end());
+  std::map<std::string, int64_t> by_outcome(st.by_outcome.begin(), st.by_outcome.end());
+  std::map<std::string, int64_t> by_kind(st.by_kind.begin(), st.by_kind.end());
+  const int64_t total = st.incidents, dropped = st.dropped;
+  const std::vector<MicroBatchPrior>& priors = st.priors;
   if (a.json) {
     json pj = json::array();
     for (const auto& p : priors)
@@ -251,35 +195,11 @@ void CmdStats(const KbArgs& a) {
 }
 
 void CmdGroups(const KbArgs& a) {
-  // Merged from the incidents themselves so that runs spanning several files
-  // (one per host) are counted once.
-  struct Acc {
-    IncidentGroup g;
-    std::set<std::string> runs;
-  };
-  std::map<std::string, Acc> groups;
-  for (const Incident& i : QueryAll(a, false)) {
-    Acc& acc = groups[i.fingerprint];
-    IncidentGroup& g = acc.g;
-    if (g.count == 0) {
-      g = {i.fingerprint, i.pattern, i.kind, i.phase, i.workload, 0, 0, i.time_unix_ms, i.time_unix_ms, i.id};
-    }
-    ++g.count;
-    acc.runs.insert(i.run_id);
-    g.first_seen_unix_ms = std::min(g.first_seen_unix_ms, i.time_unix_ms);
-    if (i.time_unix_ms > g.last_seen_unix_ms) {
-      g.last_seen_unix_ms = i.time_unix_ms;
-      g.last_id = i.id;
-    }
-  }
-  std::vector<IncidentGroup> out;
-  for (auto& [fp, acc] : groups) {
-    acc.g.runs = static_cast<int64_t>(acc.runs.size());
-    out.push_back(acc.g);
-  }
-  std::sort(out.begin(), out.end(), [](const IncidentGroup& x, const IncidentGroup& y) {
-    return x.count != y.count ? x.count > y.count : x.last_seen_unix_ms > y.last_seen_unix_ms;
-  });
+  // Recounted from the incidents themselves so that runs spanning several
+  // files (one per host) are counted once (sdk/kb/file_set.h).
+  auto groups = OpenAll(a).Groups(MakeQuery(a, false));
+  if (!groups.ok()) throw Failure{groups.status().ToString()};
+  const std::vector<IncidentGroup>& out = *groups;
   if (a.json) {
     json arr = json::array();
     for (const auto& g : out)

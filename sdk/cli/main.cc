@@ -11,6 +11,8 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "oomguard " + std::string(OOMGUARD_VERSION_STRING));
   oomguard::cli::CommandResult result;
   oomguard::cli::AddKbCommands(&app, &result);
+  oomguard::cli::AddKbServeCommands(app.get_subcommand("kb"), &result);
+  oomguard::cli::AddCkptCommands(&app, &result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
