@@ -56,8 +56,15 @@ class OOMGUARD_EXPORT SizeController {
   // whether the limit split the step (growth is pointless otherwise).
   void OnSuccess(int64_t largest, bool limit_bound);
 
-  // Sets the limit outright (a learned prior, or the minimum across ranks).
+  // Sets the limit outright (the minimum across ranks, a user's choice).
   void SetLimit(int64_t limit);
+
+  // Starts from a learned prior: the largest size that ran clean for this
+  // workload before, which an earlier run had already brought within
+  // `tolerance` of what fits. The size counts as proven, and the failing size
+  // is taken to lie just above it, so the controller does not re-probe what
+  // the earlier run learned until `forget_bad_after` steps have passed.
+  void AdoptPrior(int64_t size);
 
  private:
   SizeControllerOptions options_;

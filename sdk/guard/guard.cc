@@ -100,7 +100,7 @@ class GuardImpl final : public Guard {
     if (options_.priors != nullptr && !options_.workload.empty()) {
       if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
           prior && *prior >= 1 && *prior < controller_.limit()) {
-        controller_.SetLimit(*prior);
+        controller_.AdoptPrior(*prior);
         Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
       }
     }

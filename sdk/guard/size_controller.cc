@@ -66,3 +66,16 @@ void SizeController::SetLimit(int64_t limit) {
 }
 
 }  // namespace oomguard
+
+namespace oomguard {
+
+void SizeController::AdoptPrior(int64_t size) {
+  SetLimit(size);
+  good_ = limit_;
+  const int64_t above = std::max<int64_t>(
+      1, static_cast<int64_t>(options_.tolerance * static_cast<double>(limit_)));
+  bad_ = limit_ > options_.max - above ? options_.max : limit_ + above;
+  bad_set_at_ = steps_;
+}
+
+}  // namespace oomguard

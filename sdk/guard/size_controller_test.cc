@@ -119,6 +119,21 @@ TEST(SizeController, SetLimitClamps) {
   EXPECT_EQ(c.limit(), 8);
 }
 
+TEST(SizeController, AdoptedPriorIsNotReprobedUntilForgotten) {
+  SizeControllerOptions o = Opts(4096, 1, 8192, 1);
+  o.forget_bad_after = 50;
+  SizeController c(o);
+  c.AdoptPrior(300);
+  EXPECT_EQ(c.limit(), 300);
+  EXPECT_EQ(c.good(), 300);
+  ASSERT_TRUE(c.bad().has_value());
+  EXPECT_GT(*c.bad(), 300);
+  for (int i = 0; i < 40; ++i) c.OnSuccess(300, true);
+  EXPECT_EQ(c.limit(), 300) << "no probe while the learned failing size is remembered";
+  for (int i = 0; i < 20; ++i) c.OnSuccess(c.limit(), true);
+  EXPECT_GT(c.limit(), 300) << "probing resumes once it is forgotten";
+}
+
 TEST(SizeController, ValidatesOptions) {
   EXPECT_TRUE(ValidateSizeControllerOptions(Opts(4)).ok());
   Status s = ValidateSizeControllerOptions(Opts(4, 0));
