@@ -91,7 +91,11 @@ TEST_F(MlpRanks, UniformMicroBatchGivesEveryRankTheSmallest) {
 
 TEST_F(MlpRanks, InjectedOomsOnOneRankAndOnEveryRank) {
   for (const char* rules : {"oom@step=2,rank=1,site=forward", "oom@step=3,rank=2,site=backward",
-                            "oom@step=1,site=backward,times=4;oom@step=5,rank=3,site=micro_batch,times=2"}) {
+                            // Every rank once (rules name the rank: a shared times=4 could be
+                            // used up by one rank's retries), then twice more on rank 3.
+                            "oom@step=1,rank=0,site=backward;oom@step=1,rank=1,site=backward;"
+                            "oom@step=1,rank=2,site=backward;oom@step=1,rank=3,site=backward;"
+                            "oom@step=5,rank=3,site=micro_batch,times=2"}) {
     ASSERT_TRUE(oomguard::SetFaultRules(rules).ok());
     auto rs = RunRanks(Config(), {0, 0, 0, 0});
     ExpectAllEqualReference(rs);
