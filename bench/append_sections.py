@@ -52,7 +52,7 @@ def main():
     if votes:
         w("## Vote latency (4 ranks on this host)")
         w("")
-        w("One vote = one allreduce of five int64. ThreadGroup ranks are threads; MPI ranks are processes")
+        w("One vote = one allreduce of six int64. ThreadGroup ranks are threads; MPI ranks are processes")
         w("under `mpirun --oversubscribe -np 4` (4 ranks share the cores listed above).")
         w("")
         w("| engine | median | p99 | per-step overhead of the vote in Guard::Step |")
