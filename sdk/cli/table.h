@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "sdk/core/format.h"
+
 namespace oomguard::cli {
 
 class Table {
@@ -26,7 +28,7 @@ class Table {
 // "2024-05-01 12:00:03" (UTC) or "-" for 0.
 std::string FormatTime(int64_t unix_ms);
 // "1.5 GiB".
-std::string FormatBytes(int64_t bytes);
+using internal::FormatBytes;  // "2.1 GiB"
 
 }  // namespace oomguard::cli
 

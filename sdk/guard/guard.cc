@@ -23,6 +23,7 @@
 #include "oomguard/priors.h"
 #include "oomguard/recovery.h"
 #include "oomguard/size_controller.h"
+#include "sdk/core/format.h"
 #include "sdk/core/ids.h"
 
 namespace oomguard {
@@ -44,24 +45,13 @@ Guard::~Guard() = default;
 
 namespace {
 
+using internal::FormatBytes;
 using Clock = std::chrono::steady_clock;
 
 double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-std::string HumanBytes(int64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (std::fabs(v) >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
-  return buf;
-}
 
 // The memory figures at the moment of failure when the exception carries them
 // (the SDK's own error), otherwise what the device says now.
@@ -395,15 +385,15 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
     Logger()->warn("OOM ({}) in {} at step {} micro-batch {}/{} (size {}): requested {}, allocated {}, "
                    "reserved {}; released caches; {} -> micro-batch {}",
                    inc.kind, inc.phase, step_, failed.index + 1, failed.count, failed.cost,
-                   HumanBytes(info.requested_bytes), HumanBytes(before.allocated),
-                   HumanBytes(before.reserved), inc.action, inc.micro_after);
+                   FormatBytes(info.requested_bytes), FormatBytes(before.allocated),
+                   FormatBytes(before.reserved), inc.action, inc.micro_after);
 
     if (action == LadderAction::kGiveUp || action == LadderAction::kRollback) {
       if (action == LadderAction::kGiveUp) {
         const bool bounded = rep.ooms > options_.max_ooms_per_step;
         failure = Status::ResourceExhausted(
             "out of memory at step " + std::to_string(step_) + " in phase '" + inc.phase + "' (" + inc.kind +
-            ", requested " + HumanBytes(info.requested_bytes) + ") " +
+            ", requested " + FormatBytes(info.requested_bytes) + ") " +
             (bounded ? "after " + std::to_string(rep.ooms - 1) + " OOMs in one step (max_ooms_per_step)"
                      : "at the minimum micro-batch (" + std::to_string(options_.min_micro_batch) +
                            ") with no checkpoint to roll back to") +

@@ -18,9 +18,12 @@
 #include <string>
 
 #include "oomguard/knowledge_base.h"
+#include "sdk/core/format.h"
 
 namespace oomguard {
 namespace {
+
+using internal::FormatBytes;
 
 // ---- thresholds (docs/patterns.md) ----
 constexpr double kSpikeCostRatio = 1.5;       // activation_spike: largest sample cost / median
@@ -41,17 +44,6 @@ const char* kAccumulation =
     "Smaller micro-batches with gradient accumulation keep the global batch (the guard does this; start "
     "from the learned prior)";
 
-std::string HumanBytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (std::fabs(b) >= 1024.0 && u < 4) {
-    b /= 1024.0;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
-  return buf;
-}
 
 std::string Pct(double frac) {
   char buf[16];
@@ -169,10 +161,10 @@ std::optional<Candidate> ForeignMemory(const Facts& f) {
     if (outside >= kForeignOfCapacity * static_cast<double>(f.total)) {
       double conf = outside >= static_cast<double>(f.requested) ? 0.85 : 0.7;
       return Candidate{"foreign_memory", conf,
-                       HumanBytes(outside) + " (" + Pct(outside / static_cast<double>(f.total)) +
+                       FormatBytes(outside) + " (" + Pct(outside / static_cast<double>(f.total)) +
                            " of capacity) is held outside the framework's allocator (capacity - reserved - free)" +
                            (nccl ? "; the message mentions NCCL" : "") + "; the request was " +
-                           HumanBytes(static_cast<double>(f.requested))};
+                           FormatBytes(static_cast<double>(f.requested))};
     }
   }
   if (nccl || Contains(f.inc.message, {"other process", "process has", "processes have"}))
@@ -189,11 +181,11 @@ std::optional<Candidate> Fragmentation(const Facts& f) {
   if (slack + static_cast<double>(std::max<int64_t>(f.free, 0)) < static_cast<double>(f.requested))
     return std::nullopt;
   double conf = 0.75;
-  std::string ev = "reserved minus allocated is " + HumanBytes(slack) + " (" + Pct(slack / cap) +
-                   " of capacity) while the request was " + HumanBytes(static_cast<double>(f.requested)) +
+  std::string ev = "reserved minus allocated is " + FormatBytes(slack) + " (" + Pct(slack / cap) +
+                   " of capacity) while the request was " + FormatBytes(static_cast<double>(f.requested)) +
                    ": enough memory in total, but not in one piece";
   if (f.inactive_split > 0) {
-    ev += "; " + HumanBytes(static_cast<double>(f.inactive_split)) + " is stranded in split blocks";
+    ev += "; " + FormatBytes(static_cast<double>(f.inactive_split)) + " is stranded in split blocks";
     if (static_cast<double>(f.inactive_split) >= 0.5 * slack) conf += 0.1;
   }
   if (f.inc.memory.num_alloc_retries > 0) {
@@ -230,7 +222,7 @@ std::optional<Candidate> ActivationSpike(const Facts& f) {
     if (*hi > 0 && static_cast<double>(*hi - *lo) <= 0.05 * static_cast<double>(*hi))
       return Candidate{"activation_spike", 0.5,
                        std::to_string(i.steps_ok_before) + " clean steps with a flat peak of about " +
-                           HumanBytes(static_cast<double>(*hi)) +
+                           FormatBytes(static_cast<double>(*hi)) +
                            " before this one failed: a larger-than-usual batch is likely (no per-sample costs "
                            "were recorded to confirm)"};
   }
@@ -249,8 +241,8 @@ std::optional<Candidate> RankImbalance(const Facts& f) {
   if (spread < kImbalanceSpread) return std::nullopt;
   bool failing_is_top = hi->rank == f.inc.rank;
   return Candidate{"rank_imbalance", failing_is_top ? 0.85 : 0.7,
-                   "rank " + std::to_string(hi->rank) + " peaked at " + HumanBytes(mx) + " while rank " +
-                       std::to_string(lo->rank) + " peaked at " + HumanBytes(mn) + " (" + Pct(spread) +
+                   "rank " + std::to_string(hi->rank) + " peaked at " + FormatBytes(mx) + " while rank " +
+                       std::to_string(lo->rank) + " peaked at " + FormatBytes(mn) + " (" + Pct(spread) +
                        " spread across " + std::to_string(ranks.size()) + " ranks)" +
                        (failing_is_top ? "; the failing rank is the heaviest" : "")};
 }
@@ -290,7 +282,7 @@ std::optional<Candidate> GradualGrowth(const Facts& f) {
   if (rise < threshold || monotone < kGrowthMonotone) return std::nullopt;
   double conf = 0.7 + (monotone >= 0.9 ? 0.1 : 0) + (f.inc.steps_ok_before >= 10 ? 0.05 : 0);
   return Candidate{"gradual_growth", conf,
-                   "the per-step peak rose by " + HumanBytes(rise) +
+                   "the per-step peak rose by " + FormatBytes(rise) +
                        (f.total > 0 ? " (" + Pct(rise / static_cast<double>(f.total)) + " of capacity)" : "") +
                        " over the last " + std::to_string(p.size()) + " steps, rising in " + Pct(monotone) +
                        " of step-to-step changes, after " + std::to_string(f.inc.steps_ok_before) +
@@ -304,9 +296,9 @@ std::optional<Candidate> StartupCapacity(const Facts& f) {
   std::string ev = "the OOM hit step " + std::to_string(f.inc.step) + " (phase '" + f.phase +
                    "') before any step completed";
   if (f.total > 0 && f.requested > 0)
-    ev += ": " + HumanBytes(static_cast<double>(f.allocated)) + " allocated + a request of " +
-          HumanBytes(static_cast<double>(f.requested)) + " against a capacity of " +
-          HumanBytes(static_cast<double>(f.total));
+    ev += ": " + FormatBytes(static_cast<double>(f.allocated)) + " allocated + a request of " +
+          FormatBytes(static_cast<double>(f.requested)) + " against a capacity of " +
+          FormatBytes(static_cast<double>(f.total));
   if (f.inc.micro_before > 0) ev += "; micro-batch " + std::to_string(f.inc.micro_before);
   return Candidate{"startup_capacity", 0.75, ev + ": the configuration does not fit from the start"};
 }

@@ -31,21 +31,13 @@
 #include "oomguard/oom.h"
 #include "oomguard/status.h"
 
+#include "sdk/core/format.h"
+
 namespace oomguard {
 namespace {
 
-std::string FormatBytes(int64_t bytes) {
-  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int unit = 0;
-  while (unit < 4 && (v >= 1024.0 || v <= -1024.0)) {
-    v /= 1024.0;
-    ++unit;
-  }
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
-  return buf;
-}
+using internal::FormatBytesFixed2;
+
 
 std::string ErrorText(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
@@ -203,10 +195,10 @@ class CudaDevice final : public Device {
       }
       MemoryStats s = Stats();
       throw DeviceOomError(name_ + " CUDA out of memory. Tried to allocate " +
-                               FormatBytes(static_cast<int64_t>(bytes)) + " (GPU " + std::to_string(index_) +
-                               "; " + FormatBytes(s.total) + " total capacity; " + FormatBytes(s.allocated) +
-                               " already allocated by oomguard; " + FormatBytes(s.free) + " free; " +
-                               FormatBytes(s.reserved) + " reserved in total by oomguard)",
+                               FormatBytesFixed2(static_cast<int64_t>(bytes)) + " (GPU " + std::to_string(index_) +
+                               "; " + FormatBytesFixed2(s.total) + " total capacity; " + FormatBytesFixed2(s.allocated) +
+                               " already allocated by oomguard; " + FormatBytesFixed2(s.free) + " free; " +
+                               FormatBytesFixed2(s.reserved) + " reserved in total by oomguard)",
                            static_cast<int64_t>(bytes), s);
     }
     OOMGUARD_CUDA_CHECK(err);

@@ -34,9 +34,12 @@
 
 #include "oomguard/device.h"
 #include "oomguard/status.h"
+#include "sdk/core/format.h"
 
 namespace oomguard {
 namespace {
+
+using internal::FormatBytesFixed2;
 
 // Alignment of backing memory and of fake segment bases: what cudaMalloc gives.
 constexpr size_t kSegmentAlignment = 256;
@@ -47,18 +50,6 @@ constexpr uintptr_t kFakeAddressBase = uintptr_t{1} << 44;
 constexpr uintptr_t kFakeAddressGap = uintptr_t{1} << 20;
 constexpr uintptr_t kFakeAddressLimit = uintptr_t{1} << 62;
 
-std::string FormatBytes(int64_t bytes) {
-  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int unit = 0;
-  while (unit < 4 && (v >= 1024.0 || v <= -1024.0)) {
-    v /= 1024.0;
-    ++unit;
-  }
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
-  return buf;
-}
 
 struct Segment;
 
@@ -265,11 +256,11 @@ int64_t SimulatedDevice::ReleaseFreeSegmentsLocked() {
 void SimulatedDevice::ThrowOomLocked(int64_t requested, int64_t rounded, const std::string& reason) {
   ++num_ooms_;
   MemoryStats s = StatsLocked();
-  std::string capacity = options_.capacity_bytes > 0 ? FormatBytes(options_.capacity_bytes) : "unlimited";
-  std::string msg = name_ + " out of memory. Tried to allocate " + FormatBytes(rounded) +
-                    " (simulated device capacity " + capacity + "; " + FormatBytes(s.allocated) +
-                    " already allocated; " + FormatBytes(s.free) + " free; " + FormatBytes(s.reserved) +
-                    " reserved in total; " + FormatBytes(s.reserved - s.allocated) +
+  std::string capacity = options_.capacity_bytes > 0 ? FormatBytesFixed2(options_.capacity_bytes) : "unlimited";
+  std::string msg = name_ + " out of memory. Tried to allocate " + FormatBytesFixed2(rounded) +
+                    " (simulated device capacity " + capacity + "; " + FormatBytesFixed2(s.allocated) +
+                    " already allocated; " + FormatBytesFixed2(s.free) + " free; " + FormatBytesFixed2(s.reserved) +
+                    " reserved in total; " + FormatBytesFixed2(s.reserved - s.allocated) +
                     " reserved but unallocated). If reserved but unallocated memory is large, "
                     "the memory is fragmented: release caches or use smaller requests.";
   if (!reason.empty()) msg += " Cause: " + reason + ".";

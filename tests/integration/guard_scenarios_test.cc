@@ -4,16 +4,11 @@
 
 #include "mlp.h"
 #include "oomguard/oomguard.h"
+#include "sim_device.h"
 
 namespace {
 
-std::unique_ptr<oomguard::Device> Device(double budget_mib) {
-  oomguard::SimulatedDeviceOptions o;
-  o.capacity_bytes = static_cast<int64_t>(budget_mib * (1 << 20));
-  o.segment_bytes = 64 << 10;
-  o.small_request_bytes = 32 << 10;
-  return oomguard::MakeSimulatedDevice(o).value();
-}
+constexpr auto Device = oomguard::testing::SmallSimDevice;
 
 class RecordingSink : public oomguard::IncidentSink {
  public:

@@ -8,6 +8,7 @@
 
 #include "mlp.h"
 #include "oomguard/oomguard.h"
+#include "sim_device.h"
 
 namespace {
 
@@ -21,13 +22,7 @@ mlp::Config SmallConfig() {
   return c;
 }
 
-std::unique_ptr<oomguard::Device> Device(double budget_mib) {
-  oomguard::SimulatedDeviceOptions o;
-  o.capacity_bytes = static_cast<int64_t>(budget_mib * (1 << 20));
-  o.segment_bytes = 64 << 10;
-  o.small_request_bytes = 32 << 10;
-  return oomguard::MakeSimulatedDevice(o).value();
-}
+constexpr auto Device = oomguard::testing::SmallSimDevice;
 
 std::vector<double> Reference(const mlp::Config& cfg) {
   oomguard::ClearFaultRules();
