@@ -137,8 +137,11 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
 
   // ---- registration (before the first save or load) ----
   // A tensor at HDF5 path /<path> ("model/fc1.weight"). `data` holds
-  // prod(shape) elements, row-major; an empty shape is a scalar. kCuda needs
-  // a CUDA build. REQUIRES: data stays valid for the Checkpointer's life.
+  // prod(shape) elements, row-major; an empty shape is a scalar. kCuda: device
+  // memory, staged into pinned host buffers on a side stream that waits for the
+  // default stream's work (SaveAsync returns once the copies landed); needs a
+  // CUDA build (kUnimplemented) and a visible GPU (kUnavailable).
+  // REQUIRES: data stays valid for the Checkpointer's life.
   virtual Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
                            MemoryLocation location = MemoryLocation::kHost) = 0;
   // A stateful object with its own serialisation (optimizer scalars, RNG

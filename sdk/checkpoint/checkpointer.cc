@@ -25,6 +25,7 @@
 #include "oomguard/incident.h"
 #include "oomguard/logging.h"
 #include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/device_copy.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
@@ -110,6 +111,7 @@ struct Entry {
   DType dtype = DType::kUInt8;
   std::vector<int64_t> shape;
   void* data = nullptr;
+  bool on_cuda = false;  // data is device memory: copies go through the DeviceCopier
   int64_t bytes = 0;
   std::function<std::vector<uint8_t>()> save;
   std::function<Status(std::span<const uint8_t>)> load;
@@ -117,8 +119,12 @@ struct Entry {
 
 // One staged copy of the registered state (one buffer per entry).
 struct Snapshot {
+  ~Snapshot() {
+    for (void* p : pinned) ckpt::UnpinHost(p);
+  }
   int64_t step = -1;
   std::vector<std::vector<uint8_t>> data;
+  std::vector<void*> pinned;  // page-locked buffers of CUDA entries (index = entry)
   int64_t bytes = 0;
   bool writing = false;  // guarded by CheckpointerImpl::mu_
 };
@@ -231,9 +237,11 @@ class CheckpointerImpl final : public Checkpointer {
   Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
                    MemoryLocation location) override {
     OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
-    if (location == MemoryLocation::kCuda)
-      return Status::Unimplemented("AddTensor(" + path +
-                                   "): CUDA tensors are not supported yet; stage them to host");
+    if (location == MemoryLocation::kCuda && copier_ == nullptr) {
+      auto c = ckpt::DeviceCopier::Create();
+      if (!c.ok()) return Status(c.status().code(), "AddTensor(" + path + "): " + c.status().message());
+      copier_ = std::move(c).value();
+    }
     int64_t elems = 1;
     for (int64_t d : shape) {
       if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
@@ -245,6 +253,7 @@ class CheckpointerImpl final : public Checkpointer {
     e.dtype = dtype;
     e.shape = std::move(shape);
     e.data = data;
+    e.on_cuda = location == MemoryLocation::kCuda;
     e.bytes = elems * static_cast<int64_t>(DTypeSize(dtype));
     entries_.push_back(std::move(e));
     return Status::Ok();
@@ -278,6 +287,19 @@ class CheckpointerImpl final : public Checkpointer {
     Status s = LoadStep(step);
     if (!s.ok()) return s;
     return step;
+  }
+
+  // Bytes [begin, begin + len) of a registered tensor, wherever it lives.
+  Status CopyOut(const Entry& e, int64_t begin, int64_t len, std::vector<uint8_t>* out) {
+    out->resize(static_cast<size_t>(len));
+    if (len == 0) return Status::Ok();
+    const auto* src = static_cast<const uint8_t*>(e.data) + begin;
+    if (!e.on_cuda) {
+      std::memcpy(out->data(), src, static_cast<size_t>(len));
+      return Status::Ok();
+    }
+    OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(out->data(), src, static_cast<size_t>(len)));
+    return copier_->Sync();
   }
 
   int64_t ShardDurableStep() const override {
@@ -357,6 +379,7 @@ class CheckpointerImpl final : public Checkpointer {
   const CheckpointOptions o_;
   std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
   std::unique_ptr<ckpt::ThreadPool> pool_;
+  std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -416,8 +439,10 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
     }
     if (!snap) snap = std::make_shared<Snapshot>();
     snap->data.resize(entries_.size());
+    snap->pinned.resize(entries_.size(), nullptr);
     snap->step = step;
     snap->bytes = need;
+    bool device_copies = false;
     for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
       if (e.is_object) {
@@ -427,11 +452,26 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
       auto& buf = snap->data[i];
       if (static_cast<int64_t>(buf.size()) != e.bytes) {
         // Resize without value-initialising what memcpy overwrites anyway.
+        ckpt::UnpinHost(snap->pinned[i]);
+        snap->pinned[i] = nullptr;
         buf = std::vector<uint8_t>();
         buf.resize(static_cast<size_t>(e.bytes));
       }
-      if (e.bytes > 0) std::memcpy(buf.data(), e.data, static_cast<size_t>(e.bytes));
+      if (e.bytes == 0) continue;
+      if (e.on_cuda) {
+        // Pinned once per buffer; buffers are recycled between saves.
+        if (snap->pinned[i] == nullptr) {
+          ckpt::PinHost(buf.data(), buf.size());
+          snap->pinned[i] = buf.data();
+        }
+        OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(buf.data(), e.data, static_cast<size_t>(e.bytes)));
+        device_copies = true;
+      } else {
+        std::memcpy(buf.data(), e.data, static_cast<size_t>(e.bytes));
+      }
     }
+    // The stall ends when the device copies landed: training may then change the tensors.
+    if (device_copies) OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
     job.snapshot = snap;
     job.source = std::make_shared<SnapshotSource>(snap);
     job.started = Clock::now();
@@ -464,8 +504,7 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
       if (e.is_object) {
         whole[i] = std::move(object_bytes[i]);
       } else if (e.shape.empty() && e.bytes > 0) {
-        const auto* p = static_cast<const uint8_t*>(e.data);
-        whole[i].assign(p, p + e.bytes);
+        OOMGUARD_RETURN_IF_ERROR(CopyOut(e, 0, e.bytes, &whole[i]));
       }
     }
     auto pieces = std::make_shared<PieceSource>(budget, whole);
@@ -486,7 +525,13 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
       for (int64_t c = 0; c < L.count; ++c) {
         int64_t begin = 0, len = 0;
         ckpt::ChunkPosition(tensors[i].shape, L, c, &offset, &begin, &len);
-        pieces->Publish(i, begin, static_cast<const uint8_t*>(entries_[i].data) + begin, len);
+        if (entries_[i].on_cuda) {
+          std::vector<uint8_t> host;
+          OOMGUARD_RETURN_IF_ERROR(CopyOut(entries_[i], begin, len, &host));
+          pieces->Publish(i, begin, host.data(), len);
+        } else {
+          pieces->Publish(i, begin, static_cast<const uint8_t*>(entries_[i].data) + begin, len);
+        }
       }
     }
     std::lock_guard<std::mutex> lk(mu_);
@@ -684,8 +729,17 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
     if (e.is_object) {
       OOMGUARD_RETURN_IF_ERROR(r.ReadAll(ds, &objects[i], pool_.get()));
     } else {
-      OOMGUARD_RETURN_IF_ERROR(
-          r.ReadInto(ds, true, e.dtype, e.shape, static_cast<uint8_t*>(e.data), e.bytes, pool_.get()));
+      if (e.on_cuda) {
+        std::vector<uint8_t> host(static_cast<size_t>(e.bytes));
+        OOMGUARD_RETURN_IF_ERROR(r.ReadInto(ds, true, e.dtype, e.shape, host.data(), e.bytes, pool_.get()));
+        if (e.bytes > 0) {
+          OOMGUARD_RETURN_IF_ERROR(copier_->ToDevice(e.data, host.data(), host.size()));
+          OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
+        }
+      } else {
+        OOMGUARD_RETURN_IF_ERROR(
+            r.ReadInto(ds, true, e.dtype, e.shape, static_cast<uint8_t*>(e.data), e.bytes, pool_.get()));
+      }
     }
   }
   for (size_t i = 0; i < entries_.size(); ++i) {
@@ -750,8 +804,14 @@ StatusOr<int64_t> CheckpointerImpl::Restore(int64_t step) {
     for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
       if (e.is_object) continue;
-      if (e.bytes > 0) std::memcpy(e.data, snap->data[i].data(), static_cast<size_t>(e.bytes));
+      if (e.bytes == 0) continue;
+      if (e.on_cuda) {
+        OOMGUARD_RETURN_IF_ERROR(copier_->ToDevice(e.data, snap->data[i].data(), static_cast<size_t>(e.bytes)));
+      } else {
+        std::memcpy(e.data, snap->data[i].data(), static_cast<size_t>(e.bytes));
+      }
     }
+    if (copier_ != nullptr) OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
     for (size_t i = 0; i < entries_.size(); ++i) {
       if (!entries_[i].is_object) continue;
       Status s = entries_[i].load(snap->data[i]);

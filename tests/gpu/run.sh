@@ -14,8 +14,9 @@
 #      an unconstrained run's within 1e-10;
 #   3. examples/python/train_torch.py's model through oomguard.torch on CUDA
 #      under torch.cuda.set_per_process_memory_fraction, the same promise;
-#   4. checkpoint staging from device memory (the Checkpointer does not stage
-#      CUDA tensors yet: reported as NOT IMPLEMENTED, never as a pass);
+#   4. checkpoint staging from device memory: the CheckpointerCuda gtests
+#      (pinned staging on a side stream, restore from snapshot and disk) and
+#      libtorch_train on CUDA with --ckpt-dir, resumed to equal parameters;
 #   5. the NCCL coordinator with one rank (tests/gpu/nccl_one_rank.cc).
 # It prints a summary table and exits non-zero when any check FAILs. SKIP
 # (a missing optional piece, with the reason) and NOT IMPLEMENTED do not fail.
@@ -191,13 +192,16 @@ else
   fi
 
   # ---- 4. checkpoint staging from device memory ----
+  timeout 120 "$BIN/oomguard_unit_tests" --gtest_filter='CheckpointerCuda.*' > "$LOG/ckpt_cuda.log" 2>&1
+  if grep -q 'OK \] CheckpointerCuda.RoundTripThroughSnapshotAndDisk' "$LOG/ckpt_cuda.log"; then
+    row PASS "Checkpointer: CUDA tensor round trip" "pinned staging, snapshot and disk restore"
+  else
+    row FAIL "Checkpointer: CUDA tensor round trip" "($LOG/ckpt_cuda.log)"
+  fi
   timeout 120 "$BIN/libtorch_train" "${LT[@]}" --steps 4 --ckpt-dir "$LOG/ck" --ckpt-every 2 \
     > "$LOG/lt_ck.out" 2> "$LOG/lt_ck.err"
   rc=$?
-  if [ $rc -ne 0 ] && grep -q "CUDA tensors are not supported yet" "$LOG/lt_ck.err"; then
-    row "NOT IMPLEMENTED" "checkpoint staging from device memory" \
-      "Checkpointer::AddTensor(kCuda) returns kUnimplemented; no pinned staging or stall figure yet"
-  elif [ $rc -eq 0 ]; then
+  if [ $rc -eq 0 ]; then
     timeout 120 "$BIN/libtorch_train" "${LT[@]}" --ckpt-dir "$LOG/ck" --ckpt-every 2 --resume \
       --check-against "$LOG/lt_ref.f64" > "$LOG/lt_resume.out" 2> "$LOG/lt_resume.err"
     rc=$?
@@ -210,8 +214,7 @@ else
     row FAIL "checkpoint staging from device memory" "exit $rc ($LOG/lt_ck.err)"
   fi
 fi
-[ -x "$BIN/libtorch_train" ] || row "NOT IMPLEMENTED" "checkpoint staging from device memory" \
-  "Checkpointer::AddTensor(kCuda) returns kUnimplemented"
+[ -x "$BIN/libtorch_train" ] || row SKIP "checkpoint from device memory + resume" "libtorch_train not built"
 
 # ---- 3. train_torch.py's model on CUDA through oomguard.torch ----
 if [ -n "$TORCH_WHY" ]; then
