@@ -1,5 +1,6 @@
 #include "sdk/checkpoint/shard.h"
 
+#include <fcntl.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -19,6 +20,10 @@ namespace {
 // In-flight compressed chunks per worker: enough to keep every worker busy
 // while the writer thread waits on the oldest, small enough to bound memory.
 constexpr int kWindowPerThread = 4;
+// Dirty bytes after which the writer asks the kernel to start writing them
+// back, so the disk works while later chunks are compressed instead of all at
+// the final fsync.
+constexpr int64_t kWritebackBytes = int64_t{32} << 20;
 
 std::vector<hsize_t> Dims(const std::vector<int64_t>& shape) {
   return std::vector<hsize_t>(shape.begin(), shape.end());
@@ -145,6 +150,16 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
   };
   Status status;
   const size_t midway = jobs.size() / 2;
+  int64_t unflushed = 0;
+  // Starts writeback of what was written so far and returns at once.
+  auto start_writeback = [&] {
+#ifdef SYNC_FILE_RANGE_WRITE
+    void* handle = nullptr;
+    if (H5Fget_vfd_handle(file.get(), H5P_DEFAULT, &handle) >= 0 && handle != nullptr)
+      (void)::sync_file_range(*static_cast<int*>(handle), 0, 0, SYNC_FILE_RANGE_WRITE);
+#endif
+    unflushed = 0;
+  };
   for (size_t n = 0; n < jobs.size(); ++n) {
     while (next_submit < jobs.size() && inflight.size() < window &&
            (inflight.empty() || source->Ready(jobs[next_submit].t, jobs[next_submit].begin)))
@@ -165,6 +180,8 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
         0)
       status = Status::Internal(tmp + ": H5Dwrite_chunk failed for /" + tensors[j.t].path + " chunk " +
                                 std::to_string(j.i));
+    unflushed += static_cast<int64_t>(frame.size());
+    if (o.fsync && unflushed >= kWritebackBytes) start_writeback();
   }
   if (jobs.empty() && o.midway) o.midway();
   {
