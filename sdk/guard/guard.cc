@@ -395,8 +395,11 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
             "out of memory at step " + std::to_string(step_) + " in phase '" + inc.phase + "' (" + inc.kind +
             ", requested " + FormatBytes(info.requested_bytes) + ") " +
             (bounded ? "after " + std::to_string(rep.ooms - 1) + " OOMs in one step (max_ooms_per_step)"
-                     : "at the minimum micro-batch (" + std::to_string(options_.min_micro_batch) +
-                           ") with no checkpoint to roll back to") +
+             : failed.size == 1 && failed.cost > options_.min_micro_batch
+                 ? "in a micro-batch of one sample (cost " + std::to_string(failed.cost) +
+                       ") that cannot be split, with no checkpoint to roll back to"
+                 : "at the minimum micro-batch (" + std::to_string(options_.min_micro_batch) +
+                       ") with no checkpoint to roll back to") +
             "; incident " + inc.id + "; remedies: " + kGenericRemedies);
         local = Local::kFailed;
       } else {

@@ -442,6 +442,7 @@ TEST_F(FaultsCleared, OversizedLoneSampleEscalatesInsteadOfRetrying) {
   Status s = g->Step(r, &rep);
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
   EXPECT_EQ(rep.ooms, 1) << "one sample cannot be split: no pointless retries";
+  EXPECT_NE(s.message().find("one sample (cost 500)"), std::string::npos) << s;
 }
 
 TEST_F(FaultsCleared, InjectedOomAtTheVoteFailsTheStepWithoutEscaping) {
