@@ -16,6 +16,7 @@
 #include <mutex>
 #include <thread>
 
+#include "oomguard/faults.h"
 #include "oomguard/knowledge_base.h"
 #include "oomguard/logging.h"
 #include "sdk/kb/store.h"
@@ -211,7 +212,16 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
           incidents.push_back(std::move(op.incident));
         }
       }
-      Status s = writer_store_->Write(incidents, priors, drops);
+      Status s;
+      try {
+        // The kb_write fault site: a kill tests that a half-written batch
+        // never corrupts the file (SQLite's transaction); an injected OOM
+        // counts as a failed write, like a full disk.
+        FaultPoint(FaultSite::kKbWrite, FaultContext{});
+        s = writer_store_->Write(incidents, priors, drops);
+      } catch (const std::exception& e) {
+        s = Status::ResourceExhausted(std::string("knowledge base writer: ") + e.what());
+      }
       std::lock_guard<std::mutex> lock(mu_);
       processed_ += batch.size();
       if (s.ok()) {

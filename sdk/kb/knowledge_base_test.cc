@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "oomguard/faults.h"
 #include "sdk/kb/store.h"
 
 namespace oomguard {
@@ -67,6 +68,23 @@ TEST_F(KnowledgeBaseTest, RecordThenUpdateOutcomeStoresClassifiedIncident) {
   EXPECT_EQ(st.enqueued, 2);
   EXPECT_EQ(st.written, 2);
   EXPECT_EQ(st.dropped, 0);
+}
+
+TEST_F(KnowledgeBaseTest, InjectedWriteFailureIsCountedAndLaterWritesSucceed) {
+  auto kb = KnowledgeBase::Open(path_);
+  ASSERT_TRUE(kb.ok()) << kb.status();
+  ASSERT_TRUE(SetFaultRules("oom@site=kb_write").ok());
+  (*kb)->sink()->Record(Make("f1", 1));
+  Status first = (*kb)->Flush();
+  ClearFaultRules();
+  EXPECT_EQ(first.code(), StatusCode::kResourceExhausted) << first;
+  EXPECT_GE((*kb)->sink_stats().write_errors, 1);
+  (*kb)->sink()->Record(Make("f2", 2));
+  ASSERT_TRUE((*kb)->Flush().ok());
+  auto rows = (*kb)->Query({});
+  ASSERT_TRUE(rows.ok());
+  ASSERT_EQ(rows->size(), 1u) << "the failed batch is lost, the next one is written";
+  EXPECT_EQ((*rows)[0].id, "f2");
 }
 
 TEST_F(KnowledgeBaseTest, QueryFiltersAndGroups) {
