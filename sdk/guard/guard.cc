@@ -275,11 +275,22 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   rep = StepReport{};
   rep.step = step_;
 
-  if (req.samples < 1) return Status::InvalidArgument("StepRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
-  if (!req.micro) return Status::InvalidArgument("StepRequest.micro must be set");
+  // A bad request still takes part in the vote (as a failure), so that the
+  // other ranks stop at once instead of waiting out their deadline.
+  auto invalid = [&](std::string why) -> Status {
+    if (coordinator_->size() > 1) {
+      VoteInput v;
+      v.status = VoteStatus::kFailed;
+      (void)coordinator_->Vote(v, std::chrono::milliseconds(options_.vote_deadline_ms));
+    }
+    rep.status = Status::InvalidArgument(std::move(why));
+    return rep.status;
+  };
+  if (req.samples < 1) return invalid("StepRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
+  if (!req.micro) return invalid("StepRequest.micro must be set");
   if (!req.costs.empty() && static_cast<int64_t>(req.costs.size()) != req.samples)
-    return Status::InvalidArgument("StepRequest.costs has " + std::to_string(req.costs.size()) +
-                                   " entries for " + std::to_string(req.samples) + " samples");
+    return invalid("StepRequest.costs has " + std::to_string(req.costs.size()) + " entries for " +
+                   std::to_string(req.samples) + " samples");
   const std::function<void()>& reset = req.reset ? req.reset : reset_;
   rep.limit_before = EffectiveLimit(req);
 
@@ -288,7 +299,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   fault_ctx_ = FaultContext{step_, coordinator_->rank(), -1, 0};
 
   auto plan_or = MakePlan(req, 0, 0);
-  if (!plan_or.ok()) return plan_or.status();
+  if (!plan_or.ok()) return invalid(plan_or.status().message());
   std::vector<MicroBatch> plan = std::move(plan_or).value();
 
   Local local = Local::kOk;
@@ -517,7 +528,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   if (local == Local::kFailed) return finish(failure, IncidentOutcome::kFailed);
   if (vote->status == VoteStatus::kFailed)
     return finish(Status::ResourceExhausted("another rank could not recover from an OOM at step " +
-                                            std::to_string(step_) + "; stopping with it"),
+                                            std::to_string(step_) + " (or stopped with an error); stopping with it"),
                   IncidentOutcome::kFailed);
   if (vote->status == VoteStatus::kRollback) {
     pending_rollback_ = false;

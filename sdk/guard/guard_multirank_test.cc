@@ -193,6 +193,30 @@ TEST_F(MultiRank, OomInCommitOnOneRankRollsEveryRankBack) {
   }
 }
 
+TEST_F(MultiRank, BadRequestOnOneRankStopsEveryRankWithoutWaiting) {
+  GuardOptions o;
+  o.vote_deadline_ms = 30000;
+  Make(3, o);
+  std::vector<std::thread> threads;
+  std::vector<Status> got(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      StepRequest req;
+      req.samples = r == 1 ? 0 : 8;  // rank 1's request is invalid
+      req.micro = [](const MicroBatch&) {};
+      req.commit = [] {};
+      got[r] = ranks_[r]->guard->Step(req);
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(waited, 5.0) << "nobody waits for the 30 s deadline";
+  EXPECT_EQ(got[1].code(), StatusCode::kInvalidArgument) << got[1];
+  EXPECT_EQ(got[0].code(), StatusCode::kResourceExhausted) << got[0];
+  EXPECT_EQ(got[2].code(), StatusCode::kResourceExhausted) << got[2];
+}
+
 TEST_F(MultiRank, SilentRankTurnsIntoUnavailableWithAnIncident) {
   GuardOptions o;
   o.vote_deadline_ms = 200;
