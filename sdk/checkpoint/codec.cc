@@ -10,78 +10,64 @@ namespace {
 
 // Element sizes known at compile time let the compiler unroll the byte
 // scatter; blocks of elements keep both sides of the transpose in cache.
-template <size_t N>
-void ShuffleFixed(const uint8_t* in, uint8_t* out, size_t n) {
+// kShuffle: element-major -> byte-plane-major (HDF5's shuffle); else the inverse.
+template <bool kShuffle, size_t N>
+void TransposeFixed(const uint8_t* in, uint8_t* out, size_t n) {
   constexpr size_t kBlock = 256;
   for (size_t b = 0; b < n; b += kBlock) {
     const size_t e = b + kBlock < n ? b + kBlock : n;
     for (size_t j = 0; j < N; ++j) {
-      uint8_t* o = out + j * n;
-      for (size_t i = b; i < e; ++i) o[i] = in[i * N + j];
+      for (size_t i = b; i < e; ++i) {
+        if constexpr (kShuffle) {
+          out[j * n + i] = in[i * N + j];
+        } else {
+          out[i * N + j] = in[j * n + i];
+        }
+      }
     }
   }
 }
 
-template <size_t N>
-void UnshuffleFixed(const uint8_t* in, uint8_t* out, size_t n) {
-  constexpr size_t kBlock = 256;
-  for (size_t b = 0; b < n; b += kBlock) {
-    const size_t e = b + kBlock < n ? b + kBlock : n;
-    for (size_t j = 0; j < N; ++j) {
-      const uint8_t* s = in + j * n;
-      for (size_t i = b; i < e; ++i) out[i * N + j] = s[i];
-    }
+template <bool kShuffle>
+void Transpose(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size) {
+  if (elem_size <= 1) {
+    std::memcpy(out, in, bytes);
+    return;
   }
+  const size_t n = bytes / elem_size;
+  switch (elem_size) {
+    case 2:
+      TransposeFixed<kShuffle, 2>(in, out, n);
+      break;
+    case 4:
+      TransposeFixed<kShuffle, 4>(in, out, n);
+      break;
+    case 8:
+      TransposeFixed<kShuffle, 8>(in, out, n);
+      break;
+    default:
+      for (size_t i = 0; i < n; ++i)
+        for (size_t j = 0; j < elem_size; ++j) {
+          if constexpr (kShuffle) {
+            out[j * n + i] = in[i * elem_size + j];
+          } else {
+            out[i * elem_size + j] = in[j * n + i];
+          }
+        }
+  }
+  // Bytes past the last whole element are not shuffled (as HDF5 does).
+  const size_t done = n * elem_size;
+  std::memcpy(out + done, in + done, bytes - done);
 }
 
 }  // namespace
 
 void Shuffle(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size) {
-  if (elem_size <= 1) {
-    std::memcpy(out, in, bytes);
-    return;
-  }
-  const size_t n = bytes / elem_size;
-  switch (elem_size) {
-    case 2:
-      ShuffleFixed<2>(in, out, n);
-      break;
-    case 4:
-      ShuffleFixed<4>(in, out, n);
-      break;
-    case 8:
-      ShuffleFixed<8>(in, out, n);
-      break;
-    default:
-      for (size_t i = 0; i < n; ++i)
-        for (size_t j = 0; j < elem_size; ++j) out[j * n + i] = in[i * elem_size + j];
-  }
-  const size_t done = n * elem_size;
-  std::memcpy(out + done, in + done, bytes - done);
+  Transpose<true>(in, out, bytes, elem_size);
 }
 
 void Unshuffle(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size) {
-  if (elem_size <= 1) {
-    std::memcpy(out, in, bytes);
-    return;
-  }
-  const size_t n = bytes / elem_size;
-  switch (elem_size) {
-    case 2:
-      UnshuffleFixed<2>(in, out, n);
-      break;
-    case 4:
-      UnshuffleFixed<4>(in, out, n);
-      break;
-    case 8:
-      UnshuffleFixed<8>(in, out, n);
-      break;
-    default:
-      for (size_t i = 0; i < n; ++i)
-        for (size_t j = 0; j < elem_size; ++j) out[i * elem_size + j] = in[j * n + i];
-  }
-  const size_t done = n * elem_size;
-  std::memcpy(out + done, in + done, bytes - done);
+  Transpose<false>(in, out, bytes, elem_size);
 }
 
 std::vector<uint8_t> EncodeChunk(const uint8_t* data, size_t bytes, size_t elem_size, int level,
