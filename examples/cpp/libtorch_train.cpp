@@ -402,23 +402,12 @@ int main(int argc, char** argv) {
   const int64_t peak_bytes = cpu_budget.peak();
   if (!cuda) cpu_budget.set_budget(0);
   const std::vector<double> params = FlatParameters(*model);
-  std::string error;
-  if (!dump_params.empty() && !mlp::WriteDoubles(dump_params, params, &error)) {
-    std::fprintf(stderr, "libtorch_train: --dump-params: %s\n", error.c_str());
-    return 1;
-  }
   double rel = -1;
-  if (!check_against.empty()) {
-    std::vector<double> ref;
-    if (!mlp::ReadDoubles(check_against, &ref, &error)) {
-      std::fprintf(stderr, "libtorch_train: --check-against: %s\n", error.c_str());
-      return 2;
-    }
-    rel = mlp::MaxRelativeDifference(params, ref);
-    if (!quiet)
-      std::fprintf(stderr, "final parameters vs %s: max relative difference %.3g (%s)\n", check_against.c_str(), rel,
-                   rel <= 1e-10 ? "equal within 1e-10" : "DIFFERENT");
-  }
+  if (int rc = mlp::DumpAndCheckParameters("libtorch_train", params, dump_params, check_against,
+                                           quiet ? nullptr : stderr, &rel);
+      rc != 0)
+    return rc;
+
   if (!quiet)
     std::fprintf(stderr,
                  "done: %" PRId64 " OOMs recovered, micro-batch %" PRId64 " -> %" PRId64

@@ -474,6 +474,27 @@ double MaxRelativeDifference(const std::vector<double>& a, const std::vector<dou
   return num / den;
 }
 
+int DumpAndCheckParameters(const char* program, const std::vector<double>& params, const std::string& dump,
+                           const std::string& check, std::FILE* report, double* rel) {
+  *rel = -1;
+  std::string error;
+  if (!dump.empty() && !WriteDoubles(dump, params, &error)) {
+    std::fprintf(stderr, "%s: --dump-params: %s\n", program, error.c_str());
+    return 1;
+  }
+  if (check.empty()) return 0;
+  std::vector<double> ref;
+  if (!ReadDoubles(check, &ref, &error)) {
+    std::fprintf(stderr, "%s: --check-against: %s\n", program, error.c_str());
+    return 2;
+  }
+  *rel = MaxRelativeDifference(params, ref);
+  if (report != nullptr)
+    std::fprintf(report, "final parameters vs %s: max relative difference %.3g (%s)\n", check.c_str(), *rel,
+                 *rel <= 1e-10 ? "equal within 1e-10" : "DIFFERENT");
+  return 0;
+}
+
 bool WriteDoubles(const std::string& path, const std::vector<double>& v, std::string* error) {
   static_assert(std::numeric_limits<double>::is_iec559, "float64 must be IEEE 754");
   std::ofstream f(path, std::ios::binary | std::ios::trunc);

@@ -15,6 +15,7 @@
 #define OOMGUARD_EXAMPLES_MLP_H_
 
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <functional>
 #include <string>
@@ -137,6 +138,14 @@ std::string WorkloadSignature(const Config& cfg);
 
 // ||a - b||_inf / ||b||_inf (0 when both are all zero; inf when sizes differ).
 double MaxRelativeDifference(const std::vector<double>& a, const std::vector<double>& b);
+
+// The examples' --dump-params / --check-against: writes `params` to `dump`
+// (when set) and compares them with the file `check` (when set), printing the
+// comparison to `report` (null: silent). Returns 0, 1 (the dump could not be
+// written) or 2 (the reference could not be read), the message naming the
+// flag; *rel is the max relative difference, or -1 without `check`.
+int DumpAndCheckParameters(const char* program, const std::vector<double>& params, const std::string& dump,
+                           const std::string& check, std::FILE* report, double* rel);
 
 // Writes/reads little-endian float64 arrays.
 bool WriteDoubles(const std::string& path, const std::vector<double>& v, std::string* error);

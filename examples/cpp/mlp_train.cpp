@@ -312,23 +312,11 @@ int main(int argc, char** argv) {
   }
   if (first_rank != 0) return 0;  // rank 0 writes files and the JSON line
 
-  std::string error;
-  if (!dump_params.empty() && !mlp::WriteDoubles(dump_params, res.params, &error)) {
-    std::fprintf(stderr, "mlp_train: --dump-params: %s\n", error.c_str());
-    return 1;
-  }
   double rel = -1;
-  if (!check_against.empty()) {
-    std::vector<double> ref;
-    if (!mlp::ReadDoubles(check_against, &ref, &error)) {
-      std::fprintf(stderr, "mlp_train: --check-against: %s\n", error.c_str());
-      return 2;
-    }
-    rel = mlp::MaxRelativeDifference(res.params, ref);
-    if (!quiet)
-      std::printf("final parameters vs %s: max relative difference %.3g (%s)\n", check_against.c_str(), rel,
-                  rel <= 1e-10 ? "equal within 1e-10" : "DIFFERENT");
-  }
+  if (int rc = mlp::DumpAndCheckParameters("mlp_train", res.params, dump_params, check_against,
+                                           quiet ? nullptr : stdout, &rel);
+      rc != 0)
+    return rc;
   // Staging stall of the checkpoint saves: median and max.
   double stall_median = 0, stall_max = 0;
   if (!res.stall_ms.empty()) {
