@@ -4,29 +4,82 @@
 
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace oomguard::ckpt {
 
 namespace {
 
-// Element sizes known at compile time let the compiler unroll the byte
-// scatter; blocks of elements keep both sides of the transpose in cache.
-// kShuffle: element-major -> byte-plane-major (HDF5's shuffle); else the inverse.
-template <bool kShuffle, size_t N>
-void TransposeFixed(const uint8_t* in, uint8_t* out, size_t n) {
+// Scalar transpose, for element sizes without a vector path and for the
+// elements after the last whole block of 16. Blocks of elements keep both
+// sides in cache. kShuffle: element-major -> byte-plane-major (HDF5's
+// shuffle); else the inverse. Elements [first, n) of a chunk of n elements.
+template <bool kShuffle>
+void TransposeScalar(const uint8_t* in, uint8_t* out, size_t n, size_t elem_size, size_t first) {
   constexpr size_t kBlock = 256;
-  for (size_t b = 0; b < n; b += kBlock) {
+  for (size_t b = first; b < n; b += kBlock) {
     const size_t e = b + kBlock < n ? b + kBlock : n;
-    for (size_t j = 0; j < N; ++j) {
+    for (size_t j = 0; j < elem_size; ++j) {
       for (size_t i = b; i < e; ++i) {
         if constexpr (kShuffle) {
-          out[j * n + i] = in[i * N + j];
+          out[j * n + i] = in[i * elem_size + j];
         } else {
-          out[i * N + j] = in[j * n + i];
+          out[i * elem_size + j] = in[j * n + i];
         }
       }
     }
   }
 }
+
+#if defined(__SSE2__)
+// Vector transpose of blocks of 16 elements of N bytes (N = 2, 4, 8), held
+// in N registers of 16 bytes. Number the block's bytes with log2(16 N) bits:
+// the top log2(N) bits pick the register, the low 4 the byte in it. One
+// round pairs register i with register i + N/2 and interleaves them bytewise
+// (unpacklo into 2i, unpackhi into 2i + 1): that rotates every byte's index
+// left by one bit. Element-major order is (element:4, byte:log2 N) and
+// plane-major order is (byte:log2 N, element:4), so shuffling is 4 rounds
+// and unshuffling is log2(N) rounds; both end with register k holding the
+// k-th group of 16 bytes of the target order.
+template <size_t N>
+inline void InterleaveRound(__m128i* v) {
+  __m128i t[N];
+  for (size_t i = 0; i < N / 2; ++i) {
+    t[2 * i] = _mm_unpacklo_epi8(v[i], v[i + N / 2]);
+    t[2 * i + 1] = _mm_unpackhi_epi8(v[i], v[i + N / 2]);
+  }
+  for (size_t i = 0; i < N; ++i) v[i] = t[i];
+}
+
+template <size_t N>
+constexpr int Log2() {
+  return N == 2 ? 1 : N == 4 ? 2 : 3;
+}
+
+// Returns the number of elements done (whole blocks of 16).
+template <bool kShuffle, size_t N>
+size_t TransposeVector(const uint8_t* in, uint8_t* out, size_t n) {
+  const size_t blocks = n / 16;
+  __m128i v[N];
+  for (size_t b = 0; b < blocks; ++b) {
+    if constexpr (kShuffle) {
+      const uint8_t* src = in + b * 16 * N;
+      for (size_t k = 0; k < N; ++k) v[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k));
+      for (int r = 0; r < 4; ++r) InterleaveRound<N>(v);
+      for (size_t k = 0; k < N; ++k) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k * n + b * 16), v[k]);
+    } else {
+      for (size_t k = 0; k < N; ++k)
+        v[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + k * n + b * 16));
+      for (int r = 0; r < Log2<N>(); ++r) InterleaveRound<N>(v);
+      uint8_t* dst = out + b * 16 * N;
+      for (size_t k = 0; k < N; ++k) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * k), v[k]);
+    }
+  }
+  return blocks * 16;
+}
+#endif
 
 template <bool kShuffle>
 void Transpose(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size) {
@@ -35,29 +88,26 @@ void Transpose(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size) 
     return;
   }
   const size_t n = bytes / elem_size;
+  size_t done = 0;
+#if defined(__SSE2__)
   switch (elem_size) {
     case 2:
-      TransposeFixed<kShuffle, 2>(in, out, n);
+      done = TransposeVector<kShuffle, 2>(in, out, n);
       break;
     case 4:
-      TransposeFixed<kShuffle, 4>(in, out, n);
+      done = TransposeVector<kShuffle, 4>(in, out, n);
       break;
     case 8:
-      TransposeFixed<kShuffle, 8>(in, out, n);
+      done = TransposeVector<kShuffle, 8>(in, out, n);
       break;
     default:
-      for (size_t i = 0; i < n; ++i)
-        for (size_t j = 0; j < elem_size; ++j) {
-          if constexpr (kShuffle) {
-            out[j * n + i] = in[i * elem_size + j];
-          } else {
-            out[i * elem_size + j] = in[j * n + i];
-          }
-        }
+      break;
   }
+#endif
+  TransposeScalar<kShuffle>(in, out, n, elem_size, done);
   // Bytes past the last whole element are not shuffled (as HDF5 does).
-  const size_t done = n * elem_size;
-  std::memcpy(out + done, in + done, bytes - done);
+  const size_t whole = n * elem_size;
+  std::memcpy(out + whole, in + whole, bytes - whole);
 }
 
 }  // namespace
