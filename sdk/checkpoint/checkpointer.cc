@@ -706,42 +706,66 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
   if (st.st_size != sh->bytes)
     return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
                             std::to_string(sh->bytes) + " (truncated or rewritten)");
+  // The whole-file hash runs on its own thread while the pool decodes: it
+  // reads the same pages, so the two passes share one trip through memory
+  // (or one read from disk when the file is not cached).
+  Status file_status;
+  std::jthread hasher;
   if (o_.verify_file_checksum) {
-    uint64_t h = 0;
-    int64_t n = 0;
-    OOMGUARD_RETURN_IF_ERROR(ckpt::HashFile(file, &h, &n));
-    if (ckpt::Hex64(h) != sh->xxh3)
-      return Status::DataLoss(file + ": file xxh3 " + ckpt::Hex64(h) + " differs from the manifest's " +
-                              sh->xxh3);
+    hasher = std::jthread([&file_status, &file, expect = sh->xxh3] {
+      uint64_t h = 0;
+      int64_t n = 0;
+      file_status = ckpt::HashFile(file, &h, &n);
+      if (file_status.ok() && ckpt::Hex64(h) != expect)
+        file_status = Status::DataLoss(file + ": file xxh3 " + ckpt::Hex64(h) + " differs from the manifest's " +
+                                       expect);
+    });
   }
+  auto file_verdict = [&]() -> Status {
+    if (hasher.joinable()) hasher.join();
+    return file_status;
+  };
   auto reader = ckpt::ShardReader::Open(file);
-  if (!reader.ok()) return reader.status();
+  if (!reader.ok()) {
+    Status fs_status = file_verdict();
+    return fs_status.ok() ? reader.status() : fs_status;
+  }
   auto& r = **reader;
   if (r.step() != step || r.rank() != o_.rank || r.world_size() != o_.world_size)
     return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
                             std::to_string(r.rank()) + " world size " + std::to_string(r.world_size()));
-  // Tensors first, objects last: an object's load() runs only when every
-  // byte of the shard has verified.
+  // Host tensors and objects in one pipeline; a CUDA tensor goes through a
+  // host buffer of its own size, one at a time. Objects' load() runs last,
+  // only when every byte of the shard has verified.
   std::vector<std::vector<uint8_t>> objects(entries_.size());
+  std::vector<ckpt::ShardReader::ReadRequest> batch;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     const std::string ds = "/" + e.path;
     if (e.is_object) {
-      OOMGUARD_RETURN_IF_ERROR(r.ReadAll(ds, &objects[i], pool_.get()));
-    } else {
-      if (e.on_cuda) {
-        std::vector<uint8_t> host(static_cast<size_t>(e.bytes));
-        OOMGUARD_RETURN_IF_ERROR(r.ReadInto(ds, true, e.dtype, e.shape, host.data(), e.bytes, pool_.get()));
-        if (e.bytes > 0) {
-          OOMGUARD_RETURN_IF_ERROR(copier_->ToDevice(e.data, host.data(), host.size()));
-          OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
-        }
-      } else {
-        OOMGUARD_RETURN_IF_ERROR(
-            r.ReadInto(ds, true, e.dtype, e.shape, static_cast<uint8_t*>(e.data), e.bytes, pool_.get()));
-      }
+      auto info = r.Info(ds);
+      if (!info.ok()) return info.status();
+      objects[i].resize(static_cast<size_t>(info->bytes));
+      batch.push_back({ds, false, DType::kUInt8, {}, objects[i].data(), info->bytes});
+    } else if (!e.on_cuda) {
+      batch.push_back({ds, true, e.dtype, e.shape, static_cast<uint8_t*>(e.data), e.bytes});
     }
   }
+  Status read_status = r.ReadMany(batch, pool_.get());
+  for (size_t i = 0; i < entries_.size() && read_status.ok(); ++i) {
+    const Entry& e = entries_[i];
+    if (!e.on_cuda) continue;
+    std::vector<uint8_t> host(static_cast<size_t>(e.bytes));
+    read_status = r.ReadInto("/" + e.path, true, e.dtype, e.shape, host.data(), e.bytes, pool_.get());
+    if (read_status.ok() && e.bytes > 0) {
+      read_status = copier_->ToDevice(e.data, host.data(), host.size());
+      if (read_status.ok()) read_status = copier_->Sync();
+    }
+  }
+  // A tensor's own error names the tensor; prefer it over the file's.
+  Status fs_status = file_verdict();
+  if (!read_status.ok()) return read_status;
+  if (!fs_status.ok()) return fs_status;
   for (size_t i = 0; i < entries_.size(); ++i) {
     if (!entries_[i].is_object) continue;
     Status s = entries_[i].load(objects[i]);

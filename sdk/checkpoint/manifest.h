@@ -51,7 +51,8 @@ StatusOr<Manifest> ReadManifest(const std::string& step_dir);
 Status WriteFileDurably(const std::string& path, const std::string& data, bool fsync);
 // fsync of a file or directory by path.
 Status FsyncPath(const std::string& path, bool directory);
-// XXH3_64bits of a whole file, and its size.
+// XXH3_64bits of a whole file, and its size. Hashes a read-only mapping of
+// the file (read() where mapping fails); the file must not shrink meanwhile.
 Status HashFile(const std::string& path, uint64_t* hash, int64_t* bytes);
 
 }  // namespace oomguard::ckpt

@@ -4,8 +4,11 @@
 // (32015) so that any HDF5 reader with the plugin decodes them, but the SDK
 // encodes chunks itself in a thread pool, outside the HDF5 lock, and hands
 // the finished bytes to H5Dwrite_chunk in chunk order (a sequential file).
-// Read path: H5Dread_chunk under the lock, decoding in the pool, the tensor's
-// xxh3 checked before the call returns.
+// Read path: the chunk index is read under the lock (H5Dget_chunk_info_by_coord);
+// the pool decodes each chunk straight out of a read-only mapping of the
+// file, in one pipeline over all requested tensors; the calling thread hashes
+// every decoded chunk in order, while it is still in cache, and checks each
+// tensor's xxh3 before the call returns.
 //
 // Thread-safety: a writer or reader is used by one thread at a time; several
 // may run concurrently (HDF5 calls are serialised by Hdf5Lock).
@@ -85,10 +88,24 @@ class ShardReader {
   // Every dataset path in the file ("/model/fc1.weight"), sorted.
   StatusOr<std::vector<std::string>> DatasetPaths();
   StatusOr<TensorInfo> Info(const std::string& dataset);
-  // Decodes `dataset` into out[0, bytes), checking dtype and shape (when
-  // `check` is true) and the xxh3 attribute. kDataLoss naming file and tensor.
+  // One tensor to decode: `dataset` into out[0, bytes), its dtype and shape
+  // checked against the file when `check` is true.
+  struct ReadRequest {
+    std::string dataset;
+    bool check = false;
+    DType dtype = DType::kUInt8;
+    std::vector<int64_t> shape;
+    uint8_t* out = nullptr;
+    int64_t bytes = 0;
+  };
+  // Decodes every request, each one's xxh3 attribute verified. kDataLoss
+  // naming the file, the tensor and (for a bad chunk) the chunk. On error the
+  // outputs may hold partial data.
+  Status ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool);
   Status ReadInto(const std::string& dataset, bool check, DType dtype, const std::vector<int64_t>& shape,
-                  uint8_t* out, int64_t bytes, ThreadPool* pool);
+                  uint8_t* out, int64_t bytes, ThreadPool* pool) {
+    return ReadMany({ReadRequest{dataset, check, dtype, shape, out, bytes}}, pool);
+  }
   // Decodes a whole dataset into `out` (sized from the file), xxh3 checked.
   Status ReadAll(const std::string& dataset, std::vector<uint8_t>* out, ThreadPool* pool);
 
