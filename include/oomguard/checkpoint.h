@@ -92,6 +92,11 @@ struct CheckpointOptions {
   int64_t chunk_bytes = 1 << 20;
   // Compression/decompression threads. 0: hardware concurrency, at most 8.
   int threads = 0;
+  // Threads that copy host tensors into the staging buffers during
+  // SaveAsync's blocking part, the calling thread included (one memcpy
+  // stream rarely saturates memory bandwidth). 0: hardware concurrency, at
+  // most 4; 1: the calling thread alone.
+  int stage_threads = 0;
   // Upper bound on host bytes held by staging buffers (the retained snapshot
   // included). 0: unlimited. A state larger than the budget is staged in
   // pieces: SaveAsync then blocks until the last piece is staged and no

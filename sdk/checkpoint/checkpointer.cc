@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -194,6 +195,39 @@ class PieceSource final : public ckpt::ChunkSource {
   const std::vector<std::vector<uint8_t>> whole_;                      // objects and scalars, staged up front
 };
 
+struct CopyRange {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t bytes;
+};
+
+// Copies every range on the calling thread and the helpers of `pool` (if
+// any), in slices handed out through one atomic counter. Small copies stay on
+// the calling thread: waking helpers costs more than it saves.
+void ParallelCopy(const std::vector<CopyRange>& ranges, ckpt::ThreadPool* pool) {
+  constexpr size_t kSlice = size_t{4} << 20;
+  size_t total = 0;
+  for (const auto& r : ranges) total += r.bytes;
+  if (pool == nullptr || total < 4 * kSlice) {
+    for (const auto& r : ranges) std::memcpy(r.dst, r.src, r.bytes);
+    return;
+  }
+  std::vector<CopyRange> slices;
+  slices.reserve(total / kSlice + ranges.size());
+  for (const auto& r : ranges)
+    for (size_t off = 0; off < r.bytes; off += kSlice)
+      slices.push_back({r.dst + off, r.src + off, std::min(kSlice, r.bytes - off)});
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next.fetch_add(1); i < slices.size(); i = next.fetch_add(1))
+      std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
+  };
+  std::vector<std::future<void>> helpers;
+  for (int h = 0; h < pool->size(); ++h) helpers.push_back(pool->Submit(work));
+  work();
+  for (auto& f : helpers) f.wait();
+}
+
 struct WriteJob {
   int64_t step = -1;
   std::vector<ShardTensor> tensors;
@@ -220,6 +254,10 @@ class CheckpointerImpl final : public Checkpointer {
     int threads =
         o.threads > 0 ? o.threads : std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
     pool_ = std::make_unique<ckpt::ThreadPool>(std::max(1, threads));
+    const int stagers = o.stage_threads > 0
+                            ? o.stage_threads
+                            : std::min(4, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+    if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
     auto steps = CommittedSteps(o_.dir);
     committed_step_ = steps.empty() ? -1 : steps.back();
     writer_ = std::thread([this] { WriterLoop(); });
@@ -379,6 +417,7 @@ class CheckpointerImpl final : public Checkpointer {
   const CheckpointOptions o_;
   std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
   std::unique_ptr<ckpt::ThreadPool> pool_;
+  std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
   std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
 
   mutable std::mutex mu_;
@@ -443,6 +482,7 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
     snap->step = step;
     snap->bytes = need;
     bool device_copies = false;
+    std::vector<CopyRange> host_copies;
     for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
       if (e.is_object) {
@@ -467,9 +507,10 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
         OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(buf.data(), e.data, static_cast<size_t>(e.bytes)));
         device_copies = true;
       } else {
-        std::memcpy(buf.data(), e.data, static_cast<size_t>(e.bytes));
+        host_copies.push_back({buf.data(), static_cast<const uint8_t*>(e.data), static_cast<size_t>(e.bytes)});
       }
     }
+    ParallelCopy(host_copies, stage_pool_.get());
     // The stall ends when the device copies landed: training may then change the tensors.
     if (device_copies) OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
     job.snapshot = snap;
@@ -878,6 +919,7 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
     return bad("chunk_bytes must be in [4 KiB, 1 GiB] (got " + std::to_string(o.chunk_bytes) + ")");
   if (o.staging_budget_bytes < 0) return bad("staging_budget_bytes must be >= 0");
   if (o.threads < 0) return bad("threads must be >= 0");
+  if (o.stage_threads < 0) return bad("stage_threads must be >= 0");
   std::error_code ec;
   fs::create_directories(o.dir, ec);
   if (ec)

@@ -274,6 +274,51 @@ TEST(CheckpointerTest, LoadRejectsShapeOrDtypeMismatch) {
   EXPECT_EQ(c->AddTensor("m/a", DType::kFloat32, {1}, a.data()).code(), StatusCode::kInvalidArgument);
 }
 
+// A state large enough for the staging copy to be split across threads (in
+// 4 MiB slices, with sizes that are not multiples of a slice): the snapshot
+// and the shard must hold exactly the bytes of the step, although training
+// changes the tensors right after SaveAsync returns.
+TEST(CheckpointerTest, ParallelStagingCopiesEveryByte) {
+  TempDir d;
+  std::vector<std::vector<uint8_t>> t = {std::vector<uint8_t>((9 << 20) + 3), std::vector<uint8_t>(7 << 20),
+                                         std::vector<uint8_t>(5), std::vector<uint8_t>((4 << 20) - 1)};
+  auto fill = [&](uint8_t salt) {
+    for (size_t k = 0; k < t.size(); ++k)
+      for (size_t i = 0; i < t[k].size(); ++i) t[k][i] = static_cast<uint8_t>(i * 31 + k * 7 + salt);
+  };
+  for (int stagers : {1, 3}) {
+    auto o = Opts(d.path() + "/s" + std::to_string(stagers));
+    o.stage_threads = stagers;
+    o.chunk_bytes = 1 << 20;
+    auto c = Checkpointer::Create(o).value();
+    for (size_t k = 0; k < t.size(); ++k)
+      ASSERT_TRUE(c->AddTensor("m/t" + std::to_string(k), DType::kUInt8, {static_cast<int64_t>(t[k].size())},
+                               t[k].data())
+                      .ok());
+    fill(1);
+    ASSERT_TRUE(c->SaveAsync(0).ok());
+    fill(2);  // training goes on while the writer works
+    ASSERT_TRUE(c->Wait().ok());
+    fill(1);
+    const auto step0 = t;
+    fill(2);
+    auto expect_step0 = [&] {
+      for (size_t k = 0; k < t.size(); ++k) ASSERT_TRUE(t[k] == step0[k]) << "tensor " << k;
+    };
+    ASSERT_TRUE(c->Restore(0).ok());  // from the in-memory snapshot
+    expect_step0();
+    EXPECT_EQ(c->Stats().restores_from_memory, 1);
+    fill(3);
+    ASSERT_TRUE(c->LoadLatest().ok());  // from the shard
+    expect_step0();
+  }
+  CheckpointOptions bad = Opts(d.path());
+  bad.stage_threads = -1;
+  auto r = Checkpointer::Create(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("stage_threads"), std::string::npos) << r.status();
+}
+
 // A fixture with one tensor that training mutates between saves.
 class SavedRun : public ::testing::Test {
  protected:

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <thread>
 
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
@@ -218,10 +219,19 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     std::remove(tmp.c_str());
     return status;
   }
-  if (o.fsync) OOMGUARD_RETURN_IF_ERROR(FsyncPath(tmp, false));
+  // The file hash reads the page cache while fsync waits for the disk.
   ShardWriteResult res;
   uint64_t fh = 0;
-  OOMGUARD_RETURN_IF_ERROR(HashFile(tmp, &fh, &res.file_bytes));
+  Status hashed;
+  {
+    std::jthread hasher([&] { hashed = HashFile(tmp, &fh, &res.file_bytes); });
+    if (o.fsync) status = FsyncPath(tmp, false);
+  }
+  if (status.ok()) status = hashed;
+  if (!status.ok()) {
+    std::remove(tmp.c_str());
+    return status;
+  }
   res.file_xxh3 = Hex64(fh);
   if (std::rename(tmp.c_str(), final_path.c_str()) != 0)
     return Status::Internal("rename " + tmp + ": " + std::strerror(errno));
