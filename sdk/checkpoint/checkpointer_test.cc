@@ -296,12 +296,10 @@ TEST(CheckpointerTest, ParallelStagingCopiesEveryByte) {
                                t[k].data())
                       .ok());
     fill(1);
+    const auto step0 = t;
     ASSERT_TRUE(c->SaveAsync(0).ok());
     fill(2);  // training goes on while the writer works
     ASSERT_TRUE(c->Wait().ok());
-    fill(1);
-    const auto step0 = t;
-    fill(2);
     auto expect_step0 = [&] {
       for (size_t k = 0; k < t.size(); ++k) ASSERT_TRUE(t[k] == step0[k]) << "tensor " << k;
     };
