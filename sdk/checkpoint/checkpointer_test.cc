@@ -96,6 +96,25 @@ TEST(CodecTest, ShuffleMatchesDefinitionForEveryElementSizeAndLength) {
   }
 }
 
+// The float-tuned match finder must stay a plain zstd frame (decoded by the
+// same path as any other) and must not cost ratio on weights.
+TEST(CodecTest, FloatTunedFramesDecodeAndKeepTheRatio) {
+  auto w = Weights(1 << 18, 3);  // 1 MiB
+  const auto* p = reinterpret_cast<const uint8_t*>(w.data());
+  std::vector<uint8_t> scratch;
+  auto plain = ckpt::EncodeChunk(p, w.size() * 4, 4, 1, &scratch, false);
+  auto tuned = ckpt::EncodeChunk(p, w.size() * 4, 4, 1, &scratch, true);
+  ASSERT_FALSE(plain.empty());
+  ASSERT_FALSE(tuned.empty());
+  EXPECT_NE(plain, tuned);  // the settings took effect
+  EXPECT_LE(static_cast<double>(tuned.size()), 1.01 * static_cast<double>(plain.size()));
+  std::vector<float> back(w.size());
+  ASSERT_EQ(ckpt::DecodeChunk(tuned.data(), tuned.size(), 4, reinterpret_cast<uint8_t*>(back.data()),
+                              w.size() * 4, &scratch),
+            "");
+  EXPECT_EQ(back, w);
+}
+
 TEST(CodecTest, EncodeDecodeAndRejectGarbage) {
   auto w = Weights(1000, 1);
   std::vector<uint8_t> scratch;

@@ -20,9 +20,14 @@ namespace oomguard::ckpt {
 void Shuffle(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size);
 void Unshuffle(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size);
 
-// Shuffle + zstd of one chunk. `scratch` is reused between calls.
+// Levels up to this one use match-finder settings tuned for floating-point
+// tensors when EncodeChunk is told the chunk holds floats.
+inline constexpr int kFloatTunedMaxLevel = 3;
+
+// Shuffle + zstd of one chunk. `scratch` is reused between calls. Returns an
+// empty vector when zstd fails.
 std::vector<uint8_t> EncodeChunk(const uint8_t* data, size_t bytes, size_t elem_size, int level,
-                                 std::vector<uint8_t>* scratch);
+                                 std::vector<uint8_t>* scratch, bool floating_point = false);
 
 // The inverse: decodes into `out`, which must hold exactly the frame's
 // content size. Returns "" or what is wrong (not a zstd frame, size mismatch).

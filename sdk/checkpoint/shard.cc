@@ -30,6 +30,10 @@ constexpr int kWindowPerThread = 4;
 // the final fsync.
 constexpr int64_t kWritebackBytes = int64_t{32} << 20;
 
+bool IsFloatingPoint(DType t) {
+  return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 || t == DType::kFloat64;
+}
+
 std::vector<hsize_t> Dims(const std::vector<int64_t>& shape) {
   return std::vector<hsize_t>(shape.begin(), shape.end());
 }
@@ -150,12 +154,13 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     const int64_t full = planned[j.t].layout.chunk_bytes;
     const int level = o.level;
     const int64_t len = j.len;
-    inflight.push_back(pool->Submit([p, len, full, es, level] {
+    const bool fp = IsFloatingPoint(tensors[j.t].dtype);
+    inflight.push_back(pool->Submit([p, len, full, es, level, fp] {
       thread_local std::vector<uint8_t> scratch, padded;
-      if (len == full) return EncodeChunk(p, static_cast<size_t>(len), es, level, &scratch);
+      if (len == full) return EncodeChunk(p, static_cast<size_t>(len), es, level, &scratch, fp);
       padded.assign(static_cast<size_t>(full), 0);
       std::memcpy(padded.data(), p, static_cast<size_t>(len));
-      return EncodeChunk(padded.data(), static_cast<size_t>(full), es, level, &scratch);
+      return EncodeChunk(padded.data(), static_cast<size_t>(full), es, level, &scratch, fp);
     }));
     ++next_submit;
   };
