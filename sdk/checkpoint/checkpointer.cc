@@ -417,7 +417,8 @@ class CheckpointerImpl final : public Checkpointer {
   const CheckpointOptions o_;
   std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
   std::unique_ptr<ckpt::ThreadPool> pool_;
-  std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
+  std::unique_ptr<ckpt::ThreadPool> stage_pool_;
+  ckpt::FramePool frames_;  // compressed-frame buffers, reused by every save  // helpers of the staging copy; null: the caller alone
   std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
 
   mutable std::mutex mu_;
@@ -646,6 +647,7 @@ Status CheckpointerImpl::Write(WriteJob& job) {
   wo.level = o_.compression_level;
   wo.chunk_bytes = o_.chunk_bytes;
   wo.fsync = o_.fsync;
+  wo.frames = &frames_;
   const FaultContext ctx{job.step, o_.rank, -1, 0};
   wo.midway = [ctx] { FaultPoint(FaultSite::kCkptWrite, ctx); };
   const std::string file = ckpt::ShardFileName(o_.rank);

@@ -141,11 +141,12 @@ ZstdContexts& Contexts() {
 
 }  // namespace
 
-std::vector<uint8_t> EncodeChunk(const uint8_t* data, size_t bytes, size_t elem_size, int level,
-                                 std::vector<uint8_t>* scratch, bool floating_point) {
+size_t EncodeBound(size_t bytes) { return ZSTD_compressBound(bytes); }
+
+size_t EncodeChunkInto(const uint8_t* data, size_t bytes, size_t elem_size, int level, bool floating_point,
+                       std::vector<uint8_t>* scratch, uint8_t* out, size_t capacity) {
   scratch->resize(bytes);
   Shuffle(data, scratch->data(), bytes, elem_size);
-  std::vector<uint8_t> out(ZSTD_compressBound(bytes));
   ZSTD_CCtx* c = Contexts().c;
   ZSTD_CCtx_reset(c, ZSTD_reset_session_and_parameters);
   ZSTD_CCtx_setParameter(c, ZSTD_c_compressionLevel, level);
@@ -161,8 +162,14 @@ std::vector<uint8_t> EncodeChunk(const uint8_t* data, size_t bytes, size_t elem_
     ZSTD_CCtx_setParameter(c, ZSTD_c_hashLog, 8);
     ZSTD_CCtx_setParameter(c, ZSTD_c_minMatch, 7);
   }
-  size_t n = ZSTD_compress2(c, out.data(), out.size(), scratch->data(), bytes);
-  if (ZSTD_isError(n)) return {};
+  size_t n = ZSTD_compress2(c, out, capacity, scratch->data(), bytes);
+  return ZSTD_isError(n) ? 0 : n;
+}
+
+std::vector<uint8_t> EncodeChunk(const uint8_t* data, size_t bytes, size_t elem_size, int level,
+                                 std::vector<uint8_t>* scratch, bool floating_point) {
+  std::vector<uint8_t> out(EncodeBound(bytes));
+  size_t n = EncodeChunkInto(data, bytes, elem_size, level, floating_point, scratch, out.data(), out.size());
   out.resize(n);
   return out;
 }

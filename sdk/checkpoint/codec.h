@@ -24,8 +24,13 @@ void Unshuffle(const uint8_t* in, uint8_t* out, size_t bytes, size_t elem_size);
 // tensors when EncodeChunk is told the chunk holds floats.
 inline constexpr int kFloatTunedMaxLevel = 3;
 
-// Shuffle + zstd of one chunk. `scratch` is reused between calls. Returns an
-// empty vector when zstd fails.
+// Shuffle + zstd of one chunk into out[0, capacity) (capacity at least
+// EncodeBound(bytes)). Returns the frame's size, 0 when zstd fails.
+// `scratch` is reused between calls.
+size_t EncodeBound(size_t bytes);
+size_t EncodeChunkInto(const uint8_t* data, size_t bytes, size_t elem_size, int level, bool floating_point,
+                       std::vector<uint8_t>* scratch, uint8_t* out, size_t capacity);
+// The same into a new vector (empty when zstd fails).
 std::vector<uint8_t> EncodeChunk(const uint8_t* data, size_t bytes, size_t elem_size, int level,
                                  std::vector<uint8_t>* scratch, bool floating_point = false);
 

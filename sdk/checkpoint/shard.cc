@@ -53,6 +53,28 @@ H5Handle CreateDataset(hid_t file, const std::string& path, hid_t type, hid_t sp
 
 }  // namespace
 
+FramePool::Frame FramePool::Take(size_t capacity) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].capacity < capacity) continue;
+      Frame f = std::move(free_[i]);
+      free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
+      f.size = 0;
+      return f;
+    }
+  }
+  Frame f;
+  f.data.reset(new uint8_t[capacity]);  // not value-initialised: zstd overwrites it
+  f.capacity = capacity;
+  return f;
+}
+
+void FramePool::Give(Frame f) {
+  std::lock_guard<std::mutex> lk(mu_);
+  free_.push_back(std::move(f));
+}
+
 int64_t ChunkCount(const ShardTensor& t, int64_t chunk_bytes) {
   return PlanChunks(t.shape, DTypeSize(t.dtype), chunk_bytes).count;
 }
@@ -143,7 +165,9 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
   } hash_free{&hashes};
 
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
-  std::deque<std::future<std::vector<uint8_t>>> inflight;
+  FramePool local_frames;
+  FramePool* frames = o.frames != nullptr ? o.frames : &local_frames;
+  std::deque<std::future<FramePool::Frame>> inflight;
   std::vector<const uint8_t*> data(jobs.size(), nullptr);
   size_t next_submit = 0;
   auto submit = [&] {
@@ -155,12 +179,17 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     const int level = o.level;
     const int64_t len = j.len;
     const bool fp = IsFloatingPoint(tensors[j.t].dtype);
-    inflight.push_back(pool->Submit([p, len, full, es, level, fp] {
+    inflight.push_back(pool->Submit([p, len, full, es, level, fp, frames] {
       thread_local std::vector<uint8_t> scratch, padded;
-      if (len == full) return EncodeChunk(p, static_cast<size_t>(len), es, level, &scratch, fp);
-      padded.assign(static_cast<size_t>(full), 0);
-      std::memcpy(padded.data(), p, static_cast<size_t>(len));
-      return EncodeChunk(padded.data(), static_cast<size_t>(full), es, level, &scratch, fp);
+      FramePool::Frame f = frames->Take(EncodeBound(static_cast<size_t>(full)));
+      const uint8_t* in = p;
+      if (len != full) {
+        padded.assign(static_cast<size_t>(full), 0);
+        std::memcpy(padded.data(), p, static_cast<size_t>(len));
+        in = padded.data();
+      }
+      f.size = EncodeChunkInto(in, static_cast<size_t>(full), es, level, fp, &scratch, f.data.get(), f.capacity);
+      return f;
     }));
     ++next_submit;
   };
@@ -180,23 +209,28 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     while (next_submit < jobs.size() && inflight.size() < window &&
            (inflight.empty() || source->Ready(jobs[next_submit].t, jobs[next_submit].begin)))
       submit();
-    std::vector<uint8_t> frame = inflight.front().get();
+    FramePool::Frame frame = inflight.front().get();
     inflight.pop_front();
+    struct GiveBack {
+      FramePool* pool;
+      FramePool::Frame* f;
+      ~GiveBack() { pool->Give(std::move(*f)); }
+    } give_back{frames, &frame};
     const Job& j = jobs[n];
     XXH3_64bits_update(hashes[j.t], data[n], static_cast<size_t>(j.len));
     source->Release(j.t, j.begin, j.len);
     if (n == midway && o.midway) o.midway();
     if (!status.ok()) continue;  // drain the window before returning
-    if (frame.empty()) {
+    if (frame.size == 0) {
       status = Status::Internal(tmp + ": zstd compression failed for /" + tensors[j.t].path);
       continue;
     }
     Hdf5Lock lock;
-    if (H5Dwrite_chunk(planned[j.t].dset.get(), H5P_DEFAULT, 0, j.offset.data(), frame.size(), frame.data()) <
+    if (H5Dwrite_chunk(planned[j.t].dset.get(), H5P_DEFAULT, 0, j.offset.data(), frame.size, frame.data.get()) <
         0)
       status = Status::Internal(tmp + ": H5Dwrite_chunk failed for /" + tensors[j.t].path + " chunk " +
                                 std::to_string(j.i));
-    unflushed += static_cast<int64_t>(frame.size());
+    unflushed += static_cast<int64_t>(frame.size);
     if (o.fsync && unflushed >= kWritebackBytes) start_writeback();
   }
   if (jobs.empty() && o.midway) o.midway();
