@@ -106,3 +106,17 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(oomguard.CorruptCheckpointError) as info:
         ckpt.load_latest()
     assert isinstance(info.value, OSError) and info.value.code == "DATA_LOSS"
+
+
+def test_parallel_staging_of_a_large_tensor(tmp_path):
+    # 24 MiB: large enough for the staging copy to be split over threads.
+    t = torch.arange(6 << 20, dtype=torch.float32)
+    ckpt = oomguard.Checkpointer(str(tmp_path), fsync=False, stage_threads=2)
+    ckpt.add_tensor("model/big", t)
+    ckpt.save_async(0)
+    t.mul_(-1)  # training goes on
+    ckpt.wait()
+    assert ckpt.load_latest() == 0
+    assert torch.equal(t, torch.arange(6 << 20, dtype=torch.float32))
+    with pytest.raises(Exception, match="stage_threads"):
+        oomguard.Checkpointer(str(tmp_path / "bad"), stage_threads=-1)

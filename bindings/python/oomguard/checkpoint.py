@@ -74,6 +74,7 @@ class Checkpointer:
         compression_level: int = 1,
         chunk_bytes: int = 1 << 20,
         threads: int = 0,
+        stage_threads: int = 0,
         staging_budget_bytes: int = 0,
         keep_snapshot: bool = True,
         commit_manifest_locally: Optional[bool] = None,
@@ -90,6 +91,7 @@ class Checkpointer:
         o.compression_level = compression_level
         o.chunk_bytes = chunk_bytes
         o.threads = threads
+        o.stage_threads = stage_threads
         o.staging_budget_bytes = staging_budget_bytes
         o.keep_snapshot = keep_snapshot
         # Several ranks: rank 0 commits once every shard is durable (the guard's vote says when).

@@ -54,6 +54,7 @@ void BindCheckpoint(py::module_& m) {
       .def_readwrite("compression_level", &CheckpointOptions::compression_level)
       .def_readwrite("chunk_bytes", &CheckpointOptions::chunk_bytes)
       .def_readwrite("threads", &CheckpointOptions::threads)
+      .def_readwrite("stage_threads", &CheckpointOptions::stage_threads)
       .def_readwrite("staging_budget_bytes", &CheckpointOptions::staging_budget_bytes)
       .def_readwrite("keep_snapshot", &CheckpointOptions::keep_snapshot)
       .def_readwrite("commit_manifest_locally", &CheckpointOptions::commit_manifest_locally)
