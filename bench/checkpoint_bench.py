@@ -1,6 +1,9 @@
 """Peers of the checkpoint benchmark: torch.save/torch.load and h5py + gzip on
 the same bytes that checkpoint_bench wrote to raw.bin (float32 matrices of
-DIM x DIM, each followed by a DIM gain vector). Prints one JSON object.
+DIM x DIM, each followed by a DIM gain vector). torch.save/torch.load run in
+alternation with oomguard's own save/load of the same arrays (through the
+Python bindings, when PYTHONPATH finds them), so both sides of that
+comparison see the same machine state. Prints one JSON object.
 
 Usage: /usr/bin/python3 checkpoint_bench.py DIR MIB
 """
@@ -23,8 +26,8 @@ while off < raw.size:
     off += dim
     i += 1
 nbytes = raw.nbytes
-REPEATS = 3  # torch.save/load: median of three (h5py+gzip is slow enough to run once)
-out = {"bytes": nbytes}
+PAIRS = 5  # torch vs oomguard, alternating; h5py+gzip is slow enough to run once
+out = {"bytes": nbytes, "pairs": PAIRS}
 
 
 def fsync_file(path):
@@ -33,27 +36,61 @@ def fsync_file(path):
     os.close(fd)
 
 
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 try:
     import torch
+except ImportError:
+    torch = None
+    out["torch"] = "not installed"
+try:
+    import oomguard
+except ImportError:
+    oomguard = None
+    out["oomguard"] = "bindings not on PYTHONPATH"
+
+if torch is not None:
     tstate = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
     path = os.path.join(work, "state.pt")
-    saves, loads = [], []
-    for _ in range(REPEATS):  # a new file each time, like a checkpoint
-        t0 = time.perf_counter()
-        torch.save(tstate, path)
+    ours = None
+    if oomguard is not None:
+        ours = oomguard.Checkpointer(os.path.join(work, "py-ckpt"), keep=1)
+        for k, v in state.items():
+            ours.add_tensor(k.replace(".", "/", 1), v)
+    step = [0]
+
+    def torch_save():
+        torch.save(tstate, path)  # a new file each time, like a checkpoint
         fsync_file(path)
-        saves.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        loaded = torch.load(path)
-        loads.append(time.perf_counter() - t0)
-        out["torch_file_bytes"] = os.path.getsize(path)
+
+    def our_save():
+        ours.save_async(step[0])
+        ours.wait()
+        step[0] += 1
+
+    times = {"torch_save": [], "torch_load": [], "our_save": [], "our_load": []}
+    for p in range(PAIRS):
+        pair = [("torch_save", torch_save), ("our_save", our_save)] if ours else [("torch_save", torch_save)]
+        for name, fn in (pair if p % 2 == 0 else pair[::-1]):
+            times[name].append(timed(fn))
+        loaded = {}
+        tl = [("torch_load", lambda: loaded.update(torch.load(path)))]
+        if ours:
+            tl.append(("our_load", ours.load_latest))
+        for name, fn in (tl if p % 2 == 0 else tl[::-1]):
+            times[name].append(timed(fn))
         assert all(torch.equal(loaded[k], tstate[k]) for k in tstate)
-        del loaded
+        out["torch_file_bytes"] = os.path.getsize(path)
+        loaded.clear()
         os.remove(path)
-    out["torch_save_s"] = statistics.median(saves)
-    out["torch_load_s"] = statistics.median(loads)
-except ImportError:
-    out["torch"] = "not installed"
+    for name, t in times.items():
+        if t:
+            out[name + "_s"] = statistics.median(t)
+            out[name + "_range_s"] = [min(t), max(t)]
 
 import h5py  # noqa: E402
 path = os.path.join(work, "state_gzip.h5")

@@ -11,7 +11,8 @@ echo "checkpoint_bench: ${MIB} MiB state in $WORK" >&2
 OOMGUARD_BENCH_CKPT_MIB=$MIB OOMGUARD_BENCH_CKPT_DIR=$WORK "$BUILD/bin/checkpoint_bench" \
   --benchmark_format=json --benchmark_out="$WORK/cpp.json" >&2
 echo "checkpoint_bench: peers (torch.save/torch.load, h5py+gzip)" >&2
-/usr/bin/python3 "$HERE/checkpoint_bench.py" "$WORK" "$MIB" > "$WORK/py.json"
+PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" HDF5_PLUGIN_PATH="$BUILD/lib/hdf5-plugins" \
+  /usr/bin/python3 "$HERE/checkpoint_bench.py" "$WORK" "$MIB" > "$WORK/py.json"
 /usr/bin/python3 - "$WORK/cpp.json" "$WORK/py.json" "$MIB" "$(nproc)" > "$HERE/checkpoint_bench.md" <<'PY'
 import json, sys
 cpp = {b["name"].split("/iterations")[0].replace("/", ":"): b for b in json.load(open(sys.argv[1]))["benchmarks"]}
@@ -50,10 +51,15 @@ print(row("load, warm (LoadLatest: file xxh3 + decode + tensor xxh3)", med(warm,
           f"target <= 1.2x; {rng(warm, 'load')}"))
 print(row("raw read, cold (baseline)", med(cold, "raw"), None, rng(cold, "raw")))
 print(row("load, cold", med(cold, "load"), med(cold, "raw"), f"target <= 1.2x; {rng(cold, 'load')}"))
-if "torch_save_s" in py:
-    print(row("torch.save (+ fsync), median of 3", py["torch_save_s"] * 1000, med(save, "save"),
-              "vs our background save"))
-    print(row("torch.load, warm, median of 3", py["torch_load_s"] * 1000, med(warm, "load"), "vs our warm load"))
+if "torch_save_s" in py and "our_save_s" in py:
+    n = py["pairs"]
+    rr = lambda k: f"{py[k + '_range_s'][0] * 1000:.0f}-{py[k + '_range_s'][1] * 1000:.0f} ms"
+    print(row(f"torch.save (+ fsync), median of {n}", py["torch_save_s"] * 1000, None, rr("torch_save")))
+    print(row(f"our save from Python, alternating with torch.save", py["our_save_s"] * 1000,
+              py["torch_save_s"] * 1000, f"vs torch.save; {rr('our_save')}"))
+    print(row(f"torch.load, warm, median of {n}", py["torch_load_s"] * 1000, None, rr("torch_load")))
+    print(row(f"our load from Python, warm, alternating with torch.load", py["our_load_s"] * 1000,
+              py["torch_load_s"] * 1000, f"vs torch.load; {rr('our_load')}"))
 print(row("h5py shuffle+gzip-1 save (+ fsync)", py["h5py_gzip_save_s"] * 1000, med(save, "save"),
           f"vs our save; ratio {py['bytes'] / py['h5py_gzip_file_bytes']:.3f}"))
 print(row("h5py shuffle+gzip-1 load, warm", py["h5py_gzip_load_s"] * 1000, med(warm, "load"), "vs our warm load"))
