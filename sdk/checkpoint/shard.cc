@@ -168,6 +168,15 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
   FramePool local_frames;
   FramePool* frames = o.frames != nullptr ? o.frames : &local_frames;
   std::deque<std::future<FramePool::Frame>> inflight;
+  // Tasks use `frames` and the staged bytes: if the midway hook throws (an
+  // injected fault), they must finish before this frame's locals go away.
+  struct WaitAll {
+    std::deque<std::future<FramePool::Frame>>* q;
+    ~WaitAll() {
+      for (auto& f : *q)
+        if (f.valid()) f.wait();
+    }
+  } wait_all{&inflight};
   std::vector<const uint8_t*> data(jobs.size(), nullptr);
   size_t next_submit = 0;
   auto submit = [&] {
@@ -536,6 +545,13 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   };
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
   std::deque<std::future<std::string>> inflight;
+  struct WaitAll {
+    std::deque<std::future<std::string>>* q;
+    ~WaitAll() {
+      for (auto& f : *q)
+        if (f.valid()) f.wait();
+    }
+  } wait_all{&inflight};
   size_t next = 0, drained = 0;
   while (drained < chunks.size()) {
     while (next < chunks.size() && inflight.size() < window && status.ok()) {
