@@ -30,6 +30,17 @@ constexpr int kWindowPerThread = 4;
 // the final fsync.
 constexpr int64_t kWritebackBytes = int64_t{32} << 20;
 
+// Waits for every task still in `q` when it goes out of scope, so that no
+// task outlives the locals and buffers it uses, however the scope is left.
+template <typename T>
+struct WaitForAll {
+  std::deque<std::future<T>>* q;
+  ~WaitForAll() {
+    for (auto& f : *q)
+      if (f.valid()) f.wait();
+  }
+};
+
 bool IsFloatingPoint(DType t) {
   return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 || t == DType::kFloat64;
 }
@@ -170,13 +181,7 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
   std::deque<std::future<FramePool::Frame>> inflight;
   // Tasks use `frames` and the staged bytes: if the midway hook throws (an
   // injected fault), they must finish before this frame's locals go away.
-  struct WaitAll {
-    std::deque<std::future<FramePool::Frame>>* q;
-    ~WaitAll() {
-      for (auto& f : *q)
-        if (f.valid()) f.wait();
-    }
-  } wait_all{&inflight};
+  WaitForAll<FramePool::Frame> wait_all{&inflight};
   std::vector<const uint8_t*> data(jobs.size(), nullptr);
   size_t next_submit = 0;
   auto submit = [&] {
@@ -545,13 +550,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   };
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
   std::deque<std::future<std::string>> inflight;
-  struct WaitAll {
-    std::deque<std::future<std::string>>* q;
-    ~WaitAll() {
-      for (auto& f : *q)
-        if (f.valid()) f.wait();
-    }
-  } wait_all{&inflight};
+  WaitForAll<std::string> wait_all{&inflight};  // tasks write into the caller's buffers
   size_t next = 0, drained = 0;
   while (drained < chunks.size()) {
     while (next < chunks.size() && inflight.size() < window && status.ok()) {
