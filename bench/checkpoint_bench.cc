@@ -13,6 +13,7 @@
 // Run through bench/checkpoint_bench.sh, which writes bench/checkpoint_bench.md.
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -123,6 +124,14 @@ void EvictTree(const std::string& dir) {
     if (e.is_regular_file()) Evict(e.path().string());
 }
 
+// CPU seconds of the whole process (every thread) so far.
+double ProcessCpuSeconds() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
 double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 void BM_Memcpy(benchmark::State& state) {
@@ -202,10 +211,10 @@ double Median(std::vector<double> v) {
 // Runs `a` and `b` alternately (AB, BA, AB, ...), so that both see the same
 // machine state (disk, page cache, free memory) and neither always goes
 // first. The benchmark's own time is b's; medians, minima and maxima of both
-// are counters.
+// are counters, and so is b's process CPU time (all threads).
 template <typename A, typename B>
 void Alternate(benchmark::State& state, const std::string& a_name, A a, const std::string& b_name, B b) {
-  std::vector<double> ta, tb;
+  std::vector<double> ta, tb, cpu_b;
   int i = 0;
   for (auto _ : state) {
     double da = 0, db = 0;
@@ -215,9 +224,11 @@ void Alternate(benchmark::State& state, const std::string& a_name, A a, const st
       da = Seconds(t0);
     };
     auto run_b = [&] {
+      const double c0 = ProcessCpuSeconds();
       auto t0 = Clock::now();
       b(i);
       db = Seconds(t0);
+      cpu_b.push_back((ProcessCpuSeconds() - c0) * 1000);
     };
     if (i % 2 == 0) {
       run_a();
@@ -238,6 +249,9 @@ void Alternate(benchmark::State& state, const std::string& a_name, A a, const st
   };
   put(a_name, ta);
   put(b_name, tb);
+  // CPU time of b over all threads: how many cores b would need to take as
+  // long as a (the decode and hashing work is parallel; this box has 2).
+  state.counters[b_name + "_cpu_median_ms"] = Median(cpu_b);
 }
 
 // Background save (SaveAsync .. Wait: compression, writing, fsync, file hash,
