@@ -7,8 +7,8 @@
 // Read path: the chunk index is read under the lock (H5Dget_chunk_info_by_coord);
 // the pool decodes each chunk straight out of a read-only mapping of the
 // file, in one pipeline over all requested tensors; the calling thread hashes
-// every decoded chunk in order, while it is still in cache, and checks each
-// tensor's xxh3 before the call returns.
+// every decoded chunk in order as it completes and checks each tensor's xxh3
+// before the call returns.
 //
 // Thread-safety: a writer or reader is used by one thread at a time; several
 // may run concurrently (HDF5 calls are serialised by Hdf5Lock).
