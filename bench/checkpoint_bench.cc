@@ -317,9 +317,9 @@ void BM_LoadVsRawRead(benchmark::State& state) {
 BENCHMARK(BM_Memcpy)->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SaveStall)->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RawWriteInPlace)->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_SaveVsRawWrite)->UseManualTime()->Iterations(6)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SaveVsRawWrite)->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LoadVsRawRead)->Arg(0)->UseManualTime()->Iterations(6)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_LoadVsRawRead)->Arg(1)->UseManualTime()->Iterations(6)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LoadVsRawRead)->Arg(1)->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

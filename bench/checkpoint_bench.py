@@ -26,7 +26,7 @@ while off < raw.size:
     off += dim
     i += 1
 nbytes = raw.nbytes
-PAIRS = 5  # torch vs oomguard, alternating; h5py+gzip is slow enough to run once
+PAIRS = 8  # torch vs oomguard, alternating; h5py+gzip is slow enough to run once
 out = {"bytes": nbytes, "pairs": PAIRS}
 
 
