@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <chrono>
 #include <future>
 #include <thread>
 
@@ -183,6 +184,9 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
   // injected fault), they must finish before this frame's locals go away.
   WaitForAll<FramePool::Frame> wait_all{&inflight};
   std::vector<const uint8_t*> data(jobs.size(), nullptr);
+  ThreadPool tensor_hasher(1);
+  std::deque<std::future<void>> tensor_hashed;
+  WaitForAll<void> wait_hashed{&tensor_hashed};
   size_t next_submit = 0;
   auto submit = [&] {
     const Job& j = jobs[next_submit];
@@ -231,8 +235,16 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
       ~GiveBack() { pool->Give(std::move(*f)); }
     } give_back{frames, &frame};
     const Job& j = jobs[n];
-    XXH3_64bits_update(hashes[j.t], data[n], static_cast<size_t>(j.len));
-    source->Release(j.t, j.begin, j.len);
+    // The tensor hash runs on its own thread, in chunk order (one FIFO
+    // worker), so this thread only feeds H5Dwrite_chunk: the write is what
+    // a save waits for.
+    tensor_hashed.push_back(tensor_hasher.Submit([&hashes, &data, &j, n, source] {
+      XXH3_64bits_update(hashes[j.t], data[n], static_cast<size_t>(j.len));
+      source->Release(j.t, j.begin, j.len);
+    }));
+    while (tensor_hashed.size() > 1 &&
+           tensor_hashed.front().wait_for(std::chrono::seconds(0)) == std::future_status::ready)
+      tensor_hashed.pop_front();
     if (n == midway && o.midway) o.midway();
     if (!status.ok()) continue;  // drain the window before returning
     if (frame.size == 0) {
@@ -248,6 +260,10 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     if (o.fsync && unflushed >= kWritebackBytes) start_writeback();
   }
   if (jobs.empty() && o.midway) o.midway();
+  while (!tensor_hashed.empty()) {
+    tensor_hashed.front().get();
+    tensor_hashed.pop_front();
+  }
   {
     Hdf5Lock lock;
     if (status.ok()) {
