@@ -752,22 +752,9 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
   // The whole-file hash runs on its own thread while the pool decodes: it
   // reads the same pages, so the two passes share one trip through memory
   // (or one read from disk when the file is not cached).
-  Status file_status;
-  std::jthread hasher;
-  if (o_.verify_file_checksum) {
-    hasher = std::jthread([&file_status, &file, expect = sh->xxh3] {
-      uint64_t h = 0;
-      int64_t n = 0;
-      file_status = ckpt::HashFile(file, &h, &n);
-      if (file_status.ok() && ckpt::Hex64(h) != expect)
-        file_status = Status::DataLoss(file + ": file xxh3 " + ckpt::Hex64(h) + " differs from the manifest's " +
-                                       expect);
-    });
-  }
-  auto file_verdict = [&]() -> Status {
-    if (hasher.joinable()) hasher.join();
-    return file_status;
-  };
+  std::optional<ckpt::FileHashCheck> file_check;
+  if (o_.verify_file_checksum) file_check.emplace(file, sh->xxh3);
+  auto file_verdict = [&]() -> Status { return file_check ? file_check->Verdict() : Status::Ok(); };
   auto reader = ckpt::ShardReader::Open(file);
   if (!reader.ok()) {
     Status fs_status = file_verdict();

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/codec.h"
 
 namespace oomguard::ckpt {
 
@@ -173,6 +174,20 @@ Status HashFile(const std::string& path, uint64_t* hash, int64_t* bytes) {
   XXH3_freeState(st3);
   ::close(fd);
   return Status::Ok();
+}
+
+FileHashCheck::FileHashCheck(std::string path, std::string expect_xxh3)
+    : path_(std::move(path)), expect_(std::move(expect_xxh3)), thread_([this] {
+        uint64_t h = 0;
+        int64_t n = 0;
+        status_ = HashFile(path_, &h, &n);
+        if (status_.ok() && Hex64(h) != expect_)
+          status_ = Status::DataLoss(path_ + ": file xxh3 " + Hex64(h) + " differs from the manifest's " + expect_);
+      }) {}
+
+Status FileHashCheck::Verdict() {
+  if (thread_.joinable()) thread_.join();
+  return status_;
 }
 
 }  // namespace oomguard::ckpt

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "oomguard/status.h"
@@ -54,6 +55,22 @@ Status FsyncPath(const std::string& path, bool directory);
 // XXH3_64bits of a whole file, and its size. Hashes a read-only mapping of
 // the file (read() where mapping fails); the file must not shrink meanwhile.
 Status HashFile(const std::string& path, uint64_t* hash, int64_t* bytes);
+
+// Hashes a whole file on a thread of its own, from construction on, and
+// compares it with the manifest's xxh3: loads and verification decode the
+// shard meanwhile. Verdict() waits; the destructor waits too.
+class FileHashCheck {
+ public:
+  FileHashCheck(std::string path, std::string expect_xxh3);
+  // kDataLoss naming the file when the hash differs; HashFile's error when
+  // the file cannot be read.
+  Status Verdict();
+
+ private:
+  const std::string path_, expect_;
+  Status status_;
+  std::jthread thread_;  // last: starts after, and is joined before, the fields it uses
+};
 
 }  // namespace oomguard::ckpt
 
