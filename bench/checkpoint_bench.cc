@@ -159,6 +159,19 @@ void BM_SaveStall(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * s.bytes);
 }
 
+// Moves all `bytes` at `data` through `io` (read or write), however short
+// its transfers; aborts on an error (a benchmark has no one to report to).
+template <typename Io>
+void WholeIo(int fd, float* data, size_t bytes, Io io) {
+  char* p = reinterpret_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = io(fd, p, bytes);
+    if (n <= 0) std::abort();
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
 // Writes the state as one plain file and fsyncs it and its directory. Files
 // rotate like checkpoints with keep = 1 (a new file each time, the previous
 // one deleted once the new one is durable), so both sides allocate fresh
@@ -168,16 +181,9 @@ void RawWrite(BenchState& s, int k, bool rotate = true) {
   const std::string path = s.dir + "/raw-" + std::to_string(k % 2) + ".bin";
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) std::abort();
-  for (const auto& t : s.tensors) {
-    const char* p = reinterpret_cast<const char*>(t.data());
-    size_t left = t.size() * 4;
-    while (left > 0) {
-      ssize_t n = ::write(fd, p, left);
-      if (n <= 0) std::abort();
-      p += n;
-      left -= static_cast<size_t>(n);
-    }
-  }
+  for (const auto& t : s.tensors)
+    WholeIo(fd, const_cast<float*>(t.data()), t.size() * 4,
+            [](int f, char* p, size_t n) { return ::write(f, p, n); });
   ::fsync(fd);
   ::close(fd);
   if (rotate) std::filesystem::remove(s.dir + "/raw-" + std::to_string((k + 1) % 2) + ".bin");
@@ -189,16 +195,8 @@ void RawWrite(BenchState& s, int k, bool rotate = true) {
 void RawRead(BenchState& s, std::vector<std::vector<float>>* dst) {
   int fd = ::open((s.dir + "/raw.bin").c_str(), O_RDONLY);
   if (fd < 0) std::abort();
-  for (auto& t : *dst) {
-    char* p = reinterpret_cast<char*>(t.data());
-    size_t left = t.size() * 4;
-    while (left > 0) {
-      ssize_t n = ::read(fd, p, left);
-      if (n <= 0) std::abort();
-      p += n;
-      left -= static_cast<size_t>(n);
-    }
-  }
+  for (auto& t : *dst)
+    WholeIo(fd, t.data(), t.size() * 4, [](int f, char* p, size_t n) { return ::read(f, p, n); });
   ::close(fd);
 }
 
