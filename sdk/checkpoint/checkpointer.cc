@@ -417,8 +417,8 @@ class CheckpointerImpl final : public Checkpointer {
   const CheckpointOptions o_;
   std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
   std::unique_ptr<ckpt::ThreadPool> pool_;
-  std::unique_ptr<ckpt::ThreadPool> stage_pool_;
-  ckpt::FramePool frames_;  // compressed-frame buffers, reused by every save  // helpers of the staging copy; null: the caller alone
+  std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
+  ckpt::FramePool frames_;                        // compressed-frame buffers, reused by every save
   std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
 
   mutable std::mutex mu_;
