@@ -48,7 +48,7 @@
 #include <vector>
 
 #include "budget_allocator_core.h"
-#include "mlp.h"  // WriteDoubles, ReadDoubles, MaxRelativeDifference
+#include "mlp.h"  // SplitMix64, DumpAndCheckParameters
 #include "oomguard/checkpoint.h"
 #include "oomguard/oomguard.h"
 
@@ -56,21 +56,12 @@ namespace {
 
 constexpr int64_t kInputs = 32;
 
-// SplitMix64: a counter-based generator, so a sample depends only on its
-// coordinates and never on how many values were drawn before it.
-uint64_t Mix(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 // Uniform in [-1, 1) from (seed, step, sample, feature).
 double Uniform(uint64_t seed, int64_t step, int64_t sample, int64_t feature) {
-  uint64_t h = Mix(seed);
-  h = Mix(h ^ static_cast<uint64_t>(step));
-  h = Mix(h ^ static_cast<uint64_t>(sample));
-  h = Mix(h ^ static_cast<uint64_t>(feature));
+  uint64_t h = mlp::SplitMix64(seed);
+  h = mlp::SplitMix64(h ^ static_cast<uint64_t>(step));
+  h = mlp::SplitMix64(h ^ static_cast<uint64_t>(sample));
+  h = mlp::SplitMix64(h ^ static_cast<uint64_t>(feature));
   return static_cast<double>(h >> 11) * 0x1.0p-52 - 1.0;
 }
 

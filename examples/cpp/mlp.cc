@@ -10,7 +10,6 @@
 #include <stdexcept>
 
 namespace mlp {
-namespace {
 
 uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -18,6 +17,8 @@ uint64_t SplitMix64(uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
   return x ^ (x >> 31);
 }
+
+namespace {
 
 // Uniform in [-1, 1), a pure function of its arguments.
 double Uniform(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {

@@ -147,6 +147,10 @@ double MaxRelativeDifference(const std::vector<double>& a, const std::vector<dou
 int DumpAndCheckParameters(const char* program, const std::vector<double>& params, const std::string& dump,
                            const std::string& check, std::FILE* report, double* rel);
 
+// SplitMix64's output function: counter-based randomness, so a sample
+// depends only on its coordinates, never on how many values came before.
+uint64_t SplitMix64(uint64_t x);
+
 // Writes/reads little-endian float64 arrays.
 bool WriteDoubles(const std::string& path, const std::vector<double>& v, std::string* error);
 bool ReadDoubles(const std::string& path, std::vector<double>* v, std::string* error);
