@@ -91,10 +91,9 @@ Status VerifyCheckpoint(const std::string& dir, int64_t step, int expected_world
     // As in a load: the whole-file hash runs beside the decoding, and a
     // tensor's own error (it names the tensor) comes before the file's.
     ckpt::FileHashCheck file_check(file, s.xxh3);
-    auto file_verdict = [&] { return file_check.Verdict(); };
     auto reader = ckpt::ShardReader::Open(file);
     if (!reader.ok()) {
-      Status fs_status = file_verdict();
+      Status fs_status = file_check.Verdict();
       return fs_status.ok() ? reader.status() : fs_status;
     }
     auto& r = **reader;
@@ -125,7 +124,7 @@ Status VerifyCheckpoint(const std::string& dir, int64_t step, int expected_world
       if (batch_bytes >= kVerifyBatchBytes) OOMGUARD_RETURN_IF_ERROR(decode_batch());
     }
     if (!batch.empty()) OOMGUARD_RETURN_IF_ERROR(decode_batch());
-    OOMGUARD_RETURN_IF_ERROR(file_verdict());
+    OOMGUARD_RETURN_IF_ERROR(file_check.Verdict());
     done += s.bytes;
     if (progress) progress(done, total);
   }
