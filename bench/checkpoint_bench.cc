@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -91,7 +92,11 @@ BenchState& State() {
     if (const char* cb = std::getenv("OOMGUARD_BENCH_CKPT_CHUNK_KIB")) o.chunk_bytes = std::atoll(cb) << 10;
     if (const char* lv = std::getenv("OOMGUARD_BENCH_CKPT_LEVEL")) o.compression_level = std::atoi(lv);
     auto c = oomguard::Checkpointer::Create(o);
-    if (!c.ok()) std::abort();
+    if (!c.ok()) {
+      // Bad OOMGUARD_BENCH_CKPT_LEVEL / _CHUNK_KIB values end up here.
+      std::fprintf(stderr, "checkpoint_bench: %s\n", c.status().ToString().c_str());
+      std::exit(2);
+    }
     s->ckpt = std::move(c).value();
     for (size_t i = 0; i < s->tensors.size(); ++i)
       if (!s->ckpt->AddTensor(s->names[i], oomguard::DType::kFloat32, s->shapes[i], s->tensors[i].data())
