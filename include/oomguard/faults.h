@@ -4,16 +4,22 @@
 // Rules come from the OOMGUARD_FAULTS environment variable (read once, at the
 // first use) or from SetFaultRules. Grammar: rules separated by ';', each
 //   KIND@key=value,key=value
-// KIND: oom | host_oom | kill | delay. Keys:
+// KIND: oom | host_oom | error | kill | delay. Keys:
 //   step=N | step=A-B     optimizer step (inclusive range)
 //   rank=N                only on this rank
 //   site=NAME             micro_batch, forward, backward, optimizer, commit,
-//                         ckpt_stage, ckpt_write, ckpt_manifest, vote, kb_write
+//                         sync, apply, ckpt_stage, ckpt_write, ckpt_manifest,
+//                         vote, kb_write
 //   micro=N               micro-batch index within the step
 //   times=N               how many times the rule fires (default 1; 0 = unlimited)
 //   min_size=N            fire only while the micro-batch is at least this size
 //   ms=N                  delay length (delay only, required there)
 //   bytes=N               requested bytes reported by an injected OOM (default 1 MiB)
+// `error` throws a non-OOM exception (std::runtime_error; RuntimeError in
+// Python): what the guard must pass through unchanged, after its peers heard.
+// Sites of the commit phase, in the order they are reached: `commit` (after
+// the vote), `sync` (inside the guard's gradient sync, before the
+// collective), `apply` (just before the optimizer apply callback).
 // Example: oom@step=30,rank=1,site=backward;kill@step=57,site=ckpt_write
 //
 // Cost when no rule is set: one relaxed atomic load per site.
@@ -39,18 +45,20 @@ enum class FaultSite {
   kBackward,
   kOptimizer,
   kCommit,
+  kSync,
+  kApply,
   kCkptStage,
   kCkptWrite,
   kCkptManifest,
   kVote,
   kKbWrite,
 };
-inline constexpr int kNumFaultSites = 10;
+inline constexpr int kNumFaultSites = 12;
 
 OOMGUARD_EXPORT std::string_view FaultSiteName(FaultSite site);
 OOMGUARD_EXPORT std::optional<FaultSite> ParseFaultSite(std::string_view name);
 
-enum class FaultKind { kOom, kHostOom, kKill, kDelay };
+enum class FaultKind { kOom, kHostOom, kError, kKill, kDelay };
 
 struct FaultRule {
   FaultKind kind = FaultKind::kOom;
@@ -93,8 +101,9 @@ extern OOMGUARD_EXPORT std::atomic<bool> g_faults_armed;
 OOMGUARD_EXPORT void FireFaults(FaultSite site, const FaultContext& ctx);
 }  // namespace internal
 
-// A fault point. Throws DeviceOomError / HostOomError, kills the process, or
-// sleeps when a matching rule says so; otherwise returns at once.
+// A fault point. Throws DeviceOomError / HostOomError / std::runtime_error,
+// kills the process, or sleeps when a matching rule says so; otherwise
+// returns at once.
 inline void FaultPoint(FaultSite site, const FaultContext& ctx) {
   if (internal::g_faults_armed.load(std::memory_order_relaxed)) internal::FireFaults(site, ctx);
 }

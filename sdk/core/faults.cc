@@ -24,6 +24,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -50,6 +51,8 @@ constexpr std::array<std::pair<FaultSite, std::string_view>, kNumFaultSites> kSi
     {FaultSite::kBackward, "backward"},
     {FaultSite::kOptimizer, "optimizer"},
     {FaultSite::kCommit, "commit"},
+    {FaultSite::kSync, "sync"},
+    {FaultSite::kApply, "apply"},
     {FaultSite::kCkptStage, "ckpt_stage"},
     {FaultSite::kCkptWrite, "ckpt_write"},
     {FaultSite::kCkptManifest, "ckpt_manifest"},
@@ -57,7 +60,7 @@ constexpr std::array<std::pair<FaultSite, std::string_view>, kNumFaultSites> kSi
     {FaultSite::kKbWrite, "kb_write"},
 }};
 
-constexpr std::string_view kValidKinds = "oom, host_oom, kill or delay";
+constexpr std::string_view kValidKinds = "oom, host_oom, error, kill or delay";
 constexpr std::string_view kValidKeys = "step, rank, site, micro, times, min_size, ms or bytes";
 
 std::string ValidSites() {
@@ -142,6 +145,7 @@ Status ParseStep(std::string_view s, FaultRule* rule) {
 StatusOr<FaultKind> ParseKind(std::string_view s) {
   if (s == "oom") return FaultKind::kOom;
   if (s == "host_oom") return FaultKind::kHostOom;
+  if (s == "error") return FaultKind::kError;
   if (s == "kill") return FaultKind::kKill;
   if (s == "delay") return FaultKind::kDelay;
   if (s.empty()) {
@@ -399,6 +403,8 @@ void FireFaults(FaultSite site, const FaultContext& ctx) {
         throw HostOomError(
             "injected host OOM (fault rule " + Quote(rule.text) + ") " + Where(site, ctx),
             rule.bytes);
+      case FaultKind::kError:
+        throw std::runtime_error("injected error (fault rule " + Quote(rule.text) + ") " + Where(site, ctx));
       case FaultKind::kKill: {
         // Plain stdio, not the logger: the process dies on the next line, and
         // this line is what a test harness sees to explain the death.

@@ -8,11 +8,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "oomguard/device.h"
+#include "oomguard/oom.h"
 #include "sdk/core/faults_internal.h"
 
 namespace oomguard {
@@ -158,7 +160,7 @@ struct BadRule {
 TEST(FaultParseTest, BadRulesNameTheRuleAndTheProblem) {
   const BadRule kBad[] = {
       {"oom@step=x", "oom@step=x", "step: 'x' is not a number (expected N or A-B)"},
-      {"boom@step=1", "boom@step=1", "unknown kind 'boom' (expected oom, host_oom, kill or delay)"},
+      {"boom@step=1", "boom@step=1", "unknown kind 'boom' (expected oom, host_oom, error, kill or delay)"},
       {"OOM", "OOM", "unknown kind 'OOM'"},
       {"@step=1", "@step=1", "missing kind"},
       {"oom@stpe=1", "oom@stpe=1",
@@ -338,6 +340,27 @@ TEST_F(FaultsTest, FirstFiringRuleWinsAndExhaustedRulesFallThrough) {
   }
   EXPECT_FALSE(Fires(FaultSite::kForward, Ctx(1)));
   EXPECT_EQ(FaultsFired(), 2);
+}
+
+TEST_F(FaultsTest, ErrorKindThrowsANonOomExceptionAtTheCommitPhaseSites) {
+  EXPECT_EQ(ParseOne("error@site=apply").kind, FaultKind::kError);
+  EXPECT_EQ(ParseOne("error@site=apply").site, FaultSite::kApply);
+  EXPECT_EQ(ParseOne("oom@site=sync").site, FaultSite::kSync);
+  EXPECT_FALSE(ParseFaultRules("error@bytes=5").ok()) << "bytes is for OOM kinds only";
+  ASSERT_TRUE(SetFaultRules("error@step=2,rank=1,site=sync").ok());
+  FaultPoint(FaultSite::kApply, Ctx(2, 1));  // another site: nothing
+  FaultPoint(FaultSite::kSync, Ctx(2, 0));   // another rank: nothing
+  try {
+    FaultPoint(FaultSite::kSync, Ctx(2, 1));
+    FAIL() << "no fault";
+  } catch (const DeviceOomError&) {
+    FAIL() << "an error rule must not look like an OOM";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "injected error (fault rule 'error@step=2,rank=1,site=sync') at site sync, step 2, rank 1, micro -1");
+    EXPECT_EQ(ClassifyException(std::current_exception()).kind, OomKind::kNone);
+  }
+  EXPECT_EQ(FaultsFired(), 1);
 }
 
 TEST_F(FaultsTest, DeviceOomIsInjectedWithBytesAndMessage) {
