@@ -39,6 +39,7 @@
 #include <string_view>
 #include <vector>
 
+#include "oomguard/dtype.h"
 #include "oomguard/export.h"
 #include "oomguard/recovery.h"
 #include "oomguard/status.h"
@@ -50,26 +51,6 @@ class IncidentSink;
 inline constexpr std::string_view kCheckpointFormat = "oomguard-ckpt/1";
 // The HDF5 filter id registered for Zstandard.
 inline constexpr int kZstdFilterId = 32015;
-
-enum class DType {
-  kFloat16,
-  kBFloat16,
-  kFloat32,
-  kFloat64,
-  kInt8,
-  kInt16,
-  kInt32,
-  kInt64,
-  kUInt8,
-  kUInt16,
-  kUInt32,
-  kUInt64,
-  kBool,
-};
-// "float32", "bfloat16", ... (the `dtype` attribute of a dataset).
-OOMGUARD_EXPORT std::string_view DTypeName(DType t);
-OOMGUARD_EXPORT std::optional<DType> ParseDType(std::string_view name);
-OOMGUARD_EXPORT size_t DTypeSize(DType t);
 
 // Where a registered tensor lives.
 enum class MemoryLocation { kHost, kCuda };
@@ -134,8 +115,8 @@ struct CheckpointStats {
 
 class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
  public:
-  // Validates the options, creates the directory and finds the newest
-  // committed checkpoint in it (DurableStep()).
+  // Validates the options, creates the directory and finds the committed
+  // checkpoints in it (DurableSteps()).
   static StatusOr<std::unique_ptr<Checkpointer>> Create(const CheckpointOptions& options);
   // Waits for background saves to finish.
   ~Checkpointer() override;
@@ -159,10 +140,12 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   // Stages the registered state as step `step` and returns; the rest runs in
   // the background. Blocks longer only when the staging budget is exhausted
   // (back-pressure) or the state is staged in pieces. A background failure is
-  // reported by the next SaveAsync/Wait and in Stats().last_error.
+  // logged, counted in Stats() and returned by Wait() unless a later save
+  // became durable since.
   virtual Status SaveAsync(int64_t step) = 0;
   // Waits until every started save is durable (and committed when local).
-  // Returns the first background error since the last Wait.
+  // Returns the error of the newest save when it failed; an error that a
+  // later durable save superseded is not returned (Stats() keeps it).
   virtual Status Wait() = 0;
 
   // ---- loading ----
@@ -186,25 +169,21 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   virtual CheckpointStats Stats() const = 0;
   virtual const CheckpointOptions& options() const = 0;
 
-  // RecoveryStore::WaitDurable: the saves in flight finish first (their errors
-  // are reported by the next Wait/SaveAsync).
-  int64_t WaitDurable() override {
-    (void)Wait();
-    return DurableStep();
-  }
+  // RecoveryStore::WaitDurable is Wait().
+  Status WaitDurable() override { return Wait(); }
   // RecoveryStore::CommitDurable: with coordinator commit, the guard on rank 0
-  // calls this once the vote shows every rank's shard of `step` durable.
-  Status CommitDurable(int64_t step, int world_size) override {
-    if (options().commit_manifest_locally) return Status::Ok();
-    return CommitManifest(step, world_size);
-  }
+  // calls this once every rank's shard of `step` is durable. Never throws.
+  Status CommitDurable(int64_t step, int world_size) override;
 
   // ---- RecoveryStore (the guard's view) ----
-  // DurableStep: the newest committed checkpoint (local commit) or
-  // ShardDurableStep() (coordinator commit). Restore(step): the in-memory
-  // snapshot when it holds `step`, else the newest checkpoint <= step on disk
-  // that verifies. OnStepCommitted: SaveAsync on the triggers of the options;
-  // never throws (a staging OOM is returned as kResourceExhausted).
+  // DurableSteps: the committed checkpoints whose shard of this rank exists,
+  // and this rank's durable shards not yet committed (at most the newest 16).
+  // SnapshotStep/Snapshot: the last staged state, kept in host memory (when
+  // keep_snapshot is on and the staging budget holds it). Restore(step): the
+  // snapshot when it holds `step`, else checkpoint `step` from disk, which
+  // must be committed and verify; never another step. OnStepCommitted:
+  // SaveAsync on the triggers of the options; never throws (a staging OOM is
+  // returned as kResourceExhausted).
 };
 
 // ---- offline inspection (the CLI, tools, tests); any thread ----

@@ -6,6 +6,7 @@
 #include "oomguard/checkpoint.h"
 #include "oomguard/coordinator.h"
 #include "oomguard/device.h"
+#include "oomguard/dtype.h"
 #include "oomguard/faults.h"
 #include "oomguard/guard.h"
 #include "oomguard/incident.h"

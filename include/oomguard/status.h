@@ -64,6 +64,7 @@ class [[nodiscard, gnu::visibility("default")]] Status {
   static Status Internal(std::string msg) { return {StatusCode::kInternal, std::move(msg)}; }
   static Status Unimplemented(std::string msg) { return {StatusCode::kUnimplemented, std::move(msg)}; }
   static Status DeadlineExceeded(std::string msg) { return {StatusCode::kDeadlineExceeded, std::move(msg)}; }
+  static Status Cancelled(std::string msg) { return {StatusCode::kCancelled, std::move(msg)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
