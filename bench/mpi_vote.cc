@@ -1,10 +1,21 @@
-// Vote latency over MPI (run with mpirun -np 4), and the per-step overhead of
-// the vote: the same guarded step with the local coordinator and with MPI.
-// Rank 0 prints JSON lines.
+// The per-step cost of the step protocol over MPI (run with mpirun -np 4),
+// side by side in one run:
+//   round1   what the first protocol ran per step: one MPI_Iallreduce(MAX) of
+//            6 int64 (the vote), then the user's gradient MPI_Iallreduce(SUM)
+//   atomic   what the guard runs now per step: the vote (Allgather of 19
+//            int64), the gradient sum with 4 status words appended
+//            (AllreduceSum), the agreement after the apply (Allgather of 3)
+//   step     a whole Guard::Step with the guard-owned sync, over MPI, and the
+//            same step with the local coordinator (no collectives)
+// Each with a gradient of `--grad N` float64 (default 4417: mlp_train's
+// parameters at --hidden 64) and with none. Rank 0 prints JSON lines.
+#include <mpi.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "oomguard/guard.h"
@@ -13,8 +24,40 @@
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times `rounds` calls of fn (each one step's collectives), in microseconds.
+template <typename Fn>
+std::vector<double> Time(int rounds, Fn&& fn) {
+  std::vector<double> out;
+  out.reserve(static_cast<size_t>(rounds));
+  for (int i = 0; i < rounds; ++i) {
+    auto t0 = Clock::now();
+    fn();
+    out.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  return out;
+}
+
+void Wait(MPI_Request* reqs, int n) {
+  int done = 0;
+  while (!done) MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  const int votes = argc > 1 ? std::atoi(argv[1]) : 20000;
+  int rounds = 20000;
+  int64_t grad_n = 4417;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--rounds") == 0) rounds = std::atoi(argv[i + 1]);
+    else if (std::strcmp(argv[i], "--grad") == 0) grad_n = std::atoll(argv[i + 1]);
+  }
   oomguard::Logger()->set_level(spdlog::level::off);
   auto c = oomguard::MakeMpiCoordinator();
   if (!c.ok()) {
@@ -22,39 +65,69 @@ int main(int argc, char** argv) {
     return 1;
   }
   oomguard::Coordinator& co = **c;
-  std::vector<double> lat;
-  for (int i = 0; i < votes; ++i) {
-    auto t0 = Clock::now();
-    if (!co.Vote(oomguard::VoteInput{}, std::chrono::milliseconds(10000)).ok()) return 1;
-    lat.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  const auto deadline = std::chrono::milliseconds(10000);
+
+  for (int64_t n : {int64_t{0}, grad_n}) {
+    std::vector<double> grad(static_cast<size_t>(n) + 1, 1.0);  // + the loss
+    // The first protocol: a MAX vote, then the user's own gradient sum.
+    auto round1 = Time(rounds, [&] {
+      int64_t w[6] = {0, -5, -5, 5, -64, 0}, m[6];
+      MPI_Request r;
+      MPI_Iallreduce(w, m, 6, MPI_INT64_T, MPI_MAX, comm, &r);
+      Wait(&r, 1);
+      MPI_Iallreduce(MPI_IN_PLACE, grad.data(), static_cast<int>(grad.size()), MPI_DOUBLE, MPI_SUM, comm, &r);
+      Wait(&r, 1);
+    });
+    MPI_Barrier(comm);
+    // The atomic step's collectives, through the coordinator.
+    std::vector<int64_t> vote(19, 0), votes(19 * static_cast<size_t>(co.size()));
+    std::vector<int64_t> agree(3, 0), agreed(3 * static_cast<size_t>(co.size()));
+    double status[4] = {0, 0, 1, 1};
+    auto atomic = Time(rounds, [&] {
+      if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
+      std::vector<oomguard::SumBuffer> bufs = {oomguard::SumBuffer::Host(grad.data(), static_cast<int64_t>(grad.size())),
+                                               oomguard::SumBuffer::Host(status, 4)};
+      bufs[0].scale = 0.25;
+      if (!co.AllreduceSum(bufs, deadline).ok()) std::abort();
+      if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
+    });
+    MPI_Barrier(comm);
+    // A whole guarded step with the guard-owned sync: MPI, and local.
+    auto step_us = [&](oomguard::Coordinator* coord) {
+      oomguard::GuardOptions o;
+      o.initial_micro_batch = 8;
+      o.grow_after = 0;
+      o.coordinator = coord;
+      auto guard = oomguard::Guard::Create(o).value();
+      double loss = 0;
+      oomguard::StepRequest req;
+      req.samples = 64;
+      req.micro = [&](const oomguard::MicroBatch& mb) { loss += mb.weight; };
+      req.reset = [&] { loss = 0; };
+      req.sync = [&] {
+        grad.back() = loss;
+        return std::vector<oomguard::SumBuffer>{
+            oomguard::SumBuffer::Host(grad.data(), static_cast<int64_t>(grad.size()))};
+      };
+      req.apply = [&] { loss = 0; };
+      return Time(rounds / 2, [&] {
+        if (!guard->Step(req).ok()) std::abort();
+      });
+    };
+    auto local = step_us(nullptr);
+    MPI_Barrier(comm);
+    auto mpi = step_us(&co);
+    if (co.rank() == 0) {
+      std::printf("{\"bench\":\"step_protocol\",\"engine\":\"mpi\",\"ranks\":%d,\"grad_floats\":%lld,\"rounds\":%d,"
+                  "\"round1_vote_and_sum_us\":%.2f,\"atomic_vote_sum_agree_us\":%.2f,\"ratio\":%.2f,"
+                  "\"guarded_step_local_us\":%.2f,\"guarded_step_mpi_us\":%.2f}\n",
+                  co.size(), static_cast<long long>(n), rounds, Median(round1), Median(atomic),
+                  Median(atomic) / Median(round1), Median(local), Median(mpi));
+    }
+    MPI_Barrier(comm);
   }
-  std::sort(lat.begin(), lat.end());
-  auto step_us = [&](oomguard::Coordinator* coord) {
-    oomguard::GuardOptions o;
-    o.initial_micro_batch = 8;
-    o.grow_after = 0;
-    o.coordinator = coord;
-    auto guard = oomguard::Guard::Create(o).value();
-    oomguard::StepRequest req;
-    req.samples = 64;
-    volatile double sink = 0;
-    req.micro = [&](const oomguard::MicroBatch& mb) { sink = sink + mb.weight; };
-    const int steps = votes / 2;
-    auto t0 = Clock::now();
-    for (int i = 0; i < steps; ++i)
-      if (!guard->Step(req).ok()) std::abort();
-    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / steps;
-  };
-  const double local = step_us(nullptr);
-  (void)co.Barrier(std::chrono::milliseconds(10000));
-  const double mpi = step_us(&co);
-  if (co.rank() == 0) {
-    std::printf("{\"bench\":\"vote_latency\",\"engine\":\"mpi\",\"ranks\":%d,\"votes\":%d,\"median_us\":%.2f,"
-                "\"p99_us\":%.2f}\n",
-                co.size(), votes, lat[lat.size() / 2], lat[static_cast<size_t>(0.99 * (lat.size() - 1))]);
-    std::printf("{\"bench\":\"step_with_vote\",\"engine\":\"mpi\",\"ranks\":%d,\"step_us_local\":%.2f,"
-                "\"step_us_mpi\":%.2f,\"vote_overhead_us\":%.2f}\n",
-                co.size(), local, mpi, mpi - local);
-  }
+  MPI_Comm_free(&comm);
   return 0;
 }

@@ -1,6 +1,8 @@
-// Vote latency with ranks as threads (ThreadGroup), and the per-step cost of
-// the vote inside Guard::Step: the same step with 1 rank (local coordinator,
-// no communication) and with 4 ranks. Prints one JSON object per line.
+// Vote latency with ranks as threads (ThreadGroup: an Allgather of the
+// guard's 19-word vote record), and the per-step cost of the step protocol
+// inside Guard::Step (vote, sync with status words, agreement): the same step
+// with 1 rank (local coordinator, no communication) and with 4 ranks. Prints
+// one JSON object per line.
 //   vote_bench [--ranks 4] [--votes 20000]
 #include <algorithm>
 #include <chrono>
@@ -33,11 +35,10 @@ void VoteLatency(int ranks, int votes) {
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
       for (int i = 0; i < votes; ++i) {
-        oomguard::VoteInput in;
-        in.micro_limit = 64 + r;
+        // The guard's vote record: 19 words.
+        std::vector<int64_t> mine(19, 64 + r), all(19 * static_cast<size_t>(ranks));
         auto t0 = Clock::now();
-        auto res = group[r]->Vote(in, std::chrono::milliseconds(10000));
-        if (!res.ok()) std::abort();
+        if (!group[r]->Allgather(mine, all, std::chrono::milliseconds(10000)).ok()) std::abort();
         if (r == 0) lat.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
       }
     });
@@ -64,9 +65,11 @@ double StepTime(int ranks, int steps) {
       auto guard = oomguard::Guard::Create(o).value();
       oomguard::StepRequest req;
       req.samples = 64;
-      volatile double sink = 0;
-      req.micro = [&](const oomguard::MicroBatch& mb) { sink = sink + mb.weight; };
-      req.commit = [] {};
+      double grad = 0;
+      req.micro = [&](const oomguard::MicroBatch& mb) { grad += mb.weight; };
+      req.reset = [&] { grad = 0; };
+      req.sync = [&] { return std::vector<oomguard::SumBuffer>{oomguard::SumBuffer::Host(&grad, 1)}; };
+      req.apply = [&] { grad = 0; };
       auto t0 = Clock::now();
       for (int i = 0; i < steps; ++i)
         if (!guard->Step(req).ok()) std::abort();

@@ -1,24 +1,26 @@
-// Coordinator: how ranks agree, once per step, on what happens next.
+// Coordinator: the transport through which the ranks of one job agree.
 //
-// The guard retries OOMs locally, then every rank calls Vote with its outcome.
-// The vote is one small allreduce of a few int64: the worst status, the min of
-// the durable checkpoint step and of the micro-batch limit, the min and max of
-// the in-memory snapshot step, and whether any rank hit an OOM. Gradient
-// collectives run only after a vote that every rank passed, so one rank's OOM
-// never leaves the others blocked inside a collective.
+// The guard runs its step protocol (docs/distributed.md: vote, gradient sync,
+// agreement after the optimizer apply, rollback) over two collectives that
+// every engine implements:
+//   Allgather     every rank's small record of int64 words, to every rank
+//   AllreduceSum  buffers (gradients, the loss) summed over ranks in place,
+//                 each rank's contribution scaled by a factor of its own
+// The protocol itself (what the words mean, the kind and sequence number each
+// collective carries, what every rank does next) lives in the guard, written
+// once for all engines; an engine only moves bytes and keeps deadlines.
 //
-// Collective calls (Vote, GatherMemory, Barrier, Broadcast, AllreduceSum) must
-// be made by every rank in the same order. Each takes a deadline; a call that
-// does not complete in time returns kUnavailable, and the coordinator is then
-// broken: later calls fail at once. The process should exit with
-// kExitCoordinationTimeout so that the launcher (torchrun, mpirun, Slurm,
-// Kubernetes) restarts every rank, which resume from the newest complete
-// checkpoint.
+// Collectives must be called by every rank in the same order with the same
+// shapes. Each takes a deadline; a call that does not complete in time returns
+// kUnavailable, and the coordinator is then broken: later calls fail at once.
+// The process should exit with kExitCoordinationTimeout so that the launcher
+// (torchrun, mpirun, Slurm, Kubernetes) restarts every rank, which resume from
+// the newest complete checkpoint.
 //
 // Engines: MakeLocalCoordinator (one rank, the default), MakeThreadGroup (ranks
 // as threads of one process), the MPI and NCCL engines (mpi_coordinator.h,
-// nccl_coordinator.h, optional targets), and torch.distributed from Python,
-// which implements this interface.
+// nccl_coordinator.h, optional targets), and torch.distributed from Python
+// (oomguard.torch.TorchDistributedCoordinator), which implements this interface.
 //
 // Thread-safety: one thread per rank calls its coordinator; Abort may be
 // called from any thread.
@@ -32,8 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "oomguard/dtype.h"
 #include "oomguard/export.h"
-#include "oomguard/incident.h"
 #include "oomguard/status.h"
 
 namespace oomguard {
@@ -42,30 +44,35 @@ namespace oomguard {
 // (EX_TEMPFAIL: "try again"). Launchers restart all ranks; they resume.
 inline constexpr int kExitCoordinationTimeout = 75;
 
-// A rank's step outcome, ordered so that max() is the worst.
-enum class VoteStatus : int64_t { kOk = 0, kRollback = 1, kFailed = 2 };
+// One buffer of Coordinator::AllreduceSum.
+struct SumBuffer {
+  void* data = nullptr;  // `count` contiguous elements of `dtype`
+  int64_t count = 0;
+  DType dtype = DType::kFloat64;
+  int device = -1;  // -1: host memory; N >= 0: memory of CUDA device N
+  // This rank contributes scale * data (floating-point types; integer
+  // buffers require 1). The guard sets it to this rank's share of the global
+  // batch's loss units, so that the sum is the global batch's mean.
+  double scale = 1.0;
+  // The object the buffer belongs to, for engines written in another language
+  // (the Python binding passes the torch.Tensor here). C++ engines ignore it.
+  const void* handle = nullptr;
 
-struct VoteInput {
-  VoteStatus status = VoteStatus::kOk;
-  int64_t durable_step = -1;     // newest step durable on this rank (-1: none)
-  int64_t snapshot_step = -1;    // step of this rank's in-memory snapshot (-1: none)
-  int64_t micro_limit = 0;       // this rank's micro-batch limit
-  bool had_oom = false;          // this rank handled an OOM in this step
+  // A host buffer of float64.
+  static SumBuffer Host(double* data, int64_t count) {
+    SumBuffer b;
+    b.data = data;
+    b.count = count;
+    return b;
+  }
+  // A host buffer of float32.
+  static SumBuffer Host(float* data, int64_t count) {
+    SumBuffer b = Host(static_cast<double*>(nullptr), count);
+    b.data = data;
+    b.dtype = DType::kFloat32;
+    return b;
+  }
 };
-
-struct VoteResult {
-  VoteStatus status = VoteStatus::kOk;  // max over ranks
-  int64_t min_durable_step = -1;        // min over ranks
-  int64_t min_snapshot_step = -1;       // min over ranks
-  int64_t max_snapshot_step = -1;       // max over ranks (equal to the min: every rank holds that snapshot)
-  int64_t min_micro_limit = 0;          // min over ranks
-  bool any_oom = false;                 // some rank handled an OOM
-};
-
-// The vote as it travels: kVoteWords int64, reduced with max (mins are negated).
-inline constexpr int kVoteWords = 6;
-OOMGUARD_EXPORT void PackVote(const VoteInput& in, int64_t out[kVoteWords]);
-OOMGUARD_EXPORT VoteResult UnpackVote(const int64_t reduced_max[kVoteWords]);
 
 class OOMGUARD_EXPORT Coordinator {
  public:
@@ -74,19 +81,22 @@ class OOMGUARD_EXPORT Coordinator {
   virtual int size() const = 0;
   // "local", "threads", "mpi", "nccl", "torch.distributed".
   virtual std::string engine() const = 0;
-  // Collective. kUnavailable when the peers do not answer within `deadline`.
-  virtual StatusOr<VoteResult> Vote(const VoteInput& in, std::chrono::milliseconds deadline) = 0;
-  // Collective: every rank's memory figures (index = rank).
-  virtual StatusOr<std::vector<RankMemory>> GatherMemory(const RankMemory& mine,
-                                                         std::chrono::milliseconds deadline) = 0;
-  // Collective: returns when every rank has arrived.
-  virtual Status Barrier(std::chrono::milliseconds deadline) = 0;
-  // Collective: rank `root`'s bytes replace every other rank's `data` (sizes may differ).
-  virtual Status Broadcast(std::vector<uint8_t>* data, int root, std::chrono::milliseconds deadline) = 0;
-  // Collective: element-wise sum of a host buffer over ranks, in place. For small
-  // host state such as the demo's gradients; real training synchronises
-  // gradients with its framework (DDP, NCCL) inside commit.
-  virtual Status AllreduceSum(std::span<double> data, std::chrono::milliseconds deadline) = 0;
+
+  // Collective: every rank's `mine` (the same length on every rank),
+  // concatenated in rank order into `all`, which holds size() * mine.size()
+  // words. For small records (tens of words): votes and agreements.
+  // kInvalidArgument when `all` has the wrong length (before any
+  // communication); kUnavailable when the peers do not answer within `deadline`.
+  virtual Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all,
+                           std::chrono::milliseconds deadline) = 0;
+
+  // Collective: element-wise sum over ranks of each buffer, in place; rank r
+  // contributes buffers[i].scale * buffers[i] (rank r's own scale). Every rank
+  // passes the same number of buffers with the same counts and types. An
+  // engine that cannot sum a buffer's type or location returns
+  // kInvalidArgument before any communication (every rank then fails alike).
+  virtual Status AllreduceSum(std::span<const SumBuffer> buffers, std::chrono::milliseconds deadline) = 0;
+
   // Breaks the coordinator: blocked and later calls on every rank return
   // kAborted/kUnavailable. Safe from any thread.
   virtual void Abort() = 0;
@@ -96,8 +106,9 @@ class OOMGUARD_EXPORT Coordinator {
 OOMGUARD_EXPORT std::unique_ptr<Coordinator> MakeLocalCoordinator();
 
 // `size` coordinators that share one group, one per rank; each is used by one
-// thread. Sums are reduced in rank order, so results are deterministic.
-// kInvalidArgument for size < 1.
+// thread. Sums are reduced in rank order, so results are deterministic, and
+// every collective checks that all ranks called the same one with the same
+// shapes ("collective sequence diverged" otherwise). kInvalidArgument for size < 1.
 OOMGUARD_EXPORT StatusOr<std::vector<std::unique_ptr<Coordinator>>> MakeThreadGroup(int size);
 
 }  // namespace oomguard

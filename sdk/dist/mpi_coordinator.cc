@@ -1,10 +1,22 @@
+// The MPI engine: non-blocking collectives on a duplicate of MPI_COMM_WORLD,
+// polled against the caller's deadline.
+//
+// Errors come back as return codes, never as an abort of the job: the private
+// communicator has MPI_ERRORS_RETURN, and because Open MPI reports errors that
+// surface in MPI_Test of a non-blocking collective through MPI_COMM_WORLD's
+// handler (its requests carry no communicator), MPI_COMM_WORLD's handler is
+// switched to MPI_ERRORS_RETURN for the duration of each poll and then put
+// back, so the application's own choice still holds everywhere else.
 #include "oomguard/mpi_coordinator.h"
 
 #include <mpi.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+
+#include "sdk/dist/host_buffers.h"
 
 namespace oomguard {
 namespace {
@@ -16,6 +28,28 @@ std::string MpiError(int code) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
+// MPI_COMM_WORLD returns errors while this object lives.
+class WorldErrorsReturn {
+ public:
+  WorldErrorsReturn() {
+    if (MPI_Comm_get_errhandler(MPI_COMM_WORLD, &saved_) == MPI_SUCCESS) {
+      MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+      restore_ = true;
+    }
+  }
+  ~WorldErrorsReturn() {
+    if (!restore_) return;
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, saved_);
+    MPI_Errhandler_free(&saved_);
+  }
+  WorldErrorsReturn(const WorldErrorsReturn&) = delete;
+  WorldErrorsReturn& operator=(const WorldErrorsReturn&) = delete;
+
+ private:
+  MPI_Errhandler saved_ = MPI_ERRHANDLER_NULL;
+  bool restore_ = false;
+};
+
 class MpiCoordinator final : public Coordinator {
  public:
   MpiCoordinator(MPI_Comm comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
@@ -24,87 +58,73 @@ class MpiCoordinator final : public Coordinator {
   int size() const override { return size_; }
   std::string engine() const override { return "mpi"; }
 
-  StatusOr<VoteResult> Vote(const VoteInput& in, std::chrono::milliseconds deadline) override {
-    int64_t w[kVoteWords], m[kVoteWords];
-    PackVote(in, w);
+  Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all,
+                   std::chrono::milliseconds deadline) override {
+    if (all.size() != mine.size() * static_cast<size_t>(size_))
+      return Status::InvalidArgument("Allgather: `all` holds " + std::to_string(all.size()) + " words, expected " +
+                                     std::to_string(mine.size() * static_cast<size_t>(size_)));
+    if (mine.size() > static_cast<size_t>(INT32_MAX)) return Status::InvalidArgument("Allgather: record too large");
+    const int n = static_cast<int>(mine.size());
     MPI_Request req;
-    Status s = Start("vote", MPI_Iallreduce(w, m, kVoteWords, MPI_INT64_T, MPI_MAX, comm_, &req));
-    if (s.ok()) s = Wait("vote", &req, deadline);
-    if (!s.ok()) return s;
-    return UnpackVote(m);
+    OOMGUARD_RETURN_IF_ERROR(Start("allgather", [&] {
+      return MPI_Iallgather(mine.data(), n, MPI_INT64_T, all.data(), n, MPI_INT64_T, comm_, &req);
+    }));
+    return Wait("allgather", {&req, 1}, deadline);
   }
 
-  StatusOr<std::vector<RankMemory>> GatherMemory(const RankMemory& mine, std::chrono::milliseconds deadline) override {
-    int64_t w[4] = {rank_, mine.allocated, mine.reserved, mine.peak_allocated};
-    std::vector<int64_t> all(static_cast<size_t>(4 * size_));
-    MPI_Request req;
-    Status s = Start("gather memory", MPI_Iallgather(w, 4, MPI_INT64_T, all.data(), 4, MPI_INT64_T, comm_, &req));
-    if (s.ok()) s = Wait("gather memory", &req, deadline);
-    if (!s.ok()) return s;
-    std::vector<RankMemory> out(static_cast<size_t>(size_));
-    for (int r = 0; r < size_; ++r) {
-      out[r].rank = static_cast<int>(all[4 * r]);
-      out[r].allocated = all[4 * r + 1];
-      out[r].reserved = all[4 * r + 2];
-      out[r].peak_allocated = all[4 * r + 3];
+  Status AllreduceSum(std::span<const SumBuffer> buffers, std::chrono::milliseconds deadline) override {
+    OOMGUARD_RETURN_IF_ERROR(dist::CheckHostBuffers(buffers, "mpi"));
+    for (const SumBuffer& b : buffers)
+      if (b.count > INT32_MAX) return Status::InvalidArgument("mpi AllreduceSum: a buffer of more than 2^31 elements");
+    if (broken_) return Broken("allreduce");
+    // Scaled in place before the sum: MPI_SUM then yields sum_r scale_r * x_r.
+    for (const SumBuffer& b : buffers) dist::ScaleInPlace(b);
+    std::vector<MPI_Request> reqs;
+    reqs.reserve(buffers.size());
+    for (const SumBuffer& b : buffers) {
+      MPI_Datatype type = b.dtype == DType::kFloat64 ? MPI_DOUBLE : b.dtype == DType::kFloat32 ? MPI_FLOAT : MPI_INT64_T;
+      MPI_Request req;
+      Status s = Start("allreduce", [&] {
+        return MPI_Iallreduce(MPI_IN_PLACE, b.data, static_cast<int>(b.count), type, MPI_SUM, comm_, &req);
+      });
+      if (!s.ok()) return s;  // the coordinator is broken: nothing else will be waited for
+      reqs.push_back(req);
     }
-    return out;
-  }
-
-  Status Barrier(std::chrono::milliseconds deadline) override {
-    MPI_Request req;
-    Status s = Start("barrier", MPI_Ibarrier(comm_, &req));
-    return s.ok() ? Wait("barrier", &req, deadline) : s;
-  }
-
-  Status Broadcast(std::vector<uint8_t>* data, int root, std::chrono::milliseconds deadline) override {
-    if (root < 0 || root >= size_)
-      return Status::InvalidArgument("Broadcast: root " + std::to_string(root) + " outside [0, " +
-                                     std::to_string(size_) + ")");
-    const auto until = std::chrono::steady_clock::now() + deadline;
-    int64_t n = static_cast<int64_t>(data->size());
-    MPI_Request req;
-    Status s = Start("broadcast", MPI_Ibcast(&n, 1, MPI_INT64_T, root, comm_, &req));
-    if (s.ok()) s = Wait("broadcast", &req, Remaining(until));
-    if (!s.ok()) return s;
-    data->resize(static_cast<size_t>(n));
-    if (n == 0) return Status::Ok();
-    if (n > INT32_MAX) return Status::InvalidArgument("Broadcast: more than 2 GiB");
-    s = Start("broadcast", MPI_Ibcast(data->data(), static_cast<int>(n), MPI_BYTE, root, comm_, &req));
-    return s.ok() ? Wait("broadcast", &req, Remaining(until)) : s;
-  }
-
-  Status AllreduceSum(std::span<double> data, std::chrono::milliseconds deadline) override {
-    if (data.size() > static_cast<size_t>(INT32_MAX)) return Status::InvalidArgument("AllreduceSum: buffer too large");
-    MPI_Request req;
-    Status s = Start("allreduce", MPI_Iallreduce(MPI_IN_PLACE, data.data(), static_cast<int>(data.size()),
-                                                 MPI_DOUBLE, MPI_SUM, comm_, &req));
-    return s.ok() ? Wait("allreduce", &req, deadline) : s;
+    return Wait("allreduce", reqs, deadline);
   }
 
   void Abort() override { broken_ = true; }
 
  private:
-  static std::chrono::milliseconds Remaining(std::chrono::steady_clock::time_point until) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
-    return std::max(left, std::chrono::milliseconds(0));
+  Status Broken(const char* what) const {
+    return Status::Unavailable(std::string(what) + ": coordinator is broken by an earlier error or timeout");
   }
 
-  Status Start(const char* what, int rc) {
-    if (broken_) return Status::Unavailable(std::string(what) + ": coordinator is broken by an earlier timeout");
-    if (rc != MPI_SUCCESS) return Status::Unavailable(std::string(what) + ": " + MpiError(rc));
+  template <typename F>
+  Status Start(const char* what, F&& call) {
+    if (broken_) return Broken(what);
+    int rc;
+    {
+      WorldErrorsReturn guard;
+      rc = call();
+    }
+    if (rc != MPI_SUCCESS) {
+      broken_ = true;
+      return Status::Unavailable(std::string(what) + ": " + MpiError(rc));
+    }
     return Status::Ok();
   }
 
-  // Polls until the request completes: a short spin for the common case of
+  // Polls until every request completes: a short spin for the common case of
   // peers that are already there, then sleeps that grow to 1 ms.
-  Status Wait(const char* what, MPI_Request* req, std::chrono::milliseconds deadline) {
+  Status Wait(const char* what, std::span<MPI_Request> reqs, std::chrono::milliseconds deadline) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto until = t0 + deadline;
     auto sleep = std::chrono::microseconds(20);
-    for (int polls = 0;; ++polls) {
+    WorldErrorsReturn guard;
+    for (;;) {
       int done = 0;
-      int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+      int rc = MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) {
         broken_ = true;
         return Status::Unavailable(std::string(what) + ": " + MpiError(rc));
@@ -126,7 +146,7 @@ class MpiCoordinator final : public Coordinator {
 
   MPI_Comm comm_;
   int rank_, size_;
-  bool broken_ = false;
+  std::atomic<bool> broken_{false};
 };
 
 void FinalizeAtExit() {
@@ -146,9 +166,12 @@ StatusOr<std::unique_ptr<Coordinator>> MakeMpiCoordinator() {
     if (rc != MPI_SUCCESS) return Status::Unavailable("MPI_Init_thread failed: " + MpiError(rc));
     std::atexit(FinalizeAtExit);
   }
-  // Errors come back as return codes, not as an abort of the whole job.
   MPI_Comm comm;
-  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  int rc;
+  {
+    WorldErrorsReturn guard;
+    rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  }
   if (rc != MPI_SUCCESS) return Status::Unavailable("MPI_Comm_dup failed: " + MpiError(rc));
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
   int rank = 0, size = 1;

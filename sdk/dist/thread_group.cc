@@ -1,30 +1,43 @@
 // ThreadGroup: ranks as threads of one process.
 //
-// Every collective is one exchange: each rank deposits its contribution in
-// its slot; the last to arrive opens the round; each rank computes the result
-// from all slots under the lock (in rank order, so sums are deterministic);
-// the last to read closes the round so the slots can be reused. A rank that
-// waits past its deadline breaks the group, which wakes every waiter with an
-// error: nobody waits longer than its own deadline.
+// Every collective is one exchange: each rank deposits its contribution and a
+// description of the call (which collective, with which shapes) in its slot;
+// the last to arrive opens the round; each rank computes the result from all
+// slots under the lock (in rank order, so sums are deterministic); the last to
+// read closes the round so the slots can be reused. Ranks whose descriptions
+// differ called different collectives at the same point: every rank of that
+// round fails with "collective sequence diverged" and the group breaks. A rank
+// that waits past its deadline breaks the group, which wakes every waiter with
+// an error: nobody waits longer than its own deadline.
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <mutex>
 
 #include "oomguard/coordinator.h"
+#include "sdk/dist/host_buffers.h"
 
 namespace oomguard {
 namespace {
 
 using Bytes = std::vector<uint8_t>;
 
+// What one rank put into a round.
+struct Slot {
+  std::string call;            // "allgather of 18 words", "sum of [float64 x 4417, float64 x 5]"
+  Bytes data;                  // the rank's contribution
+  std::vector<double> scales;  // AllreduceSum: one per buffer
+};
+
 class Group {
  public:
   explicit Group(int size) : size_(size), slots_(static_cast<size_t>(size)) {}
 
-  // Deposits `mine` and, once every rank has, calls read(slots) under the lock.
-  Status Exchange(int rank, Bytes mine, std::chrono::milliseconds deadline, const char* what,
-                  const std::function<void(const std::vector<Bytes>&)>& read) {
+  // Deposits `mine` and, once every rank has and all called the same
+  // collective, calls read(slots) under the lock.
+  Status Exchange(int rank, Slot mine, std::chrono::milliseconds deadline, const char* what,
+                  const std::function<void(const std::vector<Slot>&)>& read) {
     const auto until = std::chrono::steady_clock::now() + deadline;
     std::unique_lock<std::mutex> lock(mu_);
     auto broken_status = [&] {
@@ -43,13 +56,24 @@ class Group {
       return Break(rank, what, deadline);
     }
     if (broken_) return broken_status();
-    read(slots_);
+    std::string diverged;
+    for (int r = 1; r < size_ && diverged.empty(); ++r) {
+      if (slots_[static_cast<size_t>(r)].call != slots_[0].call)
+        diverged = "collective sequence diverged: rank 0 called " + slots_[0].call + ", rank " + std::to_string(r) +
+                   " called " + slots_[static_cast<size_t>(r)].call;
+    }
+    if (diverged.empty()) read(slots_);
     if (++readers_ == size_) {
       reading_ = false;
       arrived_ = 0;
       ++round_;
+      if (!diverged.empty() && !broken_) {
+        broken_ = true;
+        broken_why_ = diverged;
+      }
       cv_.notify_all();
     }
+    if (!diverged.empty()) return Status::Internal(diverged);
     return Status::Ok();
   }
 
@@ -79,7 +103,7 @@ class Group {
   const int size_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Bytes> slots_;
+  std::vector<Slot> slots_;
   int arrived_ = 0;
   int readers_ = 0;
   bool reading_ = false;
@@ -88,11 +112,31 @@ class Group {
   std::string broken_why_;
 };
 
+// Sums buffer `i` of every slot into `out`: out[j] = sum over ranks, in rank
+// order, of scale_r * x_r[j], accumulated in double.
 template <typename T>
-Bytes ToBytes(const T* p, size_t n) {
-  Bytes b(n * sizeof(T));
-  if (n > 0) std::memcpy(b.data(), p, b.size());
-  return b;
+void SumInto(const std::vector<Slot>& all, size_t i, size_t offset, int64_t count, T* out) {
+  for (int64_t j = 0; j < count; ++j) {
+    double acc = 0;
+    for (const Slot& s : all) {
+      T v;
+      std::memcpy(&v, s.data.data() + offset + static_cast<size_t>(j) * sizeof(T), sizeof(T));
+      acc += s.scales[i] * static_cast<double>(v);
+    }
+    out[j] = static_cast<T>(acc);
+  }
+}
+
+void SumInt64(const std::vector<Slot>& all, size_t offset, int64_t count, int64_t* out) {
+  for (int64_t j = 0; j < count; ++j) {
+    int64_t acc = 0;
+    for (const Slot& s : all) {
+      int64_t v;
+      std::memcpy(&v, s.data.data() + offset + static_cast<size_t>(j) * sizeof(v), sizeof(v));
+      acc += v;
+    }
+    out[j] = acc;
+  }
 }
 
 class ThreadGroupCoordinator final : public Coordinator {
@@ -103,68 +147,53 @@ class ThreadGroupCoordinator final : public Coordinator {
   int size() const override { return group_->size(); }
   std::string engine() const override { return "threads"; }
 
-  StatusOr<VoteResult> Vote(const VoteInput& in, std::chrono::milliseconds deadline) override {
-    int64_t w[kVoteWords];
-    PackVote(in, w);
-    int64_t m[kVoteWords];
-    Status s = group_->Exchange(rank_, ToBytes(w, kVoteWords), deadline, "vote", [&](const std::vector<Bytes>& all) {
-      for (int i = 0; i < kVoteWords; ++i) m[i] = INT64_MIN;
-      for (const Bytes& b : all) {
-        const int64_t* v = reinterpret_cast<const int64_t*>(b.data());
-        for (int i = 0; i < kVoteWords; ++i) m[i] = std::max(m[i], v[i]);
+  Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all,
+                   std::chrono::milliseconds deadline) override {
+    const size_t n = mine.size();
+    if (all.size() != n * static_cast<size_t>(size()))
+      return Status::InvalidArgument("Allgather: `all` holds " + std::to_string(all.size()) + " words, expected " +
+                                     std::to_string(n * static_cast<size_t>(size())));
+    Slot slot;
+    slot.call = "allgather of " + std::to_string(n) + " words";
+    slot.data.resize(n * sizeof(int64_t));
+    if (n > 0) std::memcpy(slot.data.data(), mine.data(), slot.data.size());
+    return group_->Exchange(rank_, std::move(slot), deadline, "allgather", [&](const std::vector<Slot>& slots) {
+      for (size_t r = 0; r < slots.size(); ++r)
+        if (n > 0) std::memcpy(all.data() + r * n, slots[r].data.data(), n * sizeof(int64_t));
+    });
+  }
+
+  Status AllreduceSum(std::span<const SumBuffer> buffers, std::chrono::milliseconds deadline) override {
+    OOMGUARD_RETURN_IF_ERROR(dist::CheckHostBuffers(buffers, "threads"));
+    Slot slot;
+    slot.call = "sum of [";
+    size_t bytes = 0;
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      slot.call += (i > 0 ? ", " : "") + std::string(DTypeName(buffers[i].dtype)) + " x " +
+                   std::to_string(buffers[i].count);
+      bytes += static_cast<size_t>(buffers[i].count) * DTypeSize(buffers[i].dtype);
+    }
+    slot.call += "]";
+    slot.data.resize(bytes);
+    size_t at = 0;
+    for (const SumBuffer& b : buffers) {
+      const size_t n = static_cast<size_t>(b.count) * DTypeSize(b.dtype);
+      if (n > 0) std::memcpy(slot.data.data() + at, b.data, n);
+      at += n;
+      slot.scales.push_back(b.scale);
+    }
+    return group_->Exchange(rank_, std::move(slot), deadline, "allreduce", [&](const std::vector<Slot>& slots) {
+      size_t offset = 0;
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        const SumBuffer& b = buffers[i];
+        switch (b.dtype) {
+          case DType::kFloat64: SumInto(slots, i, offset, b.count, static_cast<double*>(b.data)); break;
+          case DType::kFloat32: SumInto(slots, i, offset, b.count, static_cast<float*>(b.data)); break;
+          default: SumInt64(slots, offset, b.count, static_cast<int64_t*>(b.data)); break;
+        }
+        offset += static_cast<size_t>(b.count) * DTypeSize(b.dtype);
       }
     });
-    if (!s.ok()) return s;
-    return UnpackVote(m);
-  }
-
-  StatusOr<std::vector<RankMemory>> GatherMemory(const RankMemory& mine, std::chrono::milliseconds deadline) override {
-    std::vector<RankMemory> out;
-    RankMemory me = mine;
-    me.rank = rank_;
-    Status s = group_->Exchange(rank_, ToBytes(&me, 1), deadline, "gather memory", [&](const std::vector<Bytes>& all) {
-      for (const Bytes& b : all) {
-        RankMemory r;
-        std::memcpy(&r, b.data(), sizeof(r));
-        out.push_back(r);
-      }
-    });
-    if (!s.ok()) return s;
-    return out;
-  }
-
-  Status Barrier(std::chrono::milliseconds deadline) override {
-    return group_->Exchange(rank_, {}, deadline, "barrier", [](const std::vector<Bytes>&) {});
-  }
-
-  Status Broadcast(std::vector<uint8_t>* data, int root, std::chrono::milliseconds deadline) override {
-    if (root < 0 || root >= size())
-      return Status::InvalidArgument("Broadcast: root " + std::to_string(root) + " outside [0, " +
-                                     std::to_string(size()) + ")");
-    Bytes mine = rank_ == root ? *data : Bytes{};
-    return group_->Exchange(rank_, std::move(mine), deadline, "broadcast",
-                            [&](const std::vector<Bytes>& all) { *data = all[static_cast<size_t>(root)]; });
-  }
-
-  Status AllreduceSum(std::span<double> data, std::chrono::milliseconds deadline) override {
-    const size_t n = data.size();
-    bool mismatch = false;
-    Status s = group_->Exchange(rank_, ToBytes(data.data(), n), deadline, "allreduce",
-                                [&](const std::vector<Bytes>& all) {
-                                  std::vector<double> sum(n, 0.0);
-                                  for (const Bytes& b : all) {
-                                    if (b.size() != n * sizeof(double)) {
-                                      mismatch = true;
-                                      return;
-                                    }
-                                    const double* v = reinterpret_cast<const double*>(b.data());
-                                    for (size_t i = 0; i < n; ++i) sum[i] += v[i];
-                                  }
-                                  std::copy(sum.begin(), sum.end(), data.begin());
-                                });
-    if (!s.ok()) return s;
-    if (mismatch) return Status::InvalidArgument("AllreduceSum: ranks passed buffers of different sizes");
-    return Status::Ok();
   }
 
   void Abort() override { group_->Abort("aborted by rank " + std::to_string(rank_)); }

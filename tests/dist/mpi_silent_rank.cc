@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <thread>
+#include <vector>
 
 #include "oomguard/mpi_coordinator.h"
 
@@ -20,12 +21,13 @@ int main() {
     _exit(0);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = co.Vote(oomguard::VoteInput{}, std::chrono::milliseconds(500));
+  std::vector<int64_t> mine(19, co.rank()), all(19 * static_cast<size_t>(co.size()));
+  oomguard::Status r = co.Allgather(mine, all, std::chrono::milliseconds(500));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!r.ok() && r.status().code() == oomguard::StatusCode::kUnavailable && s < 2.0) {
-    std::printf("TIMEOUT-OK rank %d after %.2f s: %s\n", co.rank(), s, r.status().message().c_str());
+  if (!r.ok() && r.code() == oomguard::StatusCode::kUnavailable && s < 2.0) {
+    std::printf("TIMEOUT-OK rank %d after %.2f s: %s\n", co.rank(), s, r.message().c_str());
   } else {
-    std::printf("TIMEOUT-BAD rank %d after %.2f s: %s\n", co.rank(), s, r.status().ToString().c_str());
+    std::printf("TIMEOUT-BAD rank %d after %.2f s: %s\n", co.rank(), s, r.ToString().c_str());
   }
   std::fflush(stdout);
   _exit(oomguard::kExitCoordinationTimeout);  // no MPI_Finalize with a collective pending

@@ -5,7 +5,10 @@
 // reported as skipped rather than passed.
 //
 // Plain main rather than gtest: the skip must be the process's exit code.
+#include <cuda_runtime_api.h>
+
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -50,40 +53,36 @@ int main() {
   Check(nccl->rank() == 0 && nccl->size() == 1, "rank 0 of 1");
   Check(nccl->engine() == "nccl", "engine is nccl (got " + nccl->engine() + ")");
 
-  VoteInput in;
-  in.status = VoteStatus::kRollback;
-  in.durable_step = 41;
-  in.snapshot_step = 42;
-  in.micro_limit = 96;
-  in.had_oom = true;
-  auto vote = nccl->Vote(in, kDeadline);
-  Check(vote.ok(), "Vote: " + vote.status().ToString());
-  if (vote.ok()) {
-    Check(vote->status == VoteStatus::kRollback && vote->min_durable_step == 41 && vote->min_snapshot_step == 42 &&
-              vote->min_micro_limit == 96 && vote->any_oom,
-          "a one-rank vote returns the rank's own input");
-  }
+  // Allgather over one rank is the identity.
+  std::vector<int64_t> mine = {41, -42, INT64_MIN, 96};
+  std::vector<int64_t> all(4);
+  Status g = nccl->Allgather(mine, all, kDeadline);
+  Check(g.ok() && all == mine, "Allgather over one rank returns the rank's record: " + g.ToString());
 
+  // Sums: a host buffer (staged through the coordinator's scratch), scaled.
   std::vector<double> values = {1.5, -2.25, 1e300, 0.0};
-  const std::vector<double> expected = values;
-  Status sum = nccl->AllreduceSum(values, kDeadline);
-  Check(sum.ok() && values == expected, "AllreduceSum over one rank is the identity: " + sum.ToString());
-
-  std::vector<uint8_t> bytes = {1, 2, 3, 250};
-  Status bc = nccl->Broadcast(&bytes, 0, kDeadline);
-  Check(bc.ok() && bytes == std::vector<uint8_t>({1, 2, 3, 250}), "Broadcast from rank 0: " + bc.ToString());
-  Check(nccl->Broadcast(&bytes, 1, kDeadline).code() == StatusCode::kInvalidArgument,
-        "Broadcast from a rank outside the group is kInvalidArgument");
-
-  RankMemory mine;
-  mine.allocated = 123456789;
-  mine.reserved = 223456789;
-  mine.peak_allocated = 323456789;
-  auto rows = nccl->GatherMemory(mine, kDeadline);
-  Check(rows.ok() && rows->size() == 1 && (*rows)[0].allocated == mine.allocated &&
-            (*rows)[0].reserved == mine.reserved && (*rows)[0].peak_allocated == mine.peak_allocated,
-        "GatherMemory returns this rank's figures");
-  Check(nccl->Barrier(kDeadline).ok(), "Barrier");
+  SumBuffer host = SumBuffer::Host(values.data(), 4);
+  host.scale = 0.5;
+  Status sum = nccl->AllreduceSum(std::vector<SumBuffer>{host}, kDeadline);
+  Check(sum.ok() && values == std::vector<double>({0.75, -1.125, 5e299, 0.0}),
+        "AllreduceSum over one rank applies the scale: " + sum.ToString());
+  // A device buffer, summed in place with a pre-multiplied sum.
+  float* dev = nullptr;
+  Check(cudaMalloc(reinterpret_cast<void**>(&dev), 3 * sizeof(float)) == cudaSuccess, "cudaMalloc");
+  const float f[3] = {2.0f, 4.0f, -8.0f};
+  cudaMemcpy(dev, f, sizeof(f), cudaMemcpyHostToDevice);
+  SumBuffer db;
+  db.data = dev;
+  db.count = 3;
+  db.dtype = DType::kFloat32;
+  db.device = 0;
+  db.scale = 0.25;
+  Status dsum = nccl->AllreduceSum(std::vector<SumBuffer>{db}, kDeadline);
+  float back[3] = {0, 0, 0};
+  cudaMemcpy(back, dev, sizeof(back), cudaMemcpyDeviceToHost);
+  cudaFree(dev);
+  Check(dsum.ok() && back[0] == 0.5f && back[1] == 1.0f && back[2] == -2.0f,
+        "AllreduceSum of a device buffer applies the scale inside the reduction: " + dsum.ToString());
 
   // A guarded step whose vote travels through NCCL, with an injected OOM.
   Status rules = SetFaultRules("oom@step=1,site=micro_batch");
@@ -102,7 +101,7 @@ int main() {
       req.samples = 8;
       req.micro = [&](const MicroBatch& mb) { seen += mb.size; };
       req.reset = [&] { seen = 0; };
-      req.commit = [&] { ++commits; };
+      req.apply = [&] { ++commits; };
       StepReport report;
       Status st = guard->Step(req, &report);
       Check(st.ok(), "guarded step " + std::to_string(s) + ": " + st.ToString());
@@ -115,8 +114,8 @@ int main() {
   ClearFaultRules();
 
   nccl->Abort();
-  auto after = nccl->Vote(in, kDeadline);
-  Check(!after.ok(), "an aborted coordinator refuses the next vote: " + after.status().ToString());
+  Status after = nccl->Allgather(mine, all, kDeadline);
+  Check(!after.ok(), "an aborted coordinator refuses the next collective: " + after.ToString());
 
   std::printf("nccl_one_rank: %s\n", failures == 0 ? "all checks passed" : "FAILED");
   return failures == 0 ? 0 : 1;
