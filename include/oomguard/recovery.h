@@ -1,18 +1,25 @@
 // RecoveryStore: what the guard can roll back to when splitting is not enough.
 //
-// The guard uses it on two rungs of the escalation ladder:
-//   - an OOM inside commit (optimizer step) may have left parameters half
-//     updated: RestoreSnapshot() puts back the last complete in-memory state;
-//   - an OOM at the minimum micro-batch: the step cannot be done here, so every
-//     rank restores the newest checkpoint that is complete everywhere.
-// The checkpointer implements this interface; without one the guard gives up
-// with kResourceExhausted at those rungs.
+// The guard uses it on the rollback rung of the escalation ladder:
+//   - an OOM inside the optimizer apply may have left parameters half updated;
+//   - an OOM at the minimum micro-batch: the step cannot be done here.
+// In both cases every rank restores the same step: the newest one that every
+// rank can restore (from its in-memory snapshot or from durable storage),
+// chosen by the guard from what each rank reports here, restored exactly, and
+// confirmed by all ranks afterwards (docs/distributed.md). The checkpointer
+// implements this interface; without one the guard gives up with
+// kResourceExhausted at that rung.
+//
+// Step numbers name the state *after* that step committed; the state before a
+// run's first step is step first_step - 1 (-1 for a run that starts at 0).
 //
 // Thread-safety: called on the training thread only.
 #ifndef OOMGUARD_RECOVERY_H_
 #define OOMGUARD_RECOVERY_H_
 
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 #include "oomguard/export.h"
 #include "oomguard/status.h"
@@ -22,24 +29,35 @@ namespace oomguard {
 class OOMGUARD_EXPORT RecoveryStore {
  public:
   virtual ~RecoveryStore();
-  // Newest step whose state this rank has made durable (its shard is written
-  // and synced; with several ranks the manifest may still be pending) (-1: none).
-  virtual int64_t DurableStep() = 0;
-  // Restores the state of `step` (a durable checkpoint, or the in-memory
-  // snapshot when it holds that step) into the registered state. Returns the
-  // step restored. kDataLoss when nothing usable exists.
-  virtual StatusOr<int64_t> Restore(int64_t step) = 0;
-  // The step of the newest in-memory snapshot (-1: none).
-  virtual int64_t SnapshotStep() = 0;
-  // Step `step` committed. `after_recovery`: an OOM was recovered at a reduced
-  // size in this step (a good moment to save). Must not block beyond staging.
+
+  // The steps whose state this rank holds durably (its own part written and
+  // synced, committed or not), ascending. Steps whose part was lost (removed
+  // by retention, a failed write) are not listed.
+  virtual std::vector<int64_t> DurableSteps() = 0;
+  // The step of the in-memory snapshot, if one is held.
+  virtual std::optional<int64_t> SnapshotStep() = 0;
+  // Keeps a copy of the registered state in memory as the state after `step`
+  // (nothing is written). The guard calls it before the first optimizer apply
+  // when no other restorable state exists, so that an OOM in the very first
+  // apply (optimizer state allocation) rolls back instead of giving up.
+  // kUnimplemented by default.
+  virtual Status Snapshot(int64_t step) {
+    (void)step;
+    return Status::Unimplemented("this RecoveryStore keeps no in-memory snapshot");
+  }
+  // Restores exactly the state of `step` into the registered state: the
+  // in-memory snapshot when it holds that step, else durable storage. Never
+  // another step: kDataLoss or kNotFound when `step` cannot be restored.
+  virtual Status Restore(int64_t step) = 0;
+  // Step `step` committed on every rank. `after_recovery`: some rank recovered
+  // an OOM in this step (a good moment to save). Must not block beyond staging.
   virtual Status OnStepCommitted(int64_t step, bool after_recovery) = 0;
-  // Blocks until the saves in flight are durable, then returns DurableStep().
-  // Used when ranks must agree on a rollback target that only the disk has.
-  virtual int64_t WaitDurable() { return DurableStep(); }
-  // Multi-rank: called on rank 0 once every rank's state of `step` is durable
-  // (the min of DurableStep() over ranks reached it): write the commit marker.
-  // A single process commits its own checkpoints and can ignore this.
+  // Blocks until the saves in flight are durable or failed. Returns the error
+  // of the newest save when it failed (an error superseded by a later durable
+  // save is not returned).
+  virtual Status WaitDurable() { return Status::Ok(); }
+  // Called on rank 0 when `step` is durable on every rank: write the commit
+  // marker (a single process commits its own checkpoints and can ignore this).
   virtual Status CommitDurable(int64_t step, int world_size) {
     (void)step;
     (void)world_size;

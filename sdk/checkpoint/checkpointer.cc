@@ -2,7 +2,7 @@
 // save), the background writer, manifest commit, retention, loading, and the
 // RecoveryStore the guard rolls back through.
 //
-// Staging buffers (struct Snapshot) are recycled: at steady state one holds
+// Staging buffers (struct StagedState) are recycled: at steady state one holds
 // the retained snapshot (instant rollback) and one is being written or spare,
 // so a save copies into memory that is already faulted in. The staging budget
 // bounds the bytes of all of them together.
@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "oomguard/checkpoint.h"
@@ -37,64 +38,6 @@ namespace oomguard {
 
 namespace fs = std::filesystem;
 using ckpt::ShardTensor;
-
-std::string_view DTypeName(DType t) {
-  switch (t) {
-    case DType::kFloat16:
-      return "float16";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat32:
-      return "float32";
-    case DType::kFloat64:
-      return "float64";
-    case DType::kInt8:
-      return "int8";
-    case DType::kInt16:
-      return "int16";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    case DType::kUInt8:
-      return "uint8";
-    case DType::kUInt16:
-      return "uint16";
-    case DType::kUInt32:
-      return "uint32";
-    case DType::kUInt64:
-      return "uint64";
-    case DType::kBool:
-      return "bool";
-  }
-  return "uint8";
-}
-
-std::optional<DType> ParseDType(std::string_view name) {
-  for (int i = 0; i <= static_cast<int>(DType::kBool); ++i)
-    if (DTypeName(static_cast<DType>(i)) == name) return static_cast<DType>(i);
-  return std::nullopt;
-}
-
-size_t DTypeSize(DType t) {
-  switch (t) {
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kInt16:
-    case DType::kUInt16:
-      return 2;
-    case DType::kFloat32:
-    case DType::kInt32:
-    case DType::kUInt32:
-      return 4;
-    case DType::kFloat64:
-    case DType::kInt64:
-    case DType::kUInt64:
-      return 8;
-    default:
-      return 1;
-  }
-}
 
 namespace {
 
@@ -119,8 +62,8 @@ struct Entry {
 };
 
 // One staged copy of the registered state (one buffer per entry).
-struct Snapshot {
-  ~Snapshot() {
+struct StagedState {
+  ~StagedState() {
     for (void* p : pinned) ckpt::UnpinHost(p);
   }
   int64_t step = -1;
@@ -132,12 +75,12 @@ struct Snapshot {
 
 class SnapshotSource final : public ckpt::ChunkSource {
  public:
-  explicit SnapshotSource(std::shared_ptr<Snapshot> s) : s_(std::move(s)) {}
+  explicit SnapshotSource(std::shared_ptr<StagedState> s) : s_(std::move(s)) {}
   const uint8_t* Acquire(size_t t, int64_t begin, int64_t) override { return s_->data[t].data() + begin; }
   void Release(size_t, int64_t, int64_t) override {}
 
  private:
-  std::shared_ptr<Snapshot> s_;
+  std::shared_ptr<StagedState> s_;
 };
 
 // Piece-wise staging for a state larger than the budget: the training thread
@@ -232,7 +175,7 @@ struct WriteJob {
   int64_t step = -1;
   std::vector<ShardTensor> tensors;
   std::shared_ptr<ckpt::ChunkSource> source;
-  std::shared_ptr<Snapshot> snapshot;  // null in piece mode
+  std::shared_ptr<StagedState> snapshot;  // null in piece mode
   std::shared_ptr<PieceSource> pieces;
   Clock::time_point started;
 };
@@ -258,8 +201,8 @@ class CheckpointerImpl final : public Checkpointer {
                             ? o.stage_threads
                             : std::min(4, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
     if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
-    auto steps = CommittedSteps(o_.dir);
-    committed_step_ = steps.empty() ? -1 : steps.back();
+    for (int64_t step : CommittedSteps(o_.dir))
+      if (fs::exists(ShardPath(step))) durable_.insert(step);
     writer_ = std::thread([this] { WriterLoop(); });
   }
 
@@ -314,9 +257,7 @@ class CheckpointerImpl final : public Checkpointer {
   Status Wait() override {
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
-    Status s = pending_error_;
-    pending_error_ = Status::Ok();
-    return s;
+    return pending_error_;
   }
 
   StatusOr<int64_t> LoadLatest() override;
@@ -342,7 +283,7 @@ class CheckpointerImpl final : public Checkpointer {
 
   int64_t ShardDurableStep() const override {
     std::lock_guard<std::mutex> lk(mu_);
-    return shard_durable_step_;
+    return durable_.empty() ? -1 : *durable_.rbegin();
   }
   Status CommitManifest(int64_t step, int world_size) override;
 
@@ -352,15 +293,14 @@ class CheckpointerImpl final : public Checkpointer {
   }
   const CheckpointOptions& options() const override { return o_; }
 
-  int64_t DurableStep() override {
+  std::vector<int64_t> DurableSteps() override;
+  std::optional<int64_t> SnapshotStep() override {
     std::lock_guard<std::mutex> lk(mu_);
-    return o_.commit_manifest_locally ? committed_step_ : shard_durable_step_;
+    if (retained_ == nullptr) return std::nullopt;
+    return retained_->step;
   }
-  int64_t SnapshotStep() override {
-    std::lock_guard<std::mutex> lk(mu_);
-    return retained_ != nullptr ? retained_->step : -1;
-  }
-  StatusOr<int64_t> Restore(int64_t step) override;
+  Status Snapshot(int64_t step) override;
+  Status Restore(int64_t step) override;
   Status OnStepCommitted(int64_t step, bool after_recovery) override {
     const bool by_count = o_.every_steps > 0 && (step + 1) % o_.every_steps == 0;
     if (!by_count && !(after_recovery && o_.save_after_recovery)) return Status::Ok();
@@ -388,6 +328,12 @@ class CheckpointerImpl final : public Checkpointer {
     return Status::Ok();
   }
   std::string StepDir(int64_t step) const { return o_.dir + "/" + ckpt::StepDirName(step); }
+  std::string ShardPath(int64_t step) const { return StepDir(step) + "/" + ckpt::ShardFileName(o_.rank); }
+  // Serialises the objects and copies the registered state into a staging
+  // buffer (the blocking part of a save). REQUIRES: the state fits the
+  // staging budget beside what is in flight (or there is no budget).
+  StatusOr<std::shared_ptr<StagedState>> StageWithinBudget(int64_t step, std::vector<std::vector<uint8_t>>& object_bytes,
+                                                        int64_t need);
   std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const {
     std::vector<ShardTensor> out;
     for (size_t i = 0; i < entries_.size(); ++i) {
@@ -426,26 +372,102 @@ class CheckpointerImpl final : public Checkpointer {
   std::deque<WriteJob> queue_;                         // guarded by mu_
   bool busy_ = false;                                  // guarded by mu_: the writer holds a job
   bool stop_ = false;                                  // guarded by mu_
-  std::shared_ptr<Snapshot> retained_;                 // guarded by mu_: newest complete staged state
-  std::shared_ptr<Snapshot> spare_;                    // guarded by mu_: a buffer set to reuse
+  std::shared_ptr<StagedState> retained_;              // guarded by mu_: newest complete staged state
+  std::shared_ptr<StagedState> spare_;                 // guarded by mu_: a buffer set to reuse
   int64_t inflight_bytes_ = 0;                         // guarded by mu_: snapshots queued or being written
-  int64_t committed_step_ = -1;                        // guarded by mu_
-  int64_t shard_durable_step_ = -1;                    // guarded by mu_
+  std::set<int64_t> durable_;                          // guarded by mu_: steps whose shard of this rank is durable
   std::map<int64_t, ckpt::ManifestShard> own_shards_;  // guarded by mu_: durable, not yet committed
-  Status pending_error_;                               // guarded by mu_
+  Status pending_error_;                               // guarded by mu_: the newest save's failure
+  int64_t pending_error_step_ = -1;                    // guarded by mu_: the step that failed
   CheckpointStats stats_;                              // guarded by mu_
   std::mutex commit_mu_;                               // serialises CommitManifest + retention
   std::thread writer_;
 };
 
+StatusOr<std::shared_ptr<StagedState>> CheckpointerImpl::StageWithinBudget(
+    int64_t step, std::vector<std::vector<uint8_t>>& object_bytes, int64_t need) {
+  const int64_t budget = o_.staging_budget_bytes;
+  std::shared_ptr<StagedState> snap;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      const int64_t retained_idle = (retained_ && !retained_->writing) ? retained_->bytes : 0;
+      if (budget == 0 || inflight_bytes_ + retained_idle + need <= budget) break;
+      if (retained_idle > 0) {
+        // Its step is durable by now; rollback falls back to disk.
+        if (!spare_) spare_ = std::move(retained_);
+        retained_.reset();
+        continue;
+      }
+      cv_.wait(lk);  // back-pressure: a write must finish first
+    }
+    snap = std::move(spare_);
+  }
+  if (!snap) snap = std::make_shared<StagedState>();
+  snap->data.resize(entries_.size());
+  snap->pinned.resize(entries_.size(), nullptr);
+  snap->step = step;
+  snap->bytes = need;
+  bool device_copies = false;
+  std::vector<CopyRange> host_copies;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    if (e.is_object) {
+      snap->data[i] = std::move(object_bytes[i]);
+      continue;
+    }
+    auto& buf = snap->data[i];
+    if (static_cast<int64_t>(buf.size()) != e.bytes) {
+      // Resize without value-initialising what memcpy overwrites anyway.
+      ckpt::UnpinHost(snap->pinned[i]);
+      snap->pinned[i] = nullptr;
+      buf = std::vector<uint8_t>();
+      buf.resize(static_cast<size_t>(e.bytes));
+    }
+    if (e.bytes == 0) continue;
+    if (e.on_cuda) {
+      // Pinned once per buffer; buffers are recycled between saves.
+      if (snap->pinned[i] == nullptr) {
+        ckpt::PinHost(buf.data(), buf.size());
+        snap->pinned[i] = buf.data();
+      }
+      OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(buf.data(), e.data, static_cast<size_t>(e.bytes)));
+      device_copies = true;
+    } else {
+      host_copies.push_back({buf.data(), static_cast<const uint8_t*>(e.data), static_cast<size_t>(e.bytes)});
+    }
+  }
+  ParallelCopy(host_copies, stage_pool_.get());
+  // The stall ends when the device copies landed: training may then change the tensors.
+  if (device_copies) OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
+  return snap;
+}
+
+Status CheckpointerImpl::Snapshot(int64_t step) {
+  if (!o_.keep_snapshot) return Status::FailedPrecondition("CheckpointOptions.keep_snapshot is off");
+  std::vector<std::vector<uint8_t>> object_bytes(entries_.size());
+  int64_t need = 0;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].is_object) object_bytes[i] = entries_[i].save();
+    need += entries_[i].is_object ? static_cast<int64_t>(object_bytes[i].size()) : entries_[i].bytes;
+  }
+  if (o_.staging_budget_bytes > 0 && need > o_.staging_budget_bytes)
+    return Status::ResourceExhausted("the state (" + std::to_string(need) + " bytes) exceeds the staging budget (" +
+                                     std::to_string(o_.staging_budget_bytes) + " bytes): no in-memory snapshot");
+  auto snap = StageWithinBudget(step, object_bytes, need);
+  if (!snap.ok()) return snap.status();
+  std::lock_guard<std::mutex> lk(mu_);
+  std::shared_ptr<StagedState> old = std::move(retained_);
+  retained_ = *snap;
+  if (old && !old->writing && !spare_) spare_ = std::move(old);
+  return Status::Ok();
+}
+
 Status CheckpointerImpl::SaveAsync(int64_t step) {
   const auto t0 = Clock::now();
   FaultPoint(FaultSite::kCkptStage, FaultContext{step, o_.rank, -1, 0});
-  Status previous;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    previous = pending_error_;
-    pending_error_ = Status::Ok();
     ++stats_.saves_started;
   }
   // Objects serialise first: their size is part of the state's size.
@@ -461,59 +483,9 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
   const int64_t budget = o_.staging_budget_bytes;
 
   if (budget == 0 || need <= budget) {
-    std::shared_ptr<Snapshot> snap;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      for (;;) {
-        const int64_t retained_idle = (retained_ && !retained_->writing) ? retained_->bytes : 0;
-        if (budget == 0 || inflight_bytes_ + retained_idle + need <= budget) break;
-        if (retained_idle > 0) {
-          // Its step is durable by now; rollback falls back to disk.
-          if (!spare_) spare_ = std::move(retained_);
-          retained_.reset();
-          continue;
-        }
-        cv_.wait(lk);  // back-pressure: a write must finish first
-      }
-      snap = std::move(spare_);
-    }
-    if (!snap) snap = std::make_shared<Snapshot>();
-    snap->data.resize(entries_.size());
-    snap->pinned.resize(entries_.size(), nullptr);
-    snap->step = step;
-    snap->bytes = need;
-    bool device_copies = false;
-    std::vector<CopyRange> host_copies;
-    for (size_t i = 0; i < entries_.size(); ++i) {
-      const Entry& e = entries_[i];
-      if (e.is_object) {
-        snap->data[i] = std::move(object_bytes[i]);
-        continue;
-      }
-      auto& buf = snap->data[i];
-      if (static_cast<int64_t>(buf.size()) != e.bytes) {
-        // Resize without value-initialising what memcpy overwrites anyway.
-        ckpt::UnpinHost(snap->pinned[i]);
-        snap->pinned[i] = nullptr;
-        buf = std::vector<uint8_t>();
-        buf.resize(static_cast<size_t>(e.bytes));
-      }
-      if (e.bytes == 0) continue;
-      if (e.on_cuda) {
-        // Pinned once per buffer; buffers are recycled between saves.
-        if (snap->pinned[i] == nullptr) {
-          ckpt::PinHost(buf.data(), buf.size());
-          snap->pinned[i] = buf.data();
-        }
-        OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(buf.data(), e.data, static_cast<size_t>(e.bytes)));
-        device_copies = true;
-      } else {
-        host_copies.push_back({buf.data(), static_cast<const uint8_t*>(e.data), static_cast<size_t>(e.bytes)});
-      }
-    }
-    ParallelCopy(host_copies, stage_pool_.get());
-    // The stall ends when the device copies landed: training may then change the tensors.
-    if (device_copies) OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
+    auto staged = StageWithinBudget(step, object_bytes, need);
+    if (!staged.ok()) return staged.status();
+    std::shared_ptr<StagedState> snap = std::move(staged).value();
     job.snapshot = snap;
     job.source = std::make_shared<SnapshotSource>(snap);
     job.started = Clock::now();
@@ -522,7 +494,7 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
       snap->writing = true;
       inflight_bytes_ += snap->bytes;
       if (o_.keep_snapshot) {
-        std::shared_ptr<Snapshot> old = std::move(retained_);
+        std::shared_ptr<StagedState> old = std::move(retained_);
         retained_ = snap;
         if (old && !old->writing && !spare_) spare_ = std::move(old);
       }
@@ -579,8 +551,6 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
     std::lock_guard<std::mutex> lk(mu_);
     stats_.stall_ms.push_back(MsSince(t0));
   }
-  if (!previous.ok())
-    return Status(previous.code(), "an earlier checkpoint save failed: " + previous.message());
   return Status::Ok();
 }
 
@@ -618,6 +588,12 @@ void CheckpointerImpl::WriterLoop() {
         ++stats_.save_failures;
         stats_.last_error = s;
         pending_error_ = s;
+        pending_error_step_ = job.step;
+      } else if (job.step >= pending_error_step_) {
+        // A newer state is durable: the earlier failure no longer matters to
+        // anyone who waits for the newest save (Stats() keeps it).
+        pending_error_ = Status::Ok();
+        pending_error_step_ = -1;
       }
     }
     if (!s.ok()) Logger()->error("checkpoint of step {} failed: {}", job.step, s.ToString());
@@ -627,6 +603,12 @@ void CheckpointerImpl::WriterLoop() {
 
 Status CheckpointerImpl::Write(WriteJob& job) {
   const std::string dir = StepDir(job.step);
+  {
+    // Whatever this rank held of the step before is being replaced.
+    std::lock_guard<std::mutex> lk(mu_);
+    durable_.erase(job.step);
+    own_shards_.erase(job.step);
+  }
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::Internal("cannot create " + dir + ": " + ec.message());
@@ -636,9 +618,6 @@ Status CheckpointerImpl::Write(WriteJob& job) {
   if (fs::exists(dir + "/" + ckpt::kManifestName, ec)) {
     fs::remove(dir + "/" + ckpt::kManifestName, ec);
     if (o_.fsync) OOMGUARD_RETURN_IF_ERROR(ckpt::FsyncPath(dir, true));
-    std::lock_guard<std::mutex> lk(mu_);
-    auto steps = CommittedSteps(o_.dir);
-    committed_step_ = steps.empty() ? -1 : steps.back();
   }
   ckpt::ShardWriteOptions wo;
   wo.step = job.step;
@@ -655,7 +634,8 @@ Status CheckpointerImpl::Write(WriteJob& job) {
   if (!res.ok()) return res.status();
   {
     std::lock_guard<std::mutex> lk(mu_);
-    shard_durable_step_ = std::max(shard_durable_step_, job.step);
+    // With local commit a step counts once its manifest is written (below).
+    if (!o_.commit_manifest_locally) durable_.insert(job.step);
     own_shards_[job.step] = ckpt::ManifestShard{o_.rank, file, res->file_bytes, res->file_xxh3};
     ++stats_.checkpoints_written;
     stats_.last_file_bytes = res->file_bytes;
@@ -697,7 +677,7 @@ Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
       ckpt::WriteFileDurably(dir + "/" + ckpt::kManifestName, ckpt::ManifestToJson(m), o_.fsync));
   {
     std::lock_guard<std::mutex> lk(mu_);
-    committed_step_ = std::max(committed_step_, step);
+    if (fs::exists(ShardPath(step))) durable_.insert(step);
     own_shards_.erase(own_shards_.begin(), own_shards_.upper_bound(step));
     ++stats_.manifests_committed;
   }
@@ -847,8 +827,8 @@ StatusOr<int64_t> CheckpointerImpl::LoadLatest() {
   return Status::DataLoss("no checkpoint in " + o_.dir + " verifies" + failures);
 }
 
-StatusOr<int64_t> CheckpointerImpl::Restore(int64_t step) {
-  std::shared_ptr<Snapshot> snap;
+Status CheckpointerImpl::Restore(int64_t step) {
+  std::shared_ptr<StagedState> snap;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (retained_ && retained_->step == step) snap = retained_;
@@ -873,23 +853,57 @@ StatusOr<int64_t> CheckpointerImpl::Restore(int64_t step) {
     }
     std::lock_guard<std::mutex> lk(mu_);
     ++stats_.restores_from_memory;
-    return step;
+    return Status::Ok();
   }
   (void)Wait();
-  std::vector<int64_t> steps = CommittedSteps(o_.dir);
-  std::string failures;
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (*it > step) continue;
-    Status s = LoadStep(*it);
-    if (s.ok()) return *it;
-    RecordCorrupt(*it, s);
-    failures += "; step " + std::to_string(*it) + ": " + s.message();
+  // Exactly this step: a rollback that quietly landed on an older one would
+  // leave this rank out of step with the others.
+  Status s = LoadStep(step);
+  if (!s.ok()) {
+    RecordCorrupt(step, s);
+    return Status(s.code(), "cannot restore step " + std::to_string(step) + ": " + s.message());
   }
-  return Status::DataLoss("nothing to restore at or before step " + std::to_string(step) + " in " + o_.dir +
-                          failures);
+  return Status::Ok();
+}
+
+std::vector<int64_t> CheckpointerImpl::DurableSteps() {
+  // The newest ones are what a rollback wants; older shards may have been
+  // removed by retention on another rank's behalf, so each is checked.
+  constexpr size_t kMostRecent = 16;
+  std::vector<int64_t> candidates;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = durable_.rbegin(); it != durable_.rend() && candidates.size() < kMostRecent; ++it)
+      candidates.push_back(*it);
+  }
+  std::vector<int64_t> out, gone;
+  for (int64_t step : candidates) {
+    struct stat st {};
+    (::stat(ShardPath(step).c_str(), &st) == 0 ? out : gone).push_back(step);
+  }
+  if (!gone.empty()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int64_t step : gone) durable_.erase(step);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace
+
+Status Checkpointer::CommitDurable(int64_t step, int world_size) {
+  if (options().commit_manifest_locally) return Status::Ok();
+  // The guard calls this between collectives: an exception here (an injected
+  // fault, bad_alloc) must become a status that reaches every rank.
+  try {
+    return CommitManifest(step, world_size);
+  } catch (const std::bad_alloc& e) {
+    return Status::ResourceExhausted("committing checkpoint of step " + std::to_string(step) +
+                                     " ran out of host memory: " + e.what());
+  } catch (const std::exception& e) {
+    return Status::Internal("committing checkpoint of step " + std::to_string(step) + " failed: " + e.what());
+  }
+}
 
 StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument("CheckpointOptions." + m); };

@@ -71,8 +71,8 @@ TEST(CheckpointerCuda, RoundTripThroughSnapshotAndDisk) {
   ASSERT_TRUE(c->Wait().ok());
   // Overwrite on the device, then restore from the in-memory snapshot.
   ASSERT_EQ(cudaMemset(dev, 0, count * sizeof(float)), cudaSuccess);
-  auto r = c->Restore(7);
-  ASSERT_TRUE(r.ok()) << r.status();
+  Status r = c->Restore(7);
+  ASSERT_TRUE(r.ok()) << r;
   std::vector<float> back(count);
   ASSERT_EQ(cudaMemcpy(back.data(), dev, count * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(back, host);

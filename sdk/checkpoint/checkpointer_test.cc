@@ -243,13 +243,13 @@ TEST(CheckpointerTest, RoundTripEveryDtypeAndShape) {
     register_all(c.get(), &bufs);
     ASSERT_TRUE(c->SaveAsync(5).ok());
     ASSERT_TRUE(c->Wait().ok());
-    EXPECT_EQ(c->DurableStep(), 5);
+    EXPECT_EQ(c->DurableSteps(), std::vector<int64_t>{5});
     EXPECT_EQ(c->Stats().checkpoints_written, 1);
   }
   std::vector<std::vector<uint8_t>> bufs;
   for (auto& t : ts) bufs.push_back(std::vector<uint8_t>(t.data.size(), 0xee));
   auto c = Checkpointer::Create(Opts(d.path())).value();
-  EXPECT_EQ(c->DurableStep(), 5);
+  EXPECT_EQ(c->DurableSteps(), std::vector<int64_t>{5});
   register_all(c.get(), &bufs);
   auto step = c->LoadLatest();
   ASSERT_TRUE(step.ok()) << step.status();
@@ -387,7 +387,7 @@ TEST_F(SavedRun, RetentionKeepsTheLastK) {
   EXPECT_EQ(list[0].step, 3);
   EXPECT_EQ(list[1].step, 4);
   EXPECT_TRUE(list[1].committed);
-  EXPECT_EQ(c_->DurableStep(), 4);
+  EXPECT_EQ(c_->DurableSteps(), (std::vector<int64_t>{3, 4})) << "what retention removed is no longer durable";
 }
 
 TEST_F(SavedRun, SaveOverlapsTrainingAndEachSaveHoldsItsOwnStep) {
@@ -414,9 +414,8 @@ TEST_F(SavedRun, SnapshotRestoresWithoutDisk) {
   EXPECT_EQ(c_->SnapshotStep(), 2);
   Train(99);
   fs::remove_all(d_.path() + "/step-00000002");  // prove the restore does not read disk
-  auto r = c_->Restore(2);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(*r, 2);
+  Status r = c_->Restore(2);
+  ASSERT_TRUE(r.ok()) << r;
   EXPECT_EQ(counter_, 2);
   EXPECT_FLOAT_EQ(w_[0], static_cast<float>(std::sin(2.0)));
   EXPECT_EQ(c_->Stats().restores_from_memory, 1);
@@ -427,12 +426,56 @@ TEST_F(SavedRun, RestoreFromDiskWhenNoSnapshot) {
   o.keep_snapshot = false;
   Make(o);
   SaveSteps(3);
-  EXPECT_EQ(c_->SnapshotStep(), -1);
+  EXPECT_FALSE(c_->SnapshotStep().has_value());
   Train(99);
-  auto r = c_->Restore(c_->DurableStep());
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(*r, 2);
+  ASSERT_EQ(c_->DurableSteps().back(), 2);
+  Status r = c_->Restore(2);
+  ASSERT_TRUE(r.ok()) << r;
   EXPECT_EQ(counter_, 2);
+}
+
+TEST_F(SavedRun, RestoreGivesExactlyTheStepOrFails) {
+  auto o = Opts(d_.path());
+  o.keep_snapshot = false;
+  Make(o);
+  SaveSteps(3);  // steps 0, 1, 2 on disk
+  Train(99);
+  // Step 5 was never saved: an older step would be a different state.
+  Status r = c_->Restore(5);
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(counter_, 99) << "nothing was restored";
+  // A step whose shard is gone is not restorable and no longer listed.
+  fs::remove(Shard(1));
+  EXPECT_EQ(c_->DurableSteps(), (std::vector<int64_t>{0, 2}));
+  EXPECT_FALSE(c_->Restore(1).ok());
+  EXPECT_EQ(counter_, 99);
+  ASSERT_TRUE(c_->Restore(0).ok());
+  EXPECT_EQ(counter_, 0);
+}
+
+TEST_F(SavedRun, SnapshotKeepsTheCurrentStateInMemoryWithoutWriting) {
+  Make(Opts(d_.path()));
+  Train(7);
+  ASSERT_TRUE(c_->Snapshot(-1).ok());
+  EXPECT_EQ(c_->SnapshotStep(), -1);
+  EXPECT_TRUE(c_->DurableSteps().empty());
+  EXPECT_TRUE(ListCheckpoints(d_.path()).value().empty()) << "a snapshot writes nothing";
+  Train(8);
+  ASSERT_TRUE(c_->Restore(-1).ok());
+  EXPECT_EQ(counter_, 7);
+  // A later save replaces the snapshot.
+  ASSERT_TRUE(c_->SaveAsync(0).ok());
+  ASSERT_TRUE(c_->Wait().ok());
+  EXPECT_EQ(c_->SnapshotStep(), 0);
+}
+
+TEST_F(SavedRun, SnapshotRefusesAStateLargerThanTheStagingBudget) {
+  auto o = Opts(d_.path());
+  o.staging_budget_bytes = 3 * 4096;  // the tensor is 25.6 KB
+  Make(o);
+  Status s = c_->Snapshot(-1);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  EXPECT_FALSE(c_->SnapshotStep().has_value());
 }
 
 TEST_F(SavedRun, StateLargerThanBudgetIsStagedInPieces) {
@@ -440,7 +483,7 @@ TEST_F(SavedRun, StateLargerThanBudgetIsStagedInPieces) {
   o.staging_budget_bytes = 3 * 4096;  // the tensor is 25.6 KB
   Make(o);
   SaveSteps(2);
-  EXPECT_EQ(c_->SnapshotStep(), -1);
+  EXPECT_FALSE(c_->SnapshotStep().has_value()) << "no snapshot beyond the budget";
   Train(50);
   ASSERT_TRUE(c_->LoadLatest().ok());
   EXPECT_EQ(counter_, 1);
@@ -676,14 +719,34 @@ TEST_F(SavedRun, InjectedWriterFaultIsReportedNotFatal) {
   Status w = c_->Wait();
   ClearFaultRules();
   EXPECT_FALSE(w.ok());
-  EXPECT_EQ(c_->DurableStep(), 0);
+  EXPECT_EQ(c_->DurableSteps(), std::vector<int64_t>{0});
   EXPECT_FALSE(fs::exists(Shard(1)));
   EXPECT_EQ(c_->Stats().save_failures, 1);
-  // A later save succeeds and the failed step's directory is cleaned up as litter.
+  EXPECT_FALSE(c_->Wait().ok()) << "the newest save failed: Wait keeps saying so";
+  // A later save succeeds: the failure is superseded (Wait is OK again, the
+  // stats keep it) and the failed step's directory is cleaned up as litter.
   Train(2);
   ASSERT_TRUE(c_->SaveAsync(2).ok());
-  ASSERT_TRUE(c_->Wait().ok());
+  EXPECT_TRUE(c_->Wait().ok());
+  EXPECT_EQ(c_->Stats().save_failures, 1);
+  EXPECT_FALSE(c_->Stats().last_error.ok());
   EXPECT_FALSE(fs::exists(d_.path() + "/step-00000001"));
+  EXPECT_EQ(c_->DurableSteps(), (std::vector<int64_t>{0, 2}));
+}
+
+TEST_F(SavedRun, ManifestCommitFaultBecomesAStatus) {
+  auto o = Opts(d_.path());
+  o.commit_manifest_locally = false;  // a coordinator commits (the guard on rank 0)
+  Make(o);
+  SaveSteps(2);
+  EXPECT_EQ(c_->DurableSteps(), (std::vector<int64_t>{0, 1})) << "shards count as durable before any manifest";
+  ASSERT_TRUE(SetFaultRules("host_oom@step=1,site=ckpt_manifest").ok());
+  Status s = c_->CommitDurable(1, 1);  // must not throw
+  ClearFaultRules();
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  EXPECT_FALSE(fs::exists(d_.path() + "/step-00000001/MANIFEST.json"));
+  ASSERT_TRUE(c_->CommitDurable(1, 1).ok());
+  EXPECT_TRUE(fs::exists(d_.path() + "/step-00000001/MANIFEST.json"));
 }
 
 }  // namespace
