@@ -331,7 +331,7 @@ int main(int argc, char** argv) {
         l.backward();
         loss += l.item<double>();  // only completed micro-batches count
       };
-      req.commit = [&] {
+      req.apply = [&] {
         guard->MarkPhase(oomguard::Phase::kOptimizer);
         optimizer->step();
         optimizer->zero_grad();
@@ -380,9 +380,10 @@ int main(int argc, char** argv) {
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int64_t ckpt_written = 0;
   if (ckpt != nullptr) {
-    oomguard::Status w = ckpt->Wait();  // the last save must be durable before success is reported
-    if (!w.ok()) {
-      std::fprintf(stderr, "libtorch_train: checkpoint: %s\n", w.ToString().c_str());
+    // The last save must be durable before success is reported.
+    oomguard::StatusOr<int64_t> last = guard->Finish();
+    if (!last.ok()) {
+      std::fprintf(stderr, "libtorch_train: checkpoint: %s\n", last.status().ToString().c_str());
       if (rc == 0) rc = 1;
     }
     ckpt_written = ckpt->Stats().checkpoints_written;

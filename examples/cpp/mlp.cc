@@ -46,6 +46,11 @@ int64_t SampleCost(uint64_t seed, int64_t step, int64_t index) {
   return u > 1.0 - 2.0 / 48.0 ? 12 : 1;
 }
 
+int64_t UnitCount(uint64_t seed, int64_t step, int64_t index) {
+  const double u = Uniform(seed, 9000 + static_cast<uint64_t>(step), static_cast<uint64_t>(index), 7);
+  return 1 + std::min<int64_t>(15, static_cast<int64_t>((u + 1.0) * 8.0));
+}
+
 std::string WorkloadSignature(const Config& cfg) {
   if (!cfg.workload.empty()) return cfg.workload;
   return "mlp-h" + std::to_string(cfg.hidden) + "-b" + std::to_string(cfg.global_batch) + "-" + cfg.optimizer;
@@ -86,9 +91,8 @@ void MlpTrainer::EnsureOptimizerState() {
 
 void MlpTrainer::ZeroGrad() { std::memset(grads_.data(), 0, grads_.size()); }
 
-double MlpTrainer::Micro(int64_t step, const oomguard::MicroBatch& mb, int64_t global_batch,
-                         int rank_offset, oomguard::Guard* guard) {
-  (void)global_batch;
+double MlpTrainer::Micro(int64_t step, const oomguard::MicroBatch& mb, int64_t rank_offset, oomguard::Guard* guard,
+                         std::span<const int64_t> units) {
   const int h = cfg_.hidden;
   const int64_t m = mb.size;
   Layout L(h);
@@ -142,23 +146,30 @@ double MlpTrainer::Micro(int64_t step, const oomguard::MicroBatch& mb, int64_t g
       for (int j = 0; j < h; ++j) s += w[j] * A1[k * h + j];
       A2[k * h + i] = std::tanh(s);
     }
+  // Each sample's share of the micro-batch's mean: 1/m, or u_k / (its units).
+  std::vector<double> share(static_cast<size_t>(m), 1.0 / static_cast<double>(m));
+  if (!units.empty()) {
+    int64_t total = 0;
+    for (int64_t k = 0; k < m; ++k) total += units[static_cast<size_t>(mb.offset + k)];
+    for (int64_t k = 0; k < m; ++k)
+      share[k] = total > 0 ? static_cast<double>(units[static_cast<size_t>(mb.offset + k)]) / static_cast<double>(total)
+                           : 0.0;
+  }
   std::vector<double> err(static_cast<size_t>(m));
   double loss = 0;
   for (int64_t k = 0; k < m; ++k) {
     double y = P[L.b3];
     for (int j = 0; j < h; ++j) y += P[L.w3 + j] * A2[k * h + j];
     err[k] = y - target[k];
-    loss += 0.5 * err[k] * err[k];
+    loss += share[k] * 0.5 * err[k] * err[k];
   }
-  loss /= static_cast<double>(m);
 
-  // Backward of weight * mean loss: each sample's gradient is scaled by weight / m.
+  // Backward of weight * mean loss: each sample's gradient is scaled by weight * its share.
   mark(oomguard::Phase::kBackward);
-  const double scale = mb.weight / static_cast<double>(m);
   oomguard::DeviceBuffer d2b = alloc(m * h);
   double* D2 = d2b.as<double>();
   for (int64_t k = 0; k < m; ++k) {
-    const double e = err[k] * scale;
+    const double e = err[k] * mb.weight * share[k];
     G[L.b3] += e;
     for (int j = 0; j < h; ++j) {
       G[L.w3 + j] += e * A2[k * h + j];
@@ -282,18 +293,6 @@ void MlpTrainer::SetOptimizerState(const std::vector<double>& s) {
   }
 }
 
-namespace {
-
-// A collective inside commit failed (a peer stopped answering). Not an OOM:
-// it passes through the guard unchanged and Train turns it into kUnavailable.
-class CollectiveError : public std::runtime_error {
- public:
-  explicit CollectiveError(const oomguard::Status& s) : std::runtime_error(s.ToString()), status(s) {}
-  oomguard::Status status;
-};
-
-}  // namespace
-
 TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks& hooks) {
   TrainResult result;
   oomguard::Coordinator* coord = hooks.coordinator;
@@ -376,85 +375,78 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
   guard->SetStep(first_step);
   result.initial_micro_batch = std::min(guard->micro_limit(), n_local);
   guard->SetResetHook([&] { trainer.ZeroGrad(); });
-  const auto deadline = std::chrono::milliseconds(guard->options().vote_deadline_ms);
-  std::vector<int64_t> costs;
-  std::vector<double> sync;  // gradients + loss, summed over ranks
-  try {
-    for (int64_t s = guard->step(); s < cfg.steps; s = guard->step()) {
-      result.micro_limits.push_back(std::min(guard->micro_limit(), n_local));
-      double loss = 0;
-      oomguard::StepRequest req;
-      req.samples = n_local;
-      if (cfg.costly_samples) {
-        costs.resize(static_cast<size_t>(n_local));
-        for (int64_t i = 0; i < n_local; ++i) costs[static_cast<size_t>(i)] = SampleCost(cfg.seed, s, rank_offset + i);
-        req.costs = costs;
-      }
-      req.micro = [&](const oomguard::MicroBatch& mb) {
-        // Only completed micro-batches count: an OOM inside discards this one's loss.
-        double l = trainer.Micro(s, mb, n_local, static_cast<int>(rank_offset), guard.get());
-        loss += l;
-      };
-      req.reset = [&] {
-        trainer.ZeroGrad();
-        loss = 0;
-      };
-      req.commit = [&] {
-        if (world > 1) {
-          // After the vote: every rank is here, so the allreduce cannot hang on
-          // a rank that is still recovering from an OOM.
-          const int64_t n = trainer.ParameterCount();
-          sync.assign(trainer.grads(), trainer.grads() + n);
-          sync.push_back(loss);
-          oomguard::Status st = coord->AllreduceSum(sync, deadline);
-          if (!st.ok()) throw CollectiveError(st);
-          for (int64_t i = 0; i < n; ++i) trainer.grads()[i] = sync[static_cast<size_t>(i)] / world;
-          loss = sync.back() / world;
-        }
-        trainer.Commit(guard.get());
-      };
-      oomguard::StepReport report;
-      oomguard::Status st = guard->Step(req, &report);
-      result.ooms += report.ooms;
-      if (st.code() == oomguard::StatusCode::kAborted && report.rolled_back_to.has_value()) {
-        // Rolled back: the guard's step() says where to continue; the steps
-        // since the restored checkpoint are redone on the same data (the guard
-        // called the reset hook, so no gradient of the abandoned step remains).
-        ++result.rollbacks;
-        if (hooks.on_step) hooks.on_step(report, loss);
-        continue;
-      }
-      if (!st.ok()) {
-        result.status = st;
-        break;
-      }
-      if (s == 0) result.loss_first = loss;
-      result.loss_last = loss;
-      result.steps_done = s + 1;
-      result.final_micro_batch = report.largest_micro;
-      if (hooks.on_step) hooks.on_step(report, loss);
+  std::vector<int64_t> costs, units;
+  double loss = 0;  // this rank's weighted loss; after the sync, the global batch's mean
+  for (int64_t s = guard->step(); s < cfg.steps; s = guard->step()) {
+    result.micro_limits.push_back(std::min(guard->micro_limit(), n_local));
+    loss = 0;
+    oomguard::StepRequest req;
+    req.samples = n_local;
+    if (cfg.costly_samples) {
+      costs.resize(static_cast<size_t>(n_local));
+      for (int64_t i = 0; i < n_local; ++i) costs[static_cast<size_t>(i)] = SampleCost(cfg.seed, s, rank_offset + i);
+      req.costs = costs;
     }
-  } catch (const CollectiveError& e) {
-    result.status = e.status.code() == oomguard::StatusCode::kUnavailable
-                        ? e.status
-                        : oomguard::Status::Unavailable(e.status.message());
+    if (cfg.token_weighted) {
+      units.resize(static_cast<size_t>(n_local));
+      for (int64_t i = 0; i < n_local; ++i) units[static_cast<size_t>(i)] = UnitCount(cfg.seed, s, rank_offset + i);
+      if (cfg.guard_knows_units) req.units = units;
+    }
+    req.micro = [&](const oomguard::MicroBatch& mb) {
+      // Only completed micro-batches count: an OOM inside discards this one's loss.
+      loss += trainer.Micro(s, mb, rank_offset, guard.get(), cfg.token_weighted ? std::span<const int64_t>(units)
+                                                                                 : std::span<const int64_t>());
+    };
+    req.reset = [&] {
+      trainer.ZeroGrad();
+      loss = 0;
+    };
+    // Gradients and the loss, summed over ranks by the guard after its vote.
+    req.sync = [&] {
+      return std::vector<oomguard::SumBuffer>{oomguard::SumBuffer::Host(trainer.grads(), trainer.ParameterCount()),
+                                              oomguard::SumBuffer::Host(&loss, 1)};
+    };
+    req.apply = [&] { trainer.Commit(guard.get()); };
+    oomguard::StepReport report;
+    oomguard::Status st;
+    try {
+      st = guard->Step(req, &report);
+    } catch (const std::exception& e) {
+      // The guard passed a non-OOM error through after telling the other
+      // ranks, which stop at this step too.
+      st = oomguard::Status(oomguard::StatusCode::kUnknown, std::string("training step raised: ") + e.what());
+      report.failed_rank = rank;
+    }
+    result.ooms += report.ooms;
+    result.redone += report.redone;
+    if (st.code() == oomguard::StatusCode::kAborted && report.rolled_back_to.has_value()) {
+      // Rolled back: the guard's step() says where to continue; the steps
+      // since the restored checkpoint are redone on the same data (the guard
+      // called the reset hook, so no gradient of the abandoned step remains).
+      ++result.rollbacks;
+      if (hooks.on_step) hooks.on_step(report, loss);
+      continue;
+    }
+    if (!st.ok()) {
+      result.status = st;
+      result.failed_rank = report.failed_rank;
+      break;
+    }
+    if (s == 0) result.loss_first = loss;
+    result.loss_last = loss;
+    result.steps_done = s + 1;
+    result.final_micro_batch = report.largest_micro;
+    if (hooks.on_step) hooks.on_step(report, loss);
   }
   if (ckpt != nullptr) {
-    // The last save must be durable before the run reports success.
-    oomguard::Status w = ckpt->Wait();
-    if (!w.ok() && result.status.ok()) result.status = w;
-    if (world > 1 && result.status.ok()) {
-      // The guard commits a step when a later vote shows it durable on every
-      // rank; after the last step there is no later vote, so agree here.
-      oomguard::VoteInput in;
-      in.durable_step = ckpt->ShardDurableStep();
-      auto v = coord->Vote(in, deadline);
-      if (!v.ok()) {
-        result.status = v.status();
-      } else if (rank == 0 && v->min_durable_step >= 0) {
-        oomguard::Status c = ckpt->CommitManifest(v->min_durable_step, world);
-        if (!c.ok()) result.status = c;
-      }
+    // Every rank agrees on the newest checkpoint durable everywhere (rank 0
+    // commits it); after a failed step the run is over, but what is durable
+    // still is, so the agreement runs unless the peers are gone.
+    if (result.status.code() != oomguard::StatusCode::kUnavailable &&
+        result.status.code() != oomguard::StatusCode::kInternal) {
+      auto last = guard->Finish();
+      if (!last.ok() && result.status.ok()) result.status = last.status();
+      if (last.ok()) result.last_checkpoint = *last;
     }
     oomguard::CheckpointStats cs = ckpt->Stats();
     result.checkpoints_written = cs.checkpoints_written;

@@ -3,7 +3,9 @@
 // grows with the micro-batch. Shared by the mlp_train example and the tests.
 //
 // Model: x (16) -> tanh(W1 x + b1) (H) -> tanh(W2 h1 + b2) (H) -> W3 h2 + b3 (1),
-// loss = mean over samples of 0.5 * (y - t)^2.
+// loss = mean over samples of 0.5 * (y - t)^2; with token weighting, each
+// sample carries 1..16 loss units (think valid tokens) and the loss is the
+// mean over units: sum_i u_i * 0.5 * (y_i - t_i)^2 / sum_i u_i.
 // Data: sample i of step s depends only on (seed, s, i), so any split of a step
 // into micro-batches, and any world size, sees the same global batch.
 //
@@ -18,6 +20,7 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,6 +51,12 @@ struct Config {
   // freed activation blocks are stranded in partly used segments.
   bool fragmentation = false;
   bool uniform_micro_batch = false;   // every rank uses the smallest limit (multi-rank)
+  // Each sample carries UnitCount() loss units and the loss is the mean over
+  // the global batch's units (the token-weighted loss of LLM training).
+  bool token_weighted = false;
+  // With token_weighted: pass the units to the guard (StepRequest::units).
+  // Off only to show that the gradient is then wrong when the step is split.
+  bool guard_knows_units = true;
   // Checkpoints (oomguard::Checkpointer); off when ckpt_dir is empty.
   std::string ckpt_dir;
   int64_t ckpt_every = 0;             // save after every N steps (0: only after a recovered OOM)
@@ -64,10 +73,12 @@ class MlpTrainer {
 
   // Forward and backward of samples [mb.offset, mb.offset + mb.size) of step
   // `step`, adding mb.weight * grad(mean loss of the micro-batch) into the
-  // gradients. Marks phases on `guard` when given. Returns the micro-batch's
-  // weighted loss. Throws oomguard::DeviceOomError when the device is full.
-  double Micro(int64_t step, const oomguard::MicroBatch& mb, int64_t global_batch, int rank_offset,
-               oomguard::Guard* guard);
+  // gradients; the mean is over the samples' `units` when given (indexed by
+  // the sample's position in this rank's share). Marks phases on `guard` when
+  // given. Returns the micro-batch's weighted loss. Throws
+  // oomguard::DeviceOomError when the device is full.
+  double Micro(int64_t step, const oomguard::MicroBatch& mb, int64_t rank_offset, oomguard::Guard* guard,
+               std::span<const int64_t> units = {});
   // The optimizer step on the accumulated gradients.
   void Commit(oomguard::Guard* guard);
   void ZeroGrad();
@@ -78,7 +89,7 @@ class MlpTrainer {
   std::vector<double> OptimizerState() const;
   void SetOptimizerState(const std::vector<double>& s);
   int64_t ParameterCount() const { return n_params_; }
-  // Gradient buffer (for a data-parallel allreduce in commit).
+  // Gradient buffer (what the guard sums over ranks).
   double* grads() { return grads_.as<double>(); }
   // Registers the parameters (one tensor per layer, model/fc1.weight, ...)
   // and the optimizer state with a checkpointer. REQUIRES: the trainer
@@ -112,6 +123,9 @@ struct TrainResult {
   int64_t checkpoints_written = 0;
   int64_t resumed_from_step = -1;     // -1: started from scratch
   int64_t rollbacks = 0;              // steps that ended in a rollback (kAborted) and continued
+  int64_t redone = 0;                 // steps redone because a rank failed in the gradient sync
+  int64_t last_checkpoint = -1;       // newest checkpoint complete on every rank at the end (Guard::Finish)
+  int failed_rank = -1;               // the rank whose failure stopped training (-1: none, or this one)
   std::vector<double> stall_ms;       // blocking time of each checkpoint save
 };
 
@@ -121,14 +135,17 @@ struct TrainHooks {
   oomguard::IncidentSink* incidents = nullptr;
   oomguard::MicroBatchPriors* priors = nullptr;  // learned starting sizes (the knowledge base)
   // Data parallelism: this rank's coordinator (null: one process). Each rank
-  // trains on its shard of every global batch; gradients (and the reported
-  // loss) are summed over ranks in commit, after the guard's vote.
+  // trains on its shard of every global batch; the guard sums gradients (and
+  // the reported loss) over ranks after its vote.
   oomguard::Coordinator* coordinator = nullptr;
 };
 
 // The per-sample cost of the costly-samples scenario: 1 for most samples, 12
 // for about one in 48 (a pure function of seed, step and the global index).
 int64_t SampleCost(uint64_t seed, int64_t step, int64_t index);
+// The loss units of a sample with token weighting: 1..16, a pure function of
+// seed, step and the global index.
+int64_t UnitCount(uint64_t seed, int64_t step, int64_t index);
 
 // Trains cfg.steps steps on `device` through a Guard. Non-OOM errors propagate.
 TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks& hooks = {});

@@ -39,6 +39,15 @@ std::string Mib(int64_t b) {
   return buf;
 }
 
+// FNV-1a over the parameters' bytes: equal on every rank iff (with
+// overwhelming probability) the ranks hold the same parameters.
+uint64_t ParameterHash(const std::vector<double>& params) {
+  uint64_t h = 1469598103934665603ULL;
+  const auto* p = reinterpret_cast<const unsigned char*>(params.data());
+  for (size_t i = 0; i < params.size() * sizeof(double); ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+
 std::string Json(double v) {
   char buf[40];
   std::snprintf(buf, sizeof(buf), "%.17g", v);
@@ -94,6 +103,9 @@ int main(int argc, char** argv) {
   app.add_option("--rank-budget-mib", rank_budgets,
                  "R=X: simulated capacity of rank R in MiB (repeatable; others use --device-budget-mib)");
   app.add_flag("--uniform-micro-batch", cfg.uniform_micro_batch, "every rank uses the smallest micro-batch");
+  app.add_flag("--token-weighted", cfg.token_weighted,
+               "each sample carries 1..16 loss units (as valid tokens do); the loss is the mean over the global "
+               "batch's units");
   app.add_option("--dump-params", dump_params, "write the final parameters (little-endian float64; rank 0)");
   app.add_option("--check-against", check_against,
                  "compare the final parameters with a --dump-params file (1e-10 relative)");
@@ -256,9 +268,9 @@ int main(int argc, char** argv) {
       threads.emplace_back([&, i] {
         mlp::TrainHooks h = hooks_for(i);
         h.coordinator = group[static_cast<size_t>(i)].get();
+        // A rank that stops tells its peers through the guard: they stop at
+        // the same step, so nothing here needs to abort the group.
         results[static_cast<size_t>(i)] = mlp::Train(cfg, devices[static_cast<size_t>(i)].get(), h);
-        // A rank that stopped must not leave its peers waiting out the deadline.
-        if (!results[static_cast<size_t>(i)].status.ok()) group[static_cast<size_t>(i)]->Abort();
       });
     }
     for (auto& t : threads) t.join();
@@ -276,12 +288,22 @@ int main(int argc, char** argv) {
   if (talk && res.resumed_from_step >= 0)
     std::printf("resumed from the checkpoint of step %" PRId64 " in %s\n", res.resumed_from_step,
                 cfg.ckpt_dir.c_str());
-  for (const auto& r : results) {
+  // A failure: every rank stopped at the same step. Print the failing rank's
+  // own status (its peers' statuses name it); exit 75 only for a lost peer.
+  const mlp::TrainResult* failed = nullptr;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const mlp::TrainResult& r = results[i];
     if (r.status.ok()) continue;
-    std::fprintf(stderr, "mlp_train: training stopped at step %" PRId64 ": %s\n", r.steps_done,
-                 r.status.ToString().c_str());
+    if (failed == nullptr || r.failed_rank == first_rank + static_cast<int>(i)) failed = &r;
+  }
+  if (failed != nullptr) {
+    std::fprintf(stderr, "mlp_train: %straining stopped at step %" PRId64 ": %s\n",
+                 world > 1 ? ("[rank " + std::to_string(first_rank + static_cast<int>(failed - results.data())) + "] ")
+                                 .c_str()
+                           : "",
+                 failed->steps_done, failed->status.ToString().c_str());
     std::fflush(stderr);
-    if (r.status.code() == oomguard::StatusCode::kUnavailable) {
+    if (failed->status.code() == oomguard::StatusCode::kUnavailable) {
       // A peer stopped answering: the documented exit code tells the launcher
       // to restart every rank, which then resume from the newest checkpoint.
       // _exit: MPI_Finalize would wait for the collective that never completes.
@@ -291,19 +313,29 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  // Every rank must end with the same parameters.
-  bool agree = true;
-  if (dist == "threads") {
-    for (const auto& r : results) agree = agree && r.params == results[0].params;
-  } else if (mpi) {
-    std::vector<uint8_t> bytes(res.params.size() * sizeof(double));
-    std::memcpy(bytes.data(), res.params.data(), bytes.size());
-    const auto deadline = std::chrono::milliseconds(60000);
-    if (!mpi->Broadcast(&bytes, 0, deadline).ok()) _exit(oomguard::kExitCoordinationTimeout);
-    std::vector<double> differ = {std::memcmp(bytes.data(), res.params.data(), bytes.size()) != 0 ? 1.0 : 0.0};
-    if (!mpi->AllreduceSum(differ, deadline).ok()) _exit(oomguard::kExitCoordinationTimeout);
-    agree = differ[0] == 0;
+  // Every rank's figures, and whether all ended with the same parameters (a
+  // hash of each rank's parameter bytes), in one gather.
+  constexpr int kWords = 4;
+  std::vector<int64_t> per_rank(static_cast<size_t>(kWords) * static_cast<size_t>(world));
+  for (size_t i = 0; i < results.size(); ++i) {
+    const mlp::TrainResult& r = results[i];
+    int64_t* w = per_rank.data() + (static_cast<size_t>(first_rank) + i) * kWords;
+    w[0] = r.ooms;
+    w[1] = r.final_micro_batch;
+    w[2] = static_cast<int64_t>(ParameterHash(r.params));
+    w[3] = r.redone;
   }
+  if (mpi) {
+    std::vector<int64_t> mine(per_rank.begin() + first_rank * kWords, per_rank.begin() + (first_rank + 1) * kWords);
+    oomguard::Status g = mpi->Allgather(mine, per_rank, std::chrono::milliseconds(60000));
+    if (!g.ok()) {
+      std::fprintf(stderr, "mlp_train: gathering the ranks' results: %s\n", g.ToString().c_str());
+      std::fflush(stderr);
+      _exit(oomguard::kExitCoordinationTimeout);
+    }
+  }
+  bool agree = true;
+  for (int r = 1; r < world; ++r) agree = agree && per_rank[static_cast<size_t>(r) * kWords + 2] == per_rank[2];
   if (world > 1 && talk)
     std::printf("all %d ranks end with %s parameters\n", world, agree ? "identical" : "DIFFERENT");
   if (!agree) {
@@ -325,14 +357,15 @@ int main(int argc, char** argv) {
     stall_median = v[v.size() / 2];
     stall_max = v.back();
   }
-  int64_t ooms = 0;
-  std::string per_rank;
-  for (size_t i = 0; i < results.size(); ++i) {
-    ooms += results[i].ooms;
-    if (!per_rank.empty()) per_rank += ",";
-    per_rank += "{\"rank\":" + std::to_string(first_rank + static_cast<int>(i)) +
-                ",\"ooms\":" + std::to_string(results[i].ooms) +
-                ",\"final_micro_batch\":" + std::to_string(results[i].final_micro_batch) + "}";
+  int64_t ooms = 0, redone = 0;
+  std::string ranks_json;
+  for (int r = 0; r < world; ++r) {
+    const int64_t* w = per_rank.data() + static_cast<size_t>(r) * kWords;
+    ooms += w[0];
+    redone = std::max(redone, w[3]);
+    if (!ranks_json.empty()) ranks_json += ",";
+    ranks_json += "{\"rank\":" + std::to_string(r) + ",\"ooms\":" + std::to_string(w[0]) +
+                  ",\"final_micro_batch\":" + std::to_string(w[1]) + "}";
   }
   if (!quiet && !cfg.ckpt_dir.empty())
     std::printf("checkpoints: %" PRId64 " written to %s, %" PRId64 " rollbacks, staging stall %.3f ms median, %.3f ms max\n",
@@ -340,21 +373,23 @@ int main(int argc, char** argv) {
   if (!quiet)
     std::printf("done: %" PRId64 " steps, %" PRId64 " OOMs recovered%s, micro-batch %" PRId64 " -> %" PRId64
                 ", loss %.6f -> %.6f, %.2f s\n",
-                res.steps_done, ooms, world > 1 && dist == "threads" ? " (all ranks)" : "", res.initial_micro_batch,
+                res.steps_done, ooms, world > 1 ? " (all ranks)" : "", res.initial_micro_batch,
                 res.final_micro_batch, res.loss_first, res.loss_last, wall_s);
   if (json) {
-    // With MPI, ooms and ranks[] are rank 0's own (each process knows its rank only).
     std::printf("{\"steps\":%" PRId64 ",\"global_batch\":%" PRId64 ",\"initial_micro_batch\":%" PRId64
                 ",\"final_micro_batch\":%" PRId64 ",\"ooms\":%" PRId64
                 ",\"loss_first\":%s,\"loss_last\":%s,\"wall_s\":%s,\"device_budget_mib\":%s,\"hidden\":%d,"
                 "\"max_rel_diff\":%s,\"checkpoints_written\":%" PRId64 ",\"resumed_from_step\":%s,"
-                "\"rollbacks\":%" PRId64 ",\"ckpt_stall_ms_median\":%s,\"ckpt_stall_ms_max\":%s,"
-                "\"world_size\":%d,\"dist\":\"%s\",\"ranks\":[%s]}\n",
+                "\"rollbacks\":%" PRId64 ",\"redone\":%" PRId64 ",\"last_checkpoint\":%s,"
+                "\"ckpt_stall_ms_median\":%s,\"ckpt_stall_ms_max\":%s,"
+                "\"world_size\":%d,\"dist\":\"%s\",\"token_weighted\":%s,\"ranks\":[%s]}\n",
                 res.steps_done, cfg.global_batch, res.initial_micro_batch, res.final_micro_batch, ooms,
                 Json(res.loss_first).c_str(), Json(res.loss_last).c_str(), Json(wall_s).c_str(),
                 Json(budget_mib).c_str(), cfg.hidden, rel < 0 ? "null" : Json(rel).c_str(), res.checkpoints_written,
                 res.resumed_from_step < 0 ? "null" : std::to_string(res.resumed_from_step).c_str(), res.rollbacks,
-                Json(stall_median).c_str(), Json(stall_max).c_str(), world, dist.c_str(), per_rank.c_str());
+                redone, res.last_checkpoint < 0 ? "null" : std::to_string(res.last_checkpoint).c_str(),
+                Json(stall_median).c_str(), Json(stall_max).c_str(), world, dist.c_str(),
+                cfg.token_weighted ? "true" : "false", ranks_json.c_str());
   }
   std::fflush(stdout);
   if (rel > 1e-10) return 3;

@@ -1,5 +1,5 @@
 // Guard: runs one optimizer step so that out-of-memory errors inside it are
-// survived without changing the result.
+// survived without changing the result, on one rank or on many.
 //
 //   auto guard = oomguard::Guard::Create(options).value();
 //   oomguard::StepRequest req;
@@ -8,10 +8,13 @@
 //     guard->MarkPhase(oomguard::Phase::kForward);   ... forward on [mb.offset, mb.offset+mb.size)
 //     guard->MarkPhase(oomguard::Phase::kBackward);  ... backward of loss * mb.weight
 //   };
-//   req.commit = [&] { optimizer.step(); };
+//   req.sync = [&] { return std::vector<oomguard::SumBuffer>{oomguard::SumBuffer::Host(grads, n)}; };
+//   req.apply = [&] { optimizer.step(); };
 //   req.reset = [&] { zero_grad(); };
 //   oomguard::StepReport report;
 //   oomguard::Status s = guard->Step(req, &report);
+//   ...
+//   oomguard::StatusOr<int64_t> last = guard->Finish();  // after the last step
 //
 // On an OOM the guard records an incident, releases caches, re-plans the step
 // into smaller micro-batches (same global batch, same gradient) and retries;
@@ -19,10 +22,18 @@
 // with kResourceExhausted. Micro-batches that finished before an OOM in the
 // data or forward phase are kept; an OOM after backward started calls the
 // reset hook and redoes the step. A non-OOM exception from user code passes
-// through unchanged.
+// through unchanged, after the other ranks have been told.
 //
-// Thread-safety: one thread drives a Guard (Step, MarkPhase). Several guards
-// (one per rank/thread) may share a Device, an IncidentSink and the logger.
+// With several ranks one step is atomic: every rank commits it, or every rank
+// redoes it, rolls back to the same step, or stops — whatever fails on
+// whichever ranks. The guard owns the gradient synchronisation to make that
+// so: after a vote every rank sums the buffers `sync` names, with a status
+// word, whether or not it failed; the optimizer `apply` runs only when every
+// rank's sum succeeded; an agreement after the apply decides a rollback that
+// every rank executes on the same step (docs/distributed.md).
+//
+// Thread-safety: one thread drives a Guard (Step, MarkPhase, Finish). Several
+// guards (one per rank/thread) may share a Device, an IncidentSink and the logger.
 #ifndef OOMGUARD_GUARD_H_
 #define OOMGUARD_GUARD_H_
 
@@ -35,6 +46,7 @@
 #include <string_view>
 #include <vector>
 
+#include "oomguard/coordinator.h"
 #include "oomguard/export.h"
 #include "oomguard/incident.h"
 #include "oomguard/options.h"
@@ -52,12 +64,29 @@ struct StepRequest {
   // Optional per-sample cost (e.g. tokens); when set, size(costs) == samples and
   // the micro-batch limit is in cost units.
   std::span<const int64_t> costs;
-  // Forward + backward of one micro-batch; scale the mean loss by mb.weight.
+  // Optional per-sample loss units (e.g. valid tokens of a mean-over-tokens
+  // loss); when set, size(units) == samples, every entry >= 0. A micro-batch's
+  // weight is then its units over this rank's units, and the sync scales each
+  // rank by its units over the global batch's, so that the gradient is the
+  // mean over every unit of the global batch, exactly. Empty: one per sample.
+  std::span<const int64_t> units;
+  // Forward + backward of one micro-batch; scale the micro-batch's mean loss
+  // (over its samples, or its units) by mb.weight.
   std::function<void(const MicroBatch&)> micro;
-  // Gradient synchronisation and optimizer step; runs once, after every rank is ready.
-  std::function<void()> commit;
-  // Zeroes accumulated gradients. Needed to redo a step after an OOM in
-  // backward; falls back to the guard's SetResetHook.
+  // The buffers to sum over ranks (gradients, the loss), called after the
+  // last micro-batch and before the vote: allocate here whatever they need
+  // (an OOM here goes through the ladder). After a vote that every rank
+  // passed the guard sums them in place over ranks, each rank's contribution
+  // scaled by its share of the global batch, so they then hold the global
+  // batch's mean. Every rank returns the same shapes. Not set: nothing but
+  // the status words is summed (one rank, or gradients synchronised elsewhere).
+  std::function<std::vector<SumBuffer>()> sync;
+  // The optimizer step. Runs once per step, after every rank's sync
+  // succeeded; an OOM inside rolls every rank back to the same step.
+  std::function<void()> apply;
+  // Zeroes accumulated gradients (and whatever `sync` sums). Needed to redo a
+  // step after an OOM in backward, or after another rank failed before its
+  // apply; falls back to the guard's SetResetHook.
   std::function<void()> reset;
 };
 
@@ -71,7 +100,11 @@ struct StepReport {
   int ooms = 0;
   int cache_releases = 0;
   int replans = 0;
+  int redone = 0;                  // whole-step redos because a rank failed between vote and apply
   std::optional<int64_t> rolled_back_to;  // set when the step ended in a rollback
+  int failed_rank = -1;            // the rank whose failure ended the step (-1: none)
+  int64_t global_units = 0;        // loss units of the global batch (samples without units)
+  int64_t checkpoint_step = -1;    // newest checkpoint committed on every rank (-1: none known)
   std::vector<Incident> incidents;        // this step's incidents, with outcome
   int64_t peak_allocated = 0;             // device peak during the step (0 without a device)
   double wall_ms = 0;
@@ -85,12 +118,23 @@ class OOMGUARD_EXPORT Guard {
   virtual ~Guard();
 
   // Runs one optimizer step. Returns OK, kResourceExhausted (OOM not
-  // recoverable: the message names the incident and remedies), kAborted (rolled
-  // back: report->rolled_back_to and step() say where to continue),
-  // kUnavailable (a peer rank did not answer), kInvalidArgument (bad request),
-  // kFailedPrecondition (an OOM after backward started and no reset hook).
-  // Rethrows a non-OOM exception raised by user code.
+  // recoverable, on this rank or another: the message names the rank, the
+  // incident and remedies), kAborted (rolled back: report->rolled_back_to and
+  // step() say where to continue), kUnavailable (a peer rank did not answer:
+  // exit with kExitCoordinationTimeout), kInvalidArgument (bad request),
+  // kFailedPrecondition (an OOM after backward started and no reset hook),
+  // kCancelled (another rank stopped with an error; the message names it),
+  // kDataLoss (no step every rank can restore), kInternal (the ranks' collectives
+  // diverged). Rethrows a non-OOM exception raised by user code, after the
+  // other ranks were told. Every rank returns at the same step.
   virtual Status Step(const StepRequest& request, StepReport* report = nullptr) = 0;
+
+  // Ends the run: waits until the checkpoint saves in flight are durable and
+  // agrees with every rank on the newest checkpoint complete everywhere
+  // (rank 0 commits it). Returns that step (-1: none, or no RecoveryStore).
+  // An error when a rank's newest save failed, the commit failed, or a peer
+  // did not answer; every rank returns the same outcome. Collective.
+  virtual StatusOr<int64_t> Finish() = 0;
 
   // Marks the phase of user code running inside micro/commit (incidents carry
   // it; fault rules with site=forward/backward/optimizer fire here).

@@ -33,8 +33,12 @@ struct GuardOptions {
   double grow_tolerance = 0.05;
   // Steps after which the smallest failing size is forgotten. 0: never.
   int forget_bad_after = 500;
-  // Hard bound on OOMs handled within one step before the guard gives up.
+  // Hard bound on OOMs handled within one step before the guard gives up
+  // (also bounds the redos of a step after other ranks failed to sync).
   int max_ooms_per_step = 32;
+  // Rollbacks to the same step in a row (no step after the failing one
+  // committed in between) before the guard gives up with kResourceExhausted.
+  int max_rollbacks_per_step = 3;
   // On an OOM whose request the cached-but-free memory could have served,
   // first retry at the same size after releasing caches (once per step).
   bool retry_after_release = true;

@@ -33,6 +33,8 @@ Status ValidateGuardOptions(const GuardOptions& o) {
     return Bad("grow_tolerance", "must be in (0, 1)", o.grow_tolerance);
   if (o.forget_bad_after < 0) return Bad("forget_bad_after", "must be >= 0 (0: never)", o.forget_bad_after);
   if (o.max_ooms_per_step < 1) return Bad("max_ooms_per_step", "must be >= 1", o.max_ooms_per_step);
+  if (o.max_rollbacks_per_step < 1)
+    return Bad("max_rollbacks_per_step", "must be >= 1", o.max_rollbacks_per_step);
   if (o.history_steps < 1 || o.history_steps > 4096)
     return Bad("history_steps", "must be in [1, 4096]", o.history_steps);
   if (o.vote_deadline_ms < 1) return Bad("vote_deadline_ms", "must be >= 1", o.vote_deadline_ms);

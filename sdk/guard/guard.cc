@@ -1,11 +1,30 @@
-// The guarded step: plan, run micro-batches, catch OOMs, walk the escalation
-// ladder, vote, commit.
+// The guarded step: a state machine that every rank runs through the same
+// collectives in the same order, whatever fails on which rank.
 //
-// Invariant that makes recovery exact: a micro-batch's weight is size / n, so
-// micro-batches that completed before an OOM in the data or forward phase keep
-// their contribution and only the rest of the step is re-planned; an OOM after
-// backward started may have added part of a gradient, so the reset hook zeroes
-// the gradients and the whole step is re-planned.
+//   kLocal     micro-batches with local OOM recovery, then the sync buffers
+//              and the vote fault site (an OOM anywhere here: the ladder)
+//   kVote      every rank's outcome (Allgather). failed -> kDone for all;
+//              rollback -> kRollback for all; ok -> kSync
+//   kSync      the commit and sync fault sites, then the sum of the sync
+//              buffers with status words, on every rank (a rank that failed
+//              contributes zeros). Some rank failed with an OOM: nobody
+//              changed parameters, every rank resets and redoes the step
+//              (kLocal); with another error: kDone for all
+//   kApply     the optimizer apply
+//   kAgree     every rank's apply outcome. An OOM on some rank: kRollback
+//              for all; an error: kDone for all; else the step commits
+//   kRollback  every rank restores the same step, chosen from the steps
+//              every rank holds, confirmed after restoring
+// Every exit goes through Conclude, and a rank leaves Step only at a point
+// where every other rank leaves it too.
+//
+// Invariant that makes recovery exact: a micro-batch's weight is its share of
+// this rank's samples (or loss units), and the sync scales each rank by its
+// share of the global batch's, so micro-batches that completed before an OOM
+// in the data or forward phase keep their contribution and only the rest of
+// the step is re-planned; an OOM after backward started may have added part of
+// a gradient, so the reset hook zeroes the gradients and the whole step is
+// re-planned.
 #include "oomguard/guard.h"
 
 #include <algorithm>
@@ -25,6 +44,7 @@
 #include "oomguard/size_controller.h"
 #include "sdk/core/format.h"
 #include "sdk/core/ids.h"
+#include "sdk/guard/step_protocol.h"
 
 namespace oomguard {
 
@@ -46,12 +66,12 @@ Guard::~Guard() = default;
 namespace {
 
 using internal::FormatBytes;
+using internal::VoteStatus;
 using Clock = std::chrono::steady_clock;
 
 double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
-
 
 // The memory figures at the moment of failure when the exception carries them
 // (the SDK's own error), otherwise what the device says now.
@@ -81,24 +101,60 @@ const char* kGenericRemedies =
     "saves about 60-70% of activations for 20-30% more compute); lower min_micro_batch or the "
     "sequence length; leave 20-30% headroom; shard optimizer state (ZeRO) or offload it";
 
+enum class State { kLocal, kVote, kSync, kApply, kAgree, kRollback, kDone };
+
+// What this rank concluded from its own work, before the vote.
+enum class Local { kOk, kRollback, kFailed };
+
+// Where an OOM was caught: it decides what survives it.
+enum class Where {
+  kLocal,   // micro-batches, sync buffers, vote site: this rank alone redoes work
+  kCommit,  // commit and sync sites, after the vote: every rank redoes the step
+};
+
+// The apply outcome as it travels in the agreement.
+enum ApplyOutcome : int64_t { kApplied = 0, kApplyOom = 1, kApplyError = 2 };
+
+// One call of Step: the request and everything the states hand each other.
+struct Run {
+  Run(const StepRequest& r, StepReport& p) : req(r), rep(p) {}
+  const StepRequest& req;
+  StepReport& rep;
+  Clock::time_point started = Clock::now();
+  std::function<void()> reset;         // the request's or the guard's hook
+  std::vector<int64_t> unit_prefix;    // prefix sums of req.units (empty: one per sample)
+  int64_t local_units = 0;
+  std::vector<MicroBatch> plan;
+  size_t pos = 0;                      // next micro-batch of `plan` to run
+  int64_t largest = 0;                 // largest micro-batch that completed
+  bool release_retry_used = false;
+  Local local = Local::kOk;
+  Status failure;                      // why this rank failed (local == kFailed)
+  std::exception_ptr error;            // a non-OOM exception: rethrown once the others know
+  std::vector<SumBuffer> buffers;      // what req.sync returned
+  internal::VoteOutcome vote;
+  ApplyOutcome applied = kApplied;
+  std::string rollback_why;            // the same text on every rank
+  int64_t rollback_size = 0;           // the micro-batch limit of the rank that asked
+  Status status;                       // what Step returns
+  IncidentOutcome outcome = IncidentOutcome::kRecovered;
+};
+
 class GuardImpl final : public Guard {
  public:
   explicit GuardImpl(const GuardOptions& o)
       : options_(o),
         controller_(ControllerOptions(o)),
-        run_id_(o.run_id.empty() ? internal::RandomHex16() : o.run_id) {
+        run_id_(o.run_id.empty() ? internal::RandomHex16() : o.run_id),
+        own_coordinator_(o.coordinator == nullptr ? MakeLocalCoordinator() : nullptr),
+        coordinator_(o.coordinator != nullptr ? o.coordinator : own_coordinator_.get()),
+        channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)) {
     if (options_.priors != nullptr && !options_.workload.empty()) {
       if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
           prior && *prior >= 1 && *prior < controller_.limit()) {
         controller_.AdoptPrior(*prior);
         Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
       }
-    }
-    if (options_.coordinator == nullptr) {
-      own_coordinator_ = MakeLocalCoordinator();
-      coordinator_ = own_coordinator_.get();
-    } else {
-      coordinator_ = options_.coordinator;
     }
     // The guard is created on its training thread: its log lines carry its rank.
     SetLogRank(coordinator_->rank());
@@ -116,6 +172,7 @@ class GuardImpl final : public Guard {
   }
 
   Status Step(const StepRequest& req, StepReport* report) override;
+  StatusOr<int64_t> Finish() override;
 
   void MarkPhase(Phase phase) override {
     phase_ = phase;
@@ -134,8 +191,38 @@ class GuardImpl final : public Guard {
   const GuardOptions& options() const override { return options_; }
 
  private:
-  // The outcome of running the planned micro-batches of one step locally.
-  enum class Local { kOk, kRollback, kFailed };
+  // ---- the states ----
+  State RunLocal(Run& run);
+  State Vote(Run& run);
+  State Sync(Run& run);
+  State Apply(Run& run);
+  State Agree(Run& run);
+  State Rollback(Run& run);
+  Status Conclude(Run& run);
+
+  // ---- the pieces they share ----
+  // The one OOM handler before the apply: records the incident, releases
+  // caches and walks the ladder. True when the work was re-planned and can be
+  // retried; false when this rank stops (run.local says how).
+  bool HandleOom(Run& run, std::exception_ptr error, Where where);
+  // An exception in the apply: parameters may be half-updated.
+  void HandleApplyFailure(Run& run, std::exception_ptr error);
+  // Every rank ends the step because some rank failed: the reasons travel,
+  // the failing ranks return their own error, the others name the first.
+  State EndFailed(Run& run);
+  // A collective failed: a lost peer (kUnavailable) or diverged ranks.
+  State EndCoordination(Run& run, const Status& why);
+  // The step committed on every rank.
+  void CommitStep(Run& run);
+  State Done(Run& run, Status s, IncidentOutcome outcome) {
+    run.status = std::move(s);
+    run.outcome = outcome;
+    return State::kDone;
+  }
+
+  Status ValidateRequest(const StepRequest& req) const;
+  void EnsureInitialSnapshot();
+  internal::RankVote MyVote(const Run& run);
 
   // The limit as it applies to this request: "whole step" when it is larger.
   int64_t EffectiveLimit(const StepRequest& req) const {
@@ -147,10 +234,31 @@ class GuardImpl final : public Guard {
     return std::min(controller_.limit(), std::max<int64_t>(whole, 1));
   }
 
-  StatusOr<std::vector<MicroBatch>> MakePlan(const StepRequest& req, int64_t begin, int first_index) const {
-    if (!req.costs.empty()) return PlanByCost(req.costs, controller_.limit(), begin, first_index);
-    return PlanBySamples(req.samples, std::max<int64_t>(1, std::min(controller_.limit(), req.samples)),
-                         begin, first_index);
+  // Plans samples [begin, n) and weighs each micro-batch by its share of
+  // this rank's samples or units.
+  StatusOr<std::vector<MicroBatch>> MakePlan(const Run& run, int64_t begin, int first_index) const {
+    const StepRequest& req = run.req;
+    StatusOr<std::vector<MicroBatch>> plan =
+        !req.costs.empty()
+            ? PlanByCost(req.costs, controller_.limit(), begin, first_index)
+            : StatusOr<std::vector<MicroBatch>>(PlanBySamples(
+                  req.samples, std::max<int64_t>(1, std::min(controller_.limit(), req.samples)), begin, first_index));
+    if (plan.ok() && !run.unit_prefix.empty()) {
+      for (MicroBatch& mb : *plan) {
+        const int64_t u = run.unit_prefix[static_cast<size_t>(mb.offset + mb.size)] -
+                          run.unit_prefix[static_cast<size_t>(mb.offset)];
+        mb.weight = run.local_units > 0 ? static_cast<double>(u) / static_cast<double>(run.local_units) : 0.0;
+      }
+    }
+    return plan;
+  }
+
+  // Re-plans the whole step from its first sample.
+  void PlanAnew(Run& run) {
+    auto plan = MakePlan(run, 0, 0);
+    if (plan.ok()) run.plan = std::move(plan).value();  // the first plan succeeded, so this one does
+    run.pos = 0;
+    run.largest = 0;
   }
 
   // Rung 1: the retry must see the memory. User releasers first (they drop
@@ -207,14 +315,16 @@ class GuardImpl final : public Guard {
     return inc;
   }
 
-  void RecordIncident(const Incident& inc) {
-    if (options_.incidents == nullptr) return;
-    try {
-      options_.incidents->Record(inc);
-    } catch (...) {
-      // A failing knowledge base must never stop training.
-      Logger()->warn("incident sink failed to record incident {}", inc.id);
+  void RecordIncident(Run& run, Incident inc) {
+    if (options_.incidents != nullptr) {
+      try {
+        options_.incidents->Record(inc);
+      } catch (...) {
+        // A failing knowledge base must never stop training.
+        Logger()->warn("incident sink failed to record incident {}", inc.id);
+      }
     }
+    run.rep.incidents.push_back(std::move(inc));
   }
 
   void FinishIncidents(std::vector<Incident>& incs, IncidentOutcome outcome) {
@@ -231,24 +341,13 @@ class GuardImpl final : public Guard {
     }
   }
 
-  // A collective failed (a peer stopped answering): record it and end the step.
-  template <typename Finish>
-  Status CoordinationFailure(const Status& why, const StepRequest& req, StepReport& rep, Finish& finish) {
-    OomInfo info;
-    info.exception_type = "oomguard::Coordinator";
-    info.message = why.ToString();
-    MicroBatch none;
-    none.index = -1;
-    Incident inc = NewIncident(info, options_.device != nullptr ? options_.device->Stats() : MemoryStats{}, none, req);
-    inc.kind = "coordination";
-    inc.phase = "vote";
-    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
-    RecordIncident(inc);
-    rep.incidents.push_back(std::move(inc));
-    Logger()->error("coordination failed at step {}: {}; exit with code {} so that the launcher restarts every rank",
-                    step_, why.ToString(), kExitCoordinationTimeout);
-    Status s = why.code() == StatusCode::kUnavailable ? why : Status::Unavailable(why.message());
-    return finish(s, IncidentOutcome::kFailed);
+  // What this rank tells the others about its own failure.
+  std::string FailureText(const Run& run) const {
+    if (run.error) {
+      OomInfo info = ClassifyException(run.error);
+      return "exception " + info.exception_type + (info.message.empty() ? "" : ": " + info.message);
+    }
+    return run.failure.ToString();
   }
 
   GuardOptions options_;
@@ -256,6 +355,7 @@ class GuardImpl final : public Guard {
   std::string run_id_;
   std::unique_ptr<Coordinator> own_coordinator_;
   Coordinator* coordinator_ = nullptr;
+  internal::StepChannel channel_;
   std::function<void()> reset_;
   std::vector<std::pair<std::string, std::function<void()>>> releasers_;
   int64_t step_ = 0;
@@ -264,375 +364,670 @@ class GuardImpl final : public Guard {
   std::deque<int64_t> peaks_;
   int64_t steps_ok_since_oom_ = 0;
   int64_t total_ooms_ = 0;
-  bool pending_rollback_ = false;
-  int64_t committed_durable_ = -1;
+  bool snapshot_checked_ = false;
+  int64_t committed_step_ = -1;          // newest checkpoint committed on every rank
+  int64_t rollback_target_ = INT64_MIN;  // the last rollback's step
+  int rollback_repeats_ = 0;             // rollbacks to it in a row
+  int64_t rollback_from_ = -1;           // the step that last asked for a rollback
 };
 
+Status GuardImpl::ValidateRequest(const StepRequest& req) const {
+  if (req.samples < 1) return Status::InvalidArgument("StepRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
+  if (!req.micro) return Status::InvalidArgument("StepRequest.micro must be set");
+  if (!req.costs.empty() && static_cast<int64_t>(req.costs.size()) != req.samples)
+    return Status::InvalidArgument("StepRequest.costs has " + std::to_string(req.costs.size()) + " entries for " +
+                                   std::to_string(req.samples) + " samples");
+  if (!req.units.empty()) {
+    if (static_cast<int64_t>(req.units.size()) != req.samples)
+      return Status::InvalidArgument("StepRequest.units has " + std::to_string(req.units.size()) + " entries for " +
+                                     std::to_string(req.samples) + " samples");
+    for (size_t i = 0; i < req.units.size(); ++i)
+      if (req.units[i] < 0)
+        return Status::InvalidArgument("StepRequest.units[" + std::to_string(i) + "] is negative (" +
+                                       std::to_string(req.units[i]) + ")");
+  }
+  return Status::Ok();
+}
+
+// An OOM in the very first apply (optimizer state allocation, the most common
+// real OOM) can roll back only if the state before it is kept somewhere.
+void GuardImpl::EnsureInitialSnapshot() {
+  if (snapshot_checked_ || options_.recovery == nullptr) return;
+  snapshot_checked_ = true;
+  RecoveryStore* store = options_.recovery;
+  try {
+    std::vector<int64_t> durable = store->DurableSteps();
+    if (store->SnapshotStep() || std::binary_search(durable.begin(), durable.end(), step_ - 1)) return;
+    Status s = store->Snapshot(step_ - 1);
+    if (!s.ok() && s.code() != StatusCode::kUnimplemented)
+      Logger()->warn("no in-memory snapshot of the initial state (an OOM in the first optimizer step cannot roll "
+                     "back): {}", s.ToString());
+  } catch (const std::exception& e) {
+    Logger()->warn("no in-memory snapshot of the initial state: {}", e.what());
+  }
+}
+
 Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
-  const auto t_step = Clock::now();
   StepReport local_report;
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
   rep = StepReport{};
   rep.step = step_;
+  rep.checkpoint_step = committed_step_;
+  Run run(req, rep);
+  run.reset = req.reset ? req.reset : reset_;
+  if (options_.device != nullptr) options_.device->ResetPeak();
+  fault_ctx_ = FaultContext{step_, coordinator_->rank(), -1, 0};
+  phase_ = Phase::kUnknown;
 
   // A bad request still takes part in the vote (as a failure), so that the
   // other ranks stop at once instead of waiting out their deadline.
-  auto invalid = [&](std::string why) -> Status {
-    if (coordinator_->size() > 1) {
-      VoteInput v;
-      v.status = VoteStatus::kFailed;
-      (void)coordinator_->Vote(v, std::chrono::milliseconds(options_.vote_deadline_ms));
+  Status bad = ValidateRequest(req);
+  if (bad.ok()) {
+    if (req.units.empty()) {
+      run.local_units = req.samples;
+    } else {
+      run.unit_prefix.resize(req.units.size() + 1, 0);
+      for (size_t i = 0; i < req.units.size(); ++i) run.unit_prefix[i + 1] = run.unit_prefix[i] + req.units[i];
+      run.local_units = run.unit_prefix.back();
     }
-    rep.status = Status::InvalidArgument(std::move(why));
-    return rep.status;
-  };
-  if (req.samples < 1) return invalid("StepRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
-  if (!req.micro) return invalid("StepRequest.micro must be set");
-  if (!req.costs.empty() && static_cast<int64_t>(req.costs.size()) != req.samples)
-    return invalid("StepRequest.costs has " + std::to_string(req.costs.size()) + " entries for " +
-                   std::to_string(req.samples) + " samples");
-  const std::function<void()>& reset = req.reset ? req.reset : reset_;
+    auto plan = MakePlan(run, 0, 0);
+    if (plan.ok()) {
+      run.plan = std::move(plan).value();
+    } else {
+      bad = Status::InvalidArgument(plan.status().message());
+    }
+  }
+  if (!bad.ok()) {
+    run.local = Local::kFailed;
+    run.failure = bad;
+  }
   rep.limit_before = EffectiveLimit(req);
+  EnsureInitialSnapshot();
 
-  Device* device = options_.device;
-  if (device != nullptr) device->ResetPeak();
-  fault_ctx_ = FaultContext{step_, coordinator_->rank(), -1, 0};
+  State state = State::kLocal;
+  for (;;) {
+    switch (state) {
+      case State::kLocal: state = RunLocal(run); break;
+      case State::kVote: state = Vote(run); break;
+      case State::kSync: state = Sync(run); break;
+      case State::kApply: state = Apply(run); break;
+      case State::kAgree: state = Agree(run); break;
+      case State::kRollback: state = Rollback(run); break;
+      case State::kDone: return Conclude(run);
+    }
+  }
+}
 
-  auto plan_or = MakePlan(req, 0, 0);
-  if (!plan_or.ok()) return invalid(plan_or.status().message());
-  std::vector<MicroBatch> plan = std::move(plan_or).value();
-
-  Local local = Local::kOk;
-  Status failure;  // why the step failed locally (kFailed)
-  bool release_retry_used = false;
-  int64_t largest = 0;
-  size_t pos = 0;  // next micro-batch of `plan` to run
-
-  // A rank whose commit failed already restored its snapshot; it runs no work
-  // until the others have rolled back too (in this step's vote).
-  if (pending_rollback_) pos = plan.size();
-
-  // ---- micro-batches, with local recovery ----
-  while (local == Local::kOk && pos < plan.size()) {
+State GuardImpl::RunLocal(Run& run) {
+  while (run.local == Local::kOk) {
     std::exception_ptr error;
     try {
-      for (; pos < plan.size(); ++pos) {
-        const MicroBatch& mb = plan[pos];
+      for (; run.pos < run.plan.size(); ++run.pos) {
+        const MicroBatch& mb = run.plan[run.pos];
         phase_ = Phase::kUnknown;
         fault_ctx_.micro = mb.index;
         fault_ctx_.size = mb.cost;
         SetCurrentFaultContext(fault_ctx_);
         FaultPoint(FaultSite::kMicroBatch, fault_ctx_);
-        req.micro(mb);
-        largest = std::max(largest, mb.cost);
+        run.req.micro(mb);
+        run.largest = std::max(run.largest, mb.cost);
       }
-    } catch (...) {
-      error = std::current_exception();
-    }
-    if (!error) break;
-
-    const auto t_oom = Clock::now();
-    OomInfo info = ClassifyException(error);
-    if (!info.is_oom()) std::rethrow_exception(error);  // not ours: passes through unchanged
-
-    const MicroBatch failed = plan[pos];
-    const Phase phase = phase_;
-    MemoryStats before = StatsAtFailure(error, device);
-    // Drop the exception before releasing memory: it (or, in Python, its
-    // traceback's frames) may be what still holds the memory.
-    error = nullptr;
-    Incident inc = NewIncident(info, before, failed, req);
-    ++rep.ooms;
-    ++total_ooms_;
-    steps_ok_since_oom_ = 0;
-
-    const int64_t free_before = device != nullptr ? device->Stats().free : 0;
-    double user_ms = ReleaseCaches();
-    ++rep.cache_releases;
-    inc.actions.emplace_back(LadderActionName(LadderAction::kRelease));
-
-    // Completed micro-batches survive an OOM before backward; otherwise the
-    // gradients may hold part of the failed micro-batch.
-    const bool keep = phase == Phase::kData || phase == Phase::kForward;
-    if (!keep) {
-      if (!reset) {
-        inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
-        failure = Status::FailedPrecondition(
-            "OOM in phase '" + std::string(PhaseName(phase)) + "' at step " + std::to_string(step_) +
-            " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset "
-            "or Guard::SetResetHook); incident " + inc.id);
-        inc.micro_after = EffectiveLimit(req);
-        RecordIncident(inc);
-        rep.incidents.push_back(std::move(inc));
-        local = Local::kFailed;
-        break;
-      }
-    }
-
-    LadderAction action;
-    const int64_t free_after = device != nullptr ? device->Stats().free : 0;
-    const int64_t need = std::max<int64_t>(1, info.requested_bytes);
-    if (options_.retry_after_release && !release_retry_used && device != nullptr &&
-        free_after - free_before >= need) {
-      // Releasing made room for the request: retry at the same size once.
-      release_retry_used = true;
-      action = LadderAction::kRelease;
-    } else if (rep.ooms > options_.max_ooms_per_step) {
-      action = LadderAction::kGiveUp;
-    } else if (controller_.OnOom(failed.cost) && failed.size > 1) {
-      // (A lone sample cannot be split, whatever its cost: it escalates.)
-      action = LadderAction::kHalve;
-      inc.actions.emplace_back(LadderActionName(action));
-    } else if (options_.recovery != nullptr &&
-               std::max(options_.recovery->DurableStep(), options_.recovery->SnapshotStep()) >= 0) {
-      action = LadderAction::kRollback;
-      inc.actions.emplace_back(LadderActionName(action));
-    } else {
-      action = LadderAction::kGiveUp;
-    }
-    inc.action = std::string(LadderActionName(action));
-    inc.micro_after = EffectiveLimit(req);
-
-    Logger()->warn("OOM ({}) in {} at step {} micro-batch {}/{} (size {}): requested {}, allocated {}, "
-                   "reserved {}; released caches; {} -> micro-batch {}",
-                   inc.kind, inc.phase, step_, failed.index + 1, failed.count, failed.cost,
-                   FormatBytes(info.requested_bytes), FormatBytes(before.allocated),
-                   FormatBytes(before.reserved), inc.action, inc.micro_after);
-
-    if (action == LadderAction::kGiveUp || action == LadderAction::kRollback) {
-      if (action == LadderAction::kGiveUp) {
-        const bool bounded = rep.ooms > options_.max_ooms_per_step;
-        failure = Status::ResourceExhausted(
-            "out of memory at step " + std::to_string(step_) + " in phase '" + inc.phase + "' (" + inc.kind +
-            ", requested " + FormatBytes(info.requested_bytes) + ") " +
-            (bounded ? "after " + std::to_string(rep.ooms - 1) + " OOMs in one step (max_ooms_per_step)"
-             : failed.size == 1 && failed.cost > options_.min_micro_batch
-                 ? "in a micro-batch of one sample (cost " + std::to_string(failed.cost) +
-                       ") that cannot be split, with no checkpoint to roll back to"
-                 : "at the minimum micro-batch (" + std::to_string(options_.min_micro_batch) +
-                       ") with no checkpoint to roll back to") +
-            "; incident " + inc.id + "; remedies: " + kGenericRemedies);
-        local = Local::kFailed;
-      } else {
-        local = Local::kRollback;
-      }
-      rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
-      RecordIncident(inc);
-      rep.incidents.push_back(std::move(inc));
-      break;
-    }
-
-    // Re-plan: from the failed micro-batch when earlier work is kept, else from scratch.
-    int64_t begin = failed.offset;
-    int first_index = failed.index;
-    if (!keep) {
-      reset();
-      begin = 0;
-      first_index = 0;
-      largest = 0;
-    }
-    auto replan = MakePlan(req, begin, first_index);
-    if (!replan.ok()) return replan.status();
-    plan = std::move(replan).value();
-    pos = 0;
-    ++rep.replans;
-    rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
-    RecordIncident(inc);
-    rep.incidents.push_back(std::move(inc));
-  }
-
-  // ---- agreement, then commit ----
-  auto finish = [&](Status s, IncidentOutcome outcome) {
-    FinishIncidents(rep.incidents, outcome);
-    for (auto& inc : rep.incidents) inc.recovery_ms = rep.recovery_ms;
-    rep.status = s;
-    rep.limit_after = EffectiveLimit(req);
-    rep.wall_ms = MsSince(t_step);
-    if (device != nullptr) rep.peak_allocated = device->Stats().peak_allocated;
-    fault_ctx_.micro = -1;
-    SetCurrentFaultContext(fault_ctx_);
-    return s;
-  };
-
-  RecoveryStore* recovery = options_.recovery;
-  const int world = coordinator_->size();
-  // Restores `target` (agreed by every rank) and ends the step with kAborted.
-  auto rollback = [&](int64_t target, const std::string& why) -> Status {
-    if (recovery == nullptr || target < 0)
-      return finish(Status::ResourceExhausted(why + "; no checkpoint to roll back to" +
-                                              (world > 1 ? " on every rank" : "") +
-                                              "; remedies: " + kGenericRemedies),
-                    IncidentOutcome::kFailed);
-    auto restored = recovery->Restore(target);
-    if (!restored.ok()) return finish(restored.status(), IncidentOutcome::kFailed);
-    // The abandoned step's gradients must not leak into the redo.
-    if (reset) reset();
-    rep.rolled_back_to = *restored;
-    step_ = *restored + 1;
-    Logger()->warn("rolled back to step {} ({}); continuing at micro-batch {}", *restored, why, EffectiveLimit(req));
-    return finish(Status::Aborted(why + "; rolled back to step " + std::to_string(*restored) +
-                                  ", continue from step " + std::to_string(step_)),
-                  IncidentOutcome::kRolledBack);
-  };
-  auto restorable = [&]() -> int64_t {
-    return recovery == nullptr ? -1 : std::max(recovery->DurableStep(), recovery->SnapshotStep());
-  };
-
-  VoteInput vin;
-  vin.status = local == Local::kOk ? VoteStatus::kOk
-               : local == Local::kRollback ? VoteStatus::kRollback
-                                           : VoteStatus::kFailed;
-  if (pending_rollback_) vin.status = std::max(vin.status, VoteStatus::kRollback);
-  vin.durable_step = recovery != nullptr ? recovery->DurableStep() : -1;
-  vin.snapshot_step = recovery != nullptr ? recovery->SnapshotStep() : -1;
-  vin.micro_limit = controller_.limit();
-  vin.had_oom = rep.ooms > 0;
-  try {
-    FaultPoint(FaultSite::kVote, fault_ctx_);
-  } catch (...) {
-    // An injected OOM at the vote site: there is nothing to split here, so
-    // this rank fails the step, but it still votes so its peers never wait.
-    OomInfo info = ClassifyException(std::current_exception());
-    if (!info.is_oom()) throw;
-    failure = Status::ResourceExhausted("out of memory at the vote of step " + std::to_string(step_) + ": " +
-                                        info.message);
-    vin.status = VoteStatus::kFailed;
-    local = Local::kFailed;
-  }
-  const auto deadline = std::chrono::milliseconds(options_.vote_deadline_ms);
-  auto vote = coordinator_->Vote(vin, deadline);
-  if (!vote.ok()) return CoordinationFailure(vote.status(), req, rep, finish);
-
-  // Every rank's memory, gathered only when some rank had an OOM (collective:
-  // every rank takes part), so incidents show rank imbalance.
-  if (vote->any_oom && world > 1) {
-    MemoryStats m = device != nullptr ? device->Stats() : MemoryStats{};
-    RankMemory mine{coordinator_->rank(), m.allocated, m.reserved, m.peak_allocated};
-    auto ranks = coordinator_->GatherMemory(mine, deadline);
-    if (!ranks.ok()) return CoordinationFailure(ranks.status(), req, rep, finish);
-    for (auto& inc : rep.incidents) inc.ranks = *ranks;
-  }
-  // Rank 0 commits a checkpoint once every rank's state of it is durable.
-  // Every rank tracks the committed step, so that all take the same branches.
-  bool committed_now = recovery != nullptr && vote->min_durable_step > committed_durable_;
-  if (committed_now) {
-    if (coordinator_->rank() == 0) {
-      Status c = recovery->CommitDurable(vote->min_durable_step, world);
-      if (!c.ok()) Logger()->warn("committing checkpoint of step {} failed: {}", vote->min_durable_step, c.ToString());
-    }
-    committed_durable_ = vote->min_durable_step;
-  }
-
-  if (options_.uniform_micro_batch && vote->min_micro_limit < controller_.limit())
-    controller_.SetLimit(vote->min_micro_limit);
-  if (local == Local::kFailed) return finish(failure, IncidentOutcome::kFailed);
-  if (vote->status == VoteStatus::kFailed)
-    return finish(Status::ResourceExhausted("another rank could not recover from an OOM at step " +
-                                            std::to_string(step_) + " (or stopped with an error); stopping with it"),
-                  IncidentOutcome::kFailed);
-  if (vote->status == VoteStatus::kRollback) {
-    pending_rollback_ = false;
-    // The newest step every rank can restore: a snapshot that every rank holds
-    // in memory (instant), else the newest checkpoint durable on every rank.
-    const bool same_snapshot = vote->min_snapshot_step >= 0 && vote->min_snapshot_step == vote->max_snapshot_step;
-    int64_t target = same_snapshot ? std::max(vote->min_durable_step, vote->min_snapshot_step) : vote->min_durable_step;
-    if (world > 1 && !same_snapshot && recovery != nullptr) {
-      // The ranks' snapshots differ (one rank's commit failed while the others
-      // saved): only the disk has a common step. Let the saves in flight land
-      // and agree once more on the newest step durable everywhere. Rare, so the
-      // second collective costs nothing in normal steps.
-      VoteInput again;
-      again.status = VoteStatus::kRollback;
-      again.durable_step = recovery->WaitDurable();
-      again.snapshot_step = recovery->SnapshotStep();
-      again.micro_limit = controller_.limit();
-      auto v2 = coordinator_->Vote(again, deadline);
-      if (!v2.ok()) return CoordinationFailure(v2.status(), req, rep, finish);
-      target = v2->min_durable_step;
-      if (target > committed_durable_) {
-        if (coordinator_->rank() == 0) {
-          Status c = recovery->CommitDurable(target, world);
-          if (!c.ok()) Logger()->warn("committing checkpoint of step {} failed: {}", target, c.ToString());
-        }
-        committed_durable_ = target;
-        committed_now = true;
-      }
-    }
-    Logger()->info("rollback agreed at step {}: durable on every rank {}, snapshots {}..{}, target {}", step_,
-                   vote->min_durable_step, vote->min_snapshot_step, vote->max_snapshot_step, target);
-    if (world > 1 && committed_now && target == committed_durable_) {
-      // Rank 0 has just written that checkpoint's manifest: nobody loads it
-      // before it exists.
-      Status b = coordinator_->Barrier(deadline);
-      if (!b.ok()) return CoordinationFailure(b, req, rep, finish);
-    }
-    return rollback(target,
-                    local == Local::kRollback ? "out of memory at the minimum micro-batch at step " + std::to_string(step_)
-                                              : "a rank asked for a rollback at step " + std::to_string(step_));
-  }
-  // Every rank is ready: gradient synchronisation and the optimizer step.
-  if (req.commit) {
-    std::exception_ptr error;
-    try {
+      // The end of local work: what the sync sums (allocated now, before the
+      // vote, so that an OOM here is still this rank's own), then the vote site.
       fault_ctx_.micro = -1;
+      SetCurrentFaultContext(fault_ctx_);
       phase_ = Phase::kCommit;
-      FaultPoint(FaultSite::kCommit, fault_ctx_);
-      req.commit();
+      run.buffers.clear();
+      if (run.req.sync) run.buffers = run.req.sync();
+      FaultPoint(FaultSite::kVote, fault_ctx_);
+      return State::kVote;
     } catch (...) {
       error = std::current_exception();
     }
-    if (error) {
-      const auto t_oom = Clock::now();
-      OomInfo info = ClassifyException(error);
-      if (!info.is_oom()) std::rethrow_exception(error);
-      MemoryStats mem = StatsAtFailure(error, device);
-      error = nullptr;
-      MicroBatch whole;
-      whole.cost = largest;
-      whole.index = -1;
-      Incident inc = NewIncident(info, mem, whole, req);
-      ++rep.ooms;
-      ++total_ooms_;
-      steps_ok_since_oom_ = 0;
-      double user_ms = ReleaseCaches();
-      ++rep.cache_releases;
-      inc.actions.emplace_back(LadderActionName(LadderAction::kRelease));
-      // Parameters may be half-updated: only a snapshot can put them back. The
-      // redo runs at a smaller micro-batch, freeing room for optimizer state.
-      controller_.OnOom(std::max<int64_t>(largest, options_.min_micro_batch));
-      inc.micro_after = EffectiveLimit(req);
-      inc.action = std::string(LadderActionName(LadderAction::kRollback));
-      inc.actions.emplace_back(inc.action);
-      rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
-      Logger()->warn("OOM ({}) in the optimizer step at step {}: parameters may be half-updated", inc.kind, step_);
-      RecordIncident(inc);
-      rep.incidents.push_back(std::move(inc));
-      // The other ranks committed: the next vote carries the rollback to them,
-      // and every rank then restores the same step.
-      if (world > 1) pending_rollback_ = true;
-      return rollback(restorable(), "out of memory inside commit (optimizer step) at step " + std::to_string(step_));
-    }
+    if (!HandleOom(run, std::move(error), Where::kLocal)) break;
+  }
+  return State::kVote;
+}
+
+bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
+  const auto t_oom = Clock::now();
+  OomInfo info = ClassifyException(error);
+  if (!info.is_oom()) {
+    // Not ours: it passes through unchanged, once the other ranks know.
+    run.error = std::move(error);
+    run.local = Local::kFailed;
+    run.failure = Status::Cancelled(FailureText(run));
+    return false;
+  }
+  Device* device = options_.device;
+  MicroBatch failed;
+  if (where == Where::kLocal && run.pos < run.plan.size()) {
+    failed = run.plan[run.pos];
+  } else {
+    failed.index = -1;
+    failed.cost = std::max<int64_t>(run.largest, options_.min_micro_batch);
+    failed.size = failed.cost;
+  }
+  const Phase phase = phase_;
+  MemoryStats before = StatsAtFailure(error, device);
+  // Drop the exception before releasing memory: it (or, in Python, its
+  // traceback's frames) may be what still holds the memory.
+  error = nullptr;
+  Incident inc = NewIncident(info, before, failed, run.req);
+  StepReport& rep = run.rep;
+  ++rep.ooms;
+  ++total_ooms_;
+  steps_ok_since_oom_ = 0;
+
+  const int64_t free_before = device != nullptr ? device->Stats().free : 0;
+  const double user_ms = ReleaseCaches();
+  ++rep.cache_releases;
+  inc.actions.emplace_back(LadderActionName(LadderAction::kRelease));
+
+  // Completed micro-batches survive an OOM before backward; otherwise the
+  // gradients may hold part of the failed micro-batch.
+  const bool keep = where == Where::kLocal && (phase == Phase::kData || phase == Phase::kForward) &&
+                    run.pos < run.plan.size();
+  if (!keep && !run.reset) {
+    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
+    run.failure = Status::FailedPrecondition(
+        "OOM in phase '" + std::string(PhaseName(phase)) + "' at step " + std::to_string(step_) +
+        " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset "
+        "or Guard::SetResetHook); incident " + inc.id);
+    inc.micro_after = EffectiveLimit(run.req);
+    RecordIncident(run, std::move(inc));
+    run.local = Local::kFailed;
+    return false;
   }
 
-  rep.micro_batches = plan.empty() ? 0 : plan.back().index + 1;
-  controller_.OnSuccess(largest, /*limit_bound=*/rep.micro_batches > 1);
-  rep.largest_micro = largest;
-  if (device != nullptr) {
-    peaks_.push_back(device->Stats().peak_allocated);
+  LadderAction action;
+  const int64_t free_after = device != nullptr ? device->Stats().free : 0;
+  const int64_t need = std::max<int64_t>(1, info.requested_bytes);
+  RecoveryStore* store = options_.recovery;
+  if (options_.retry_after_release && !run.release_retry_used && device != nullptr &&
+      free_after - free_before >= need) {
+    // Releasing made room for the request: retry at the same size once.
+    run.release_retry_used = true;
+    action = LadderAction::kRelease;
+  } else if (rep.ooms > options_.max_ooms_per_step) {
+    action = LadderAction::kGiveUp;
+  } else if (controller_.OnOom(failed.cost) && failed.size > 1) {
+    // (A lone sample cannot be split, whatever its cost: it escalates.)
+    action = LadderAction::kHalve;
+    inc.actions.emplace_back(LadderActionName(action));
+  } else if (store != nullptr && (store->SnapshotStep() || !store->DurableSteps().empty())) {
+    // Whether every rank holds a common step is decided together, in Rollback.
+    action = LadderAction::kRollback;
+    inc.actions.emplace_back(LadderActionName(action));
+  } else {
+    action = LadderAction::kGiveUp;
+  }
+  inc.action = std::string(LadderActionName(action));
+  inc.micro_after = EffectiveLimit(run.req);
+
+  Logger()->warn("OOM ({}) in {} at step {} micro-batch {}/{} (size {}): requested {}, allocated {}, "
+                 "reserved {}; released caches; {} -> micro-batch {}",
+                 inc.kind, inc.phase, step_, failed.index + 1, failed.count, failed.cost,
+                 FormatBytes(info.requested_bytes), FormatBytes(before.allocated), FormatBytes(before.reserved),
+                 inc.action, inc.micro_after);
+  rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
+
+  if (action == LadderAction::kGiveUp || action == LadderAction::kRollback) {
+    if (action == LadderAction::kGiveUp) {
+      const bool bounded = rep.ooms > options_.max_ooms_per_step;
+      run.failure = Status::ResourceExhausted(
+          "out of memory at step " + std::to_string(step_) + " in phase '" + inc.phase + "' (" + inc.kind +
+          ", requested " + FormatBytes(info.requested_bytes) + ") " +
+          (bounded ? "after " + std::to_string(rep.ooms - 1) + " OOMs in one step (max_ooms_per_step)"
+           : failed.size == 1 && failed.cost > options_.min_micro_batch
+               ? "in a micro-batch of one sample (cost " + std::to_string(failed.cost) +
+                     ") that cannot be split, with no checkpoint to roll back to"
+               : "at the minimum micro-batch (" + std::to_string(options_.min_micro_batch) +
+                     ") with no checkpoint to roll back to") +
+          "; incident " + inc.id + "; remedies: " + kGenericRemedies);
+      run.local = Local::kFailed;
+    } else {
+      run.local = Local::kRollback;
+    }
+    RecordIncident(run, std::move(inc));
+    return false;
+  }
+
+  // Re-plan: from the failed micro-batch when earlier work is kept, else from
+  // scratch. After the vote every rank resets together (Sync), not here.
+  if (keep) {
+    auto replan = MakePlan(run, failed.offset, failed.index);
+    if (replan.ok()) {
+      run.plan = std::move(replan).value();
+      run.pos = 0;
+    }
+  } else {
+    if (where == Where::kLocal) run.reset();
+    PlanAnew(run);
+  }
+  ++rep.replans;
+  RecordIncident(run, std::move(inc));
+  return true;
+}
+
+internal::RankVote GuardImpl::MyVote(const Run& run) {
+  internal::RankVote v;
+  v.status = run.local == Local::kOk         ? VoteStatus::kOk
+             : run.local == Local::kRollback ? VoteStatus::kRollback
+                                             : VoteStatus::kFailed;
+  v.code = run.local == Local::kFailed ? run.failure.code() : StatusCode::kOk;
+  v.step = step_;
+  v.units = run.local_units;
+  v.micro_limit = controller_.limit();
+  v.had_oom = run.rep.ooms > 0;
+  if (options_.device != nullptr) {
+    MemoryStats m = options_.device->Stats();
+    v.allocated = m.allocated;
+    v.reserved = m.reserved;
+    v.peak_allocated = m.peak_allocated;
+  }
+  v.committed = committed_step_;
+  if (RecoveryStore* store = options_.recovery; store != nullptr) {
+    v.snapshot = store->SnapshotStep();
+    v.durable = store->DurableSteps();
+  }
+  return v;
+}
+
+State GuardImpl::Vote(Run& run) {
+  auto vote = channel_.Vote(MyVote(run));
+  if (!vote.ok()) return EndCoordination(run, vote.status());
+  run.vote = std::move(vote).value();
+  const internal::VoteOutcome& v = run.vote;
+  run.rep.global_units = v.total_units;
+  if (coordinator_->rank() != 0) committed_step_ = std::max(committed_step_, v.committed);
+  // Every rank's memory, so that incidents show rank imbalance.
+  if (v.any_oom && coordinator_->size() > 1) {
+    std::vector<RankMemory> ranks;
+    for (size_t r = 0; r < v.ranks.size(); ++r)
+      ranks.push_back(RankMemory{static_cast<int>(r), v.ranks[r].allocated, v.ranks[r].reserved,
+                                 v.ranks[r].peak_allocated});
+    for (auto& inc : run.rep.incidents) inc.ranks = ranks;
+  }
+  if (options_.uniform_micro_batch && v.min_micro_limit < controller_.limit()) controller_.SetLimit(v.min_micro_limit);
+  if (v.status == VoteStatus::kFailed) return EndFailed(run);
+  if (v.status == VoteStatus::kRollback) {
+    // The same words on every rank: a local rollback vote means an OOM that
+    // splitting cannot fix.
+    size_t asking = 0;
+    while (asking + 1 < v.ranks.size() && v.ranks[asking].status != VoteStatus::kRollback) ++asking;
+    run.rollback_why = (coordinator_->size() > 1 ? "rank " + std::to_string(asking) + " ran" : "ran") +
+                       std::string(" out of memory at step ") + std::to_string(step_) + " at its smallest micro-batch (" +
+                       std::to_string(v.ranks[asking].micro_limit) + ")";
+    run.rollback_size = v.ranks[asking].micro_limit;
+    return State::kRollback;
+  }
+  return State::kSync;
+}
+
+State GuardImpl::Sync(Run& run) {
+  internal::SyncStatus mine;
+  fault_ctx_.micro = -1;
+  SetCurrentFaultContext(fault_ctx_);
+  phase_ = Phase::kCommit;
+  try {
+    FaultPoint(FaultSite::kCommit, fault_ctx_);
+    FaultPoint(FaultSite::kSync, fault_ctx_);
+  } catch (...) {
+    std::exception_ptr error = std::current_exception();
+    if (ClassifyException(error).is_oom()) {
+      mine.oom = true;
+      HandleOom(run, std::move(error), Where::kCommit);
+    } else {
+      mine.error = true;
+      run.error = std::move(error);
+      run.local = Local::kFailed;
+      run.failure = Status::Cancelled(FailureText(run));
+    }
+  }
+  // This rank's share of the global batch: sum_r share_r * mean_r is the mean
+  // over every unit of the global batch. A rank that failed contributes zeros.
+  const double share = run.vote.total_units > 0
+                           ? static_cast<double>(run.local_units) / static_cast<double>(run.vote.total_units)
+                           : 0.0;
+  const bool failed = mine.oom || mine.error;
+  for (SumBuffer& b : run.buffers) b.scale = failed ? 0.0 : share;
+  auto synced = channel_.Sync(run.buffers, mine);
+  if (!synced.ok()) return EndCoordination(run, synced.status());
+  if (synced->error_ranks > 0) return EndFailed(run);
+  if (synced->oom_ranks > 0) {
+    // Nobody applied anything: every rank resets and redoes the step, the
+    // ranks that failed at their new size.
+    ++run.rep.redone;
+    if (run.rep.redone > options_.max_ooms_per_step)
+      return Done(run,
+                  Status::ResourceExhausted("step " + std::to_string(step_) + " was redone " +
+                                            std::to_string(run.rep.redone - 1) +
+                                            " times because ranks ran out of memory in the gradient sync "
+                                            "(max_ooms_per_step); remedies: " + kGenericRemedies),
+                  IncidentOutcome::kFailed);
+    if (!run.reset) {
+      run.local = Local::kFailed;
+      run.failure = Status::FailedPrecondition(
+          "another rank ran out of memory in the gradient sync of step " + std::to_string(step_) +
+          ": the step must be redone, and no reset hook is set (StepRequest.reset or Guard::SetResetHook)");
+      return State::kLocal;
+    }
+    run.reset();
+    if (run.local == Local::kOk && !mine.oom) PlanAnew(run);
+    Logger()->info("step {} is redone: {} rank(s) ran out of memory in the gradient sync", step_, synced->oom_ranks);
+    return State::kLocal;
+  }
+  return State::kApply;
+}
+
+State GuardImpl::Apply(Run& run) {
+  phase_ = Phase::kOptimizer;
+  try {
+    FaultPoint(FaultSite::kApply, fault_ctx_);
+    if (run.req.apply) run.req.apply();
+  } catch (...) {
+    HandleApplyFailure(run, std::current_exception());
+  }
+  return State::kAgree;
+}
+
+void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
+  const auto t_oom = Clock::now();
+  OomInfo info = ClassifyException(error);
+  if (!info.is_oom()) {
+    run.applied = kApplyError;
+    run.error = std::move(error);
+    run.local = Local::kFailed;
+    run.failure = Status::Cancelled(FailureText(run));
+    return;
+  }
+  run.applied = kApplyOom;
+  MemoryStats mem = StatsAtFailure(error, options_.device);
+  error = nullptr;
+  MicroBatch whole;
+  whole.cost = run.largest;
+  whole.index = -1;
+  Incident inc = NewIncident(info, mem, whole, run.req);
+  ++run.rep.ooms;
+  ++total_ooms_;
+  steps_ok_since_oom_ = 0;
+  const double user_ms = ReleaseCaches();
+  ++run.rep.cache_releases;
+  inc.actions.emplace_back(LadderActionName(LadderAction::kRelease));
+  // Parameters may be half-updated: only a restore can put them back. The redo
+  // runs at a smaller micro-batch, freeing room for optimizer state.
+  controller_.OnOom(std::max<int64_t>(run.largest, options_.min_micro_batch));
+  inc.micro_after = EffectiveLimit(run.req);
+  inc.action = std::string(LadderActionName(LadderAction::kRollback));
+  inc.actions.emplace_back(inc.action);
+  run.rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
+  Logger()->warn("OOM ({}) in the optimizer apply at step {}: parameters may be half-updated", inc.kind, step_);
+  RecordIncident(run, std::move(inc));
+}
+
+State GuardImpl::Agree(Run& run) {
+  const int64_t mine[2] = {run.applied, controller_.limit()};
+  auto all = channel_.Agree(mine);
+  if (!all.ok()) return EndCoordination(run, all.status());
+  int oom_rank = -1;
+  bool error = false;
+  for (size_t r = 0; r < all->size(); ++r) {
+    if ((*all)[r][0] == kApplyError) error = true;
+    if ((*all)[r][0] == kApplyOom && oom_rank < 0) oom_rank = static_cast<int>(r);
+  }
+  if (error) return EndFailed(run);
+  if (oom_rank >= 0) {
+    run.rollback_why = (coordinator_->size() > 1 ? "rank " + std::to_string(oom_rank) + " ran" : "ran") +
+                       std::string(" out of memory in the optimizer apply at step ") + std::to_string(step_);
+    run.rollback_size = (*all)[static_cast<size_t>(oom_rank)][1];
+    return State::kRollback;
+  }
+  CommitStep(run);
+  return Done(run, Status::Ok(), IncidentOutcome::kRecovered);
+}
+
+void GuardImpl::CommitStep(Run& run) {
+  StepReport& rep = run.rep;
+  rep.micro_batches = run.plan.empty() ? 0 : run.plan.back().index + 1;
+  controller_.OnSuccess(run.largest, /*limit_bound=*/rep.micro_batches > 1);
+  rep.largest_micro = run.largest;
+  if (options_.device != nullptr) {
+    peaks_.push_back(options_.device->Stats().peak_allocated);
     while (static_cast<int>(peaks_.size()) > options_.history_steps) peaks_.pop_front();
   }
   ++steps_ok_since_oom_;
-  if (options_.priors != nullptr && !options_.workload.empty() && largest > 0) {
-    Status p = options_.priors->RecordCleanMicroBatch(options_.workload, largest);
+  if (options_.priors != nullptr && !options_.workload.empty() && run.largest > 0) {
+    Status p = options_.priors->RecordCleanMicroBatch(options_.workload, run.largest);
     if (!p.ok()) Logger()->debug("recording the clean micro-batch failed: {}", p.ToString());
   }
-  const int64_t done_step = step_++;
-  if (recovery != nullptr) {
-    // Agreed by the vote, so that every rank snapshots the same steps.
-    Status s = recovery->OnStepCommitted(done_step, vote->any_oom);
-    if (!s.ok()) Logger()->warn("checkpoint after step {} failed: {}", done_step, s.ToString());
+  const int64_t done = step_++;
+  if (done >= rollback_from_) rollback_repeats_ = 0;
+  RecoveryStore* store = options_.recovery;
+  if (store == nullptr) return;
+  // Rank 0 commits the newest checkpoint durable on every rank; the others
+  // learn of it from rank 0's next vote.
+  const auto& common = run.vote.newest_common_durable;
+  if (coordinator_->rank() == 0 && common && *common > committed_step_) {
+    Status c = store->CommitDurable(*common, coordinator_->size());
+    if (c.ok()) {
+      committed_step_ = *common;
+    } else {
+      Logger()->warn("committing checkpoint of step {} failed (retried at a later step): {}", *common, c.ToString());
+    }
   }
-  return finish(Status::Ok(), IncidentOutcome::kRecovered);
+  rep.checkpoint_step = committed_step_;
+  // Every rank saves after the same steps: the trigger comes from the vote.
+  Status s;
+  try {
+    s = store->OnStepCommitted(done, run.vote.any_oom);
+  } catch (const std::exception& e) {
+    s = Status::Internal(e.what());
+  }
+  if (!s.ok()) Logger()->warn("checkpoint after step {} failed: {}", done, s.ToString());
+}
+
+State GuardImpl::EndFailed(Run& run) {
+  internal::StepChannel::Reason mine;
+  if (run.local == Local::kFailed) mine = {run.failure.code(), FailureText(run)};
+  auto reasons = channel_.ShareReasons(mine);
+  if (!reasons.ok()) return EndCoordination(run, reasons.status());
+  int first = -1, count = 0;
+  for (size_t r = 0; r < reasons->size(); ++r) {
+    if ((*reasons)[r].code == StatusCode::kOk) continue;
+    if (first < 0) first = static_cast<int>(r);
+    ++count;
+  }
+  run.rep.failed_rank = first;
+  if (run.local == Local::kFailed) {
+    Logger()->error("step {} stopped on this rank: {}", step_, FailureText(run));
+    return Done(run, run.failure, IncidentOutcome::kFailed);
+  }
+  if (first < 0)  // cannot happen: a failure was seen; stay on the safe side
+    return Done(run, Status::Internal("a rank failed at step " + std::to_string(step_) + " without a reason"),
+                IncidentOutcome::kFailed);
+  const internal::StepChannel::Reason& why = (*reasons)[static_cast<size_t>(first)];
+  std::string msg = "rank " + std::to_string(first) + " stopped at step " + std::to_string(step_) + ": " + why.text;
+  if (count > 1) msg += " (and " + std::to_string(count - 1) + " other rank(s))";
+  Logger()->error("{}", msg);
+  // The job cannot fit when the failing rank ran out of memory; otherwise this
+  // rank's step was cancelled on the failing rank's account.
+  Status s = why.code == StatusCode::kResourceExhausted ? Status::ResourceExhausted(msg) : Status::Cancelled(msg);
+  return Done(run, s, IncidentOutcome::kFailed);
+}
+
+State GuardImpl::EndCoordination(Run& run, const Status& why) {
+  if (why.code() == StatusCode::kUnavailable || why.code() == StatusCode::kAborted) {
+    OomInfo info;
+    info.exception_type = "oomguard::Coordinator";
+    info.message = why.ToString();
+    MicroBatch none;
+    none.index = -1;
+    Incident inc = NewIncident(info, options_.device != nullptr ? options_.device->Stats() : MemoryStats{}, none,
+                               run.req);
+    inc.kind = "coordination";
+    inc.phase = "vote";
+    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
+    RecordIncident(run, std::move(inc));
+    Logger()->error("coordination failed at step {}: {}; exit with code {} so that the launcher restarts every rank",
+                    step_, why.ToString(), kExitCoordinationTimeout);
+    return Done(run, why.code() == StatusCode::kUnavailable ? why : Status::Unavailable(why.message()),
+                IncidentOutcome::kFailed);
+  }
+  Logger()->error("step {} stopped: {}", step_, why.ToString());
+  return Done(run, why, IncidentOutcome::kFailed);
+}
+
+State GuardImpl::Rollback(Run& run) {
+  RecoveryStore* store = options_.recovery;
+  const int world = coordinator_->size();
+  const std::string& why = run.rollback_why;
+  internal::RankPoints mine;
+  if (store != nullptr) {
+    mine.has_store = true;
+    // Saves in flight may land a newer common step; their failures show as
+    // steps missing from the list.
+    Status w = store->WaitDurable();
+    if (!w.ok()) Logger()->warn("before the rollback: {}", w.ToString());
+    mine.durable = store->DurableSteps();
+    mine.snapshot = store->SnapshotStep();
+  }
+  auto points = channel_.ExchangePoints(mine);
+  if (!points.ok()) return EndCoordination(run, points.status());
+  const std::vector<int64_t> candidates = internal::CommonRestorableSteps(*points, step_);
+  const std::string size = "micro-batch " + std::to_string(run.rollback_size);
+  if (candidates.empty())
+    return Done(run,
+                Status::ResourceExhausted(why + "; no checkpoint to roll back to" + (world > 1 ? " on every rank" : "") +
+                                          "; remedies: " + kGenericRemedies),
+                IncidentOutcome::kFailed);
+  if (candidates.front() == rollback_target_ && rollback_repeats_ >= options_.max_rollbacks_per_step)
+    return Done(run,
+                Status::ResourceExhausted(why + "; rolled back to step " + std::to_string(rollback_target_) + " " +
+                                          std::to_string(rollback_repeats_) +
+                                          " times in a row without getting past step " + std::to_string(step_) +
+                                          " (max_rollbacks_per_step), at " + size + "; remedies: " +
+                                          kGenericRemedies),
+                IncidentOutcome::kFailed);
+  std::string tried;
+  for (int64_t target : candidates) {
+    // A rank without that snapshot loads it from disk: rank 0 commits its
+    // manifest first, and every rank hears whether that worked before loading.
+    const bool from_disk = std::any_of(points->begin(), points->end(), [&](const internal::RankPoints& p) {
+      return !(p.snapshot && *p.snapshot == target);
+    });
+    if (from_disk && world > 1) {
+      int64_t code = 0;
+      if (coordinator_->rank() == 0) code = static_cast<int64_t>(store->CommitDurable(target, world).code());
+      auto heard = channel_.Agree({&code, 1});
+      if (!heard.ok()) return EndCoordination(run, heard.status());
+      if ((*heard)[0][0] != 0) {
+        tried += "; step " + std::to_string(target) + ": rank 0 could not commit its manifest";
+        continue;
+      }
+      committed_step_ = std::max(committed_step_, target);
+    }
+    Status restored = store != nullptr ? store->Restore(target) : Status::FailedPrecondition("no recovery store");
+    const int64_t result[2] = {restored.ok() ? 0 : 1, target};
+    auto confirmed = channel_.Agree(result);
+    if (!confirmed.ok()) return EndCoordination(run, confirmed.status());
+    std::string failed_ranks;
+    for (size_t r = 0; r < confirmed->size(); ++r)
+      if ((*confirmed)[r][0] != 0 || (*confirmed)[r][1] != target) failed_ranks += " " + std::to_string(r);
+    if (!restored.ok()) Logger()->warn("restoring step {} failed here: {}", target, restored.ToString());
+    if (!failed_ranks.empty()) {
+      tried += "; step " + std::to_string(target) + ": could not be restored on rank(s)" + failed_ranks;
+      continue;
+    }
+    // Every rank holds `target` now.
+    if (run.reset) run.reset();  // the abandoned step's gradients must not leak into the redo
+    if (target == rollback_target_) {
+      ++rollback_repeats_;
+    } else {
+      rollback_target_ = target;
+      rollback_repeats_ = 1;
+    }
+    rollback_from_ = std::max(rollback_from_, step_);
+    run.rep.rolled_back_to = target;
+    step_ = target + 1;
+    run.rep.checkpoint_step = committed_step_;
+    Logger()->warn("rolled back to step {} ({}); continuing at {}", target, why, size);
+    return Done(run,
+                Status::Aborted(why + "; rolled back to step " + std::to_string(target) + ", continue from step " +
+                                std::to_string(step_)),
+                IncidentOutcome::kRolledBack);
+  }
+  return Done(run, Status::DataLoss(why + "; no step that every rank holds could be restored" + tried),
+              IncidentOutcome::kFailed);
+}
+
+Status GuardImpl::Conclude(Run& run) {
+  StepReport& rep = run.rep;
+  FinishIncidents(rep.incidents, run.outcome);
+  for (auto& inc : rep.incidents) inc.recovery_ms = rep.recovery_ms;
+  rep.status = run.status;
+  rep.limit_after = EffectiveLimit(run.req);
+  rep.wall_ms = MsSince(run.started);
+  if (options_.device != nullptr) rep.peak_allocated = options_.device->Stats().peak_allocated;
+  fault_ctx_.micro = -1;
+  SetCurrentFaultContext(fault_ctx_);
+  phase_ = Phase::kUnknown;
+  // A user's own exception passes through unchanged, now that every rank knows.
+  if (run.error) std::rethrow_exception(run.error);
+  return run.status;
+}
+
+StatusOr<int64_t> GuardImpl::Finish() {
+  RecoveryStore* store = options_.recovery;
+  internal::RankPoints mine;
+  Status saved;
+  if (store != nullptr) {
+    mine.has_store = true;
+    try {
+      saved = store->WaitDurable();
+      mine.durable = store->DurableSteps();
+    } catch (const std::exception& e) {
+      saved = Status::Internal(std::string("waiting for the last checkpoint: ") + e.what());
+    }
+  }
+  auto points = channel_.ExchangePoints(mine);
+  if (!points.ok()) return points.status();
+  // The newest step durable on every rank (no snapshots: only disk outlives the run).
+  std::optional<int64_t> common;
+  if (std::all_of(points->begin(), points->end(), [](const internal::RankPoints& p) { return p.has_store; })) {
+    for (auto it = (*points)[0].durable.rbegin(); it != (*points)[0].durable.rend() && !common; ++it)
+      if (std::all_of(points->begin(), points->end(), [&](const internal::RankPoints& p) {
+            return std::binary_search(p.durable.begin(), p.durable.end(), *it);
+          }))
+        common = *it;
+  }
+  Status commit;
+  if (coordinator_->rank() == 0 && common && *common > committed_step_)
+    commit = store->CommitDurable(*common, coordinator_->size());
+  const int64_t words[3] = {static_cast<int64_t>(saved.code()), static_cast<int64_t>(commit.code()),
+                            commit.ok() && common ? std::max(*common, committed_step_) : committed_step_};
+  auto agreed = channel_.Agree(words);
+  if (!agreed.ok()) return agreed.status();
+  bool any_failed = false;
+  for (const auto& w : *agreed) any_failed = any_failed || w[0] != 0 || w[1] != 0;
+  committed_step_ = std::max(committed_step_, (*agreed)[0][2]);
+  if (!any_failed) return committed_step_;
+  internal::StepChannel::Reason reason;
+  if (!saved.ok()) {
+    reason = {saved.code(), "the newest checkpoint save failed: " + saved.message()};
+  } else if (!commit.ok()) {
+    reason = {commit.code(), commit.message()};
+  }
+  auto reasons = channel_.ShareReasons(reason);
+  if (!reasons.ok()) return reasons.status();
+  for (size_t r = 0; r < reasons->size(); ++r) {
+    const auto& why = (*reasons)[r];
+    if (why.code == StatusCode::kOk) continue;
+    return Status(why.code, "rank " + std::to_string(r) + ": " + why.text + "; the newest checkpoint complete on "
+                                                                          "every rank is step " +
+                                std::to_string(committed_step_));
+  }
+  return committed_step_;
 }
 
 }  // namespace

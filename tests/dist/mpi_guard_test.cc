@@ -14,80 +14,99 @@ namespace {
 using std::chrono::milliseconds;
 Coordinator* g_coord = nullptr;
 
-TEST(MpiCoordinator, VoteGatherBroadcastAllreduce) {
+TEST(MpiCoordinator, AllgatherAndScaledSums) {
   Coordinator& c = *g_coord;
   ASSERT_GE(c.size(), 2) << "run under mpirun -np 4";
+  const size_t n = static_cast<size_t>(c.size());
   for (int round = 0; round < 50; ++round) {
-    VoteInput in;
-    in.status = c.rank() == round % c.size() && round % 3 == 0 ? VoteStatus::kRollback : VoteStatus::kOk;
-    in.durable_step = round - c.rank();
-    in.snapshot_step = round;
-    in.micro_limit = 64 + c.rank();
-    in.had_oom = c.rank() == 1 && round % 2 == 0;
-    auto r = c.Vote(in, milliseconds(10000));
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->status, round % 3 == 0 ? VoteStatus::kRollback : VoteStatus::kOk);
-    EXPECT_EQ(r->min_durable_step, round - (c.size() - 1));
-    EXPECT_EQ(r->min_micro_limit, 64);
-    EXPECT_EQ(r->any_oom, round % 2 == 0);
+    std::vector<int64_t> mine = {c.rank(), round, -c.rank() * round};
+    std::vector<int64_t> all(3 * n);
+    Status s = c.Allgather(mine, all, milliseconds(10000));
+    ASSERT_TRUE(s.ok()) << s;
+    for (size_t r = 0; r < n; ++r) {
+      EXPECT_EQ(all[3 * r], static_cast<int64_t>(r));
+      EXPECT_EQ(all[3 * r + 1], round);
+    }
   }
-  auto mem = c.GatherMemory(RankMemory{c.rank(), 10 * c.rank(), 20 * c.rank(), 30 * c.rank()}, milliseconds(10000));
-  ASSERT_TRUE(mem.ok());
-  ASSERT_EQ(static_cast<int>(mem->size()), c.size());
-  for (int r = 0; r < c.size(); ++r) EXPECT_EQ((*mem)[r].reserved, 20 * r);
-  std::vector<uint8_t> data;
-  if (c.rank() == 2) data = {9, 8, 7, 6};
-  ASSERT_TRUE(c.Broadcast(&data, 2, milliseconds(10000)).ok());
-  EXPECT_EQ(data, (std::vector<uint8_t>{9, 8, 7, 6}));
-  std::vector<double> v = {1.0, static_cast<double>(c.rank())};
-  ASSERT_TRUE(c.AllreduceSum(v, milliseconds(10000)).ok());
-  EXPECT_DOUBLE_EQ(v[0], c.size());
-  EXPECT_DOUBLE_EQ(v[1], c.size() * (c.size() - 1) / 2.0);
-  EXPECT_TRUE(c.Barrier(milliseconds(10000)).ok());
+  std::vector<double> d = {1.0, static_cast<double>(c.rank())};
+  std::vector<float> f = {2.0f};
+  SumBuffer bd = SumBuffer::Host(d.data(), 2);
+  bd.scale = 0.5;
+  std::vector<SumBuffer> bufs = {bd, SumBuffer::Host(f.data(), 1)};
+  ASSERT_TRUE(c.AllreduceSum(bufs, milliseconds(10000)).ok());
+  EXPECT_DOUBLE_EQ(d[0], 0.5 * c.size());
+  EXPECT_DOUBLE_EQ(d[1], 0.5 * c.size() * (c.size() - 1) / 2.0);
+  EXPECT_FLOAT_EQ(f[0], 2.0f * c.size());
+  std::vector<int64_t> wrong(1);
+  EXPECT_EQ(c.Allgather(std::vector<int64_t>{1}, wrong, milliseconds(100)).code(), StatusCode::kInvalidArgument);
 }
 
 class Recovery : public RecoveryStore {
  public:
-  int64_t durable = -1;
-  int64_t DurableStep() override { return durable; }
-  int64_t SnapshotStep() override { return durable; }
-  StatusOr<int64_t> Restore(int64_t step) override { return step; }
-  Status OnStepCommitted(int64_t step, bool) override {
-    durable = step;
+  std::vector<int64_t> durable;
+  std::optional<int64_t> snapshot;
+  std::vector<int64_t> DurableSteps() override { return durable; }
+  std::optional<int64_t> SnapshotStep() override { return snapshot; }
+  Status Snapshot(int64_t step) override {
+    snapshot = step;
     return Status::Ok();
   }
+  Status Restore(int64_t step) override {
+    restored = step;
+    return Status::Ok();
+  }
+  Status OnStepCommitted(int64_t step, bool) override {
+    durable.push_back(step);
+    snapshot = step;
+    return Status::Ok();
+  }
+  int64_t restored = -100;
 };
 
 struct Outcome {
   std::vector<Status> statuses;
   std::vector<StepReport> reports;
-  int commits = 0;
+  int applies = 0;
+  double synced = 0;
+  std::string thrown;
 };
 
-Outcome RunSteps(const std::string& rules, int steps, GuardOptions o = {}) {
+// Each rank's gradient is 1 + rank per sample; the synced mean is (n+1)/2.
+Outcome RunSteps(const std::string& rules, int steps, GuardOptions o = {}, bool with_recovery = true) {
   EXPECT_TRUE(SetFaultRules(rules).ok()) << rules;
   Recovery rec;
   o.coordinator = g_coord;
-  o.recovery = &rec;
+  if (with_recovery) o.recovery = &rec;
   o.initial_micro_batch = 16;
   o.vote_deadline_ms = 20000;
   auto guard = Guard::Create(o).value();
   Outcome out;
+  double grad = 0;
   for (int s = 0; s < steps; ++s) {
     StepRequest req;
     req.samples = 32;
-    req.micro = [&](const MicroBatch&) {
+    req.micro = [&](const MicroBatch& mb) {
       guard->MarkPhase(Phase::kForward);
       guard->MarkPhase(Phase::kBackward);
+      grad += mb.weight * (1.0 + g_coord->rank());
     };
-    req.reset = [] {};
-    req.commit = [&] {
+    req.reset = [&] { grad = 0; };
+    req.sync = [&] { return std::vector<SumBuffer>{SumBuffer::Host(&grad, 1)}; };
+    req.apply = [&] {
       guard->MarkPhase(Phase::kOptimizer);
-      ++out.commits;
+      ++out.applies;
+      out.synced = grad;
+      grad = 0;
     };
     StepReport rep;
-    out.statuses.push_back(guard->Step(req, &rep));
+    try {
+      out.statuses.push_back(guard->Step(req, &rep));
+    } catch (const std::exception& e) {
+      out.thrown = e.what();
+      out.statuses.push_back(Status(StatusCode::kUnknown, e.what()));
+    }
     out.reports.push_back(rep);
+    if (!out.statuses.back().ok() && out.statuses.back().code() != StatusCode::kAborted) break;
   }
   ClearFaultRules();
   return out;
@@ -97,7 +116,8 @@ TEST(MpiGuard, OomOnOneRankInForwardAndBackward) {
   for (const char* site : {"forward", "backward"}) {
     Outcome o = RunSteps(std::string("oom@step=1,rank=1,site=") + site, 3);
     for (const Status& s : o.statuses) EXPECT_TRUE(s.ok()) << site << ": " << s;
-    EXPECT_EQ(o.commits, 3);
+    EXPECT_EQ(o.applies, 3);
+    EXPECT_DOUBLE_EQ(o.synced, (g_coord->size() + 1) / 2.0);
     if (g_coord->rank() == 1) {
       ASSERT_EQ(o.reports[1].incidents.size(), 1u);
       EXPECT_EQ(static_cast<int>(o.reports[1].incidents[0].ranks.size()), g_coord->size());
@@ -105,33 +125,64 @@ TEST(MpiGuard, OomOnOneRankInForwardAndBackward) {
   }
 }
 
+TEST(MpiGuard, OomAtCommitOrSyncOnOneRankRedoesTheStepEverywhere) {
+  for (const char* site : {"commit", "sync"}) {
+    Outcome o = RunSteps(std::string("oom@step=1,rank=3,site=") + site, 3);
+    for (const Status& s : o.statuses) EXPECT_TRUE(s.ok()) << site << ": " << s;
+    EXPECT_EQ(o.applies, 3);
+    EXPECT_EQ(o.reports[1].redone, 1);
+    EXPECT_DOUBLE_EQ(o.synced, (g_coord->size() + 1) / 2.0);
+  }
+}
+
 TEST(MpiGuard, OomOnEveryRank) {
   Outcome o = RunSteps("oom@step=0,site=backward", 2);  // each process has its own rule counter
   for (const Status& s : o.statuses) EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(o.reports[0].ooms, 1);
-  EXPECT_EQ(o.commits, 2);
+  EXPECT_EQ(o.applies, 2);
 }
 
-TEST(MpiGuard, OomInCommitOnOneRankRollsEveryRankBack) {
-  Outcome o = RunSteps("oom@step=2,rank=3,site=optimizer", 4);
-  ASSERT_EQ(o.statuses.size(), 4u);
-  EXPECT_TRUE(o.statuses[1].ok());
-  EXPECT_EQ(o.statuses[3].code(), StatusCode::kAborted) << o.statuses[3];
-  ASSERT_TRUE(o.reports[3].rolled_back_to.has_value());
-  EXPECT_EQ(*o.reports[3].rolled_back_to, 1);
+TEST(MpiGuard, OomInApplyOnOneRankRollsEveryRankBackInThatStep) {
+  for (int step : {2, 3}) {  // 3 is the last step: nothing after it would carry the rollback
+    Outcome o = RunSteps("oom@step=" + std::to_string(step) + ",rank=3,site=optimizer", 4);
+    ASSERT_EQ(o.statuses.size(), 4u);
+    EXPECT_EQ(o.statuses[static_cast<size_t>(step)].code(), StatusCode::kAborted) << o.statuses[step];
+    ASSERT_TRUE(o.reports[static_cast<size_t>(step)].rolled_back_to.has_value());
+    EXPECT_EQ(*o.reports[static_cast<size_t>(step)].rolled_back_to, step - 1);
+  }
 }
 
-TEST(MpiGuard, UnrecoverableRankStopsEveryone) {
+TEST(MpiGuard, UnrecoverableRankStopsEveryoneNamingIt) {
   GuardOptions opt;
   opt.min_micro_batch = 16;
-  Outcome o = RunSteps("oom@step=0,rank=0,site=forward,times=0", 1, opt);
-  // Rank 0 cannot split further and has nothing to roll back to; the others
-  // stop with it instead of committing alone.
+  const auto t0 = std::chrono::steady_clock::now();
+  Outcome o = RunSteps("oom@step=0,rank=0,site=forward,times=0", 1, opt, /*with_recovery=*/false);
   EXPECT_EQ(o.statuses[0].code(), StatusCode::kResourceExhausted) << o.statuses[0];
   if (g_coord->rank() != 0) {
-    EXPECT_NE(o.statuses[0].message().find("another rank"), std::string::npos) << o.statuses[0];
+    EXPECT_NE(o.statuses[0].message().find("rank 0 stopped at step 0"), std::string::npos) << o.statuses[0];
   }
-  EXPECT_EQ(o.commits, 0);
+  EXPECT_EQ(o.applies, 0);
+  // A non-OOM error: rethrown on its rank after the vote, named on the others.
+  Outcome e = RunSteps("error@step=1,rank=2,site=backward", 3);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 10.0) << "nobody waits for the 20 s deadline";
+  if (g_coord->rank() == 2) {
+    EXPECT_NE(e.thrown.find("injected error"), std::string::npos) << e.thrown;
+  } else {
+    ASSERT_EQ(e.statuses.size(), 2u);
+    EXPECT_EQ(e.statuses[1].code(), StatusCode::kCancelled) << e.statuses[1];
+    EXPECT_NE(e.statuses[1].message().find("rank 2 stopped at step 1"), std::string::npos) << e.statuses[1];
+  }
+}
+
+TEST(MpiGuard, RepeatedRollbacksStopEveryRankWithTheSameError) {
+  GuardOptions opt;
+  opt.min_micro_batch = 16;
+  Outcome o = RunSteps("oom@step=2,rank=1,site=forward,times=0", 30, opt);
+  const Status& last = o.statuses.back();
+  EXPECT_EQ(last.code(), StatusCode::kResourceExhausted) << last;
+  EXPECT_NE(last.message().find("times in a row"), std::string::npos) << last;
+  EXPECT_LT(o.statuses.size(), 30u);
 }
 
 }  // namespace
