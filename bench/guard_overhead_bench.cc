@@ -188,7 +188,7 @@ void BM_GuardOverhead(benchmark::State& state) {
   oomguard::StepRequest req;
   req.samples = samples;
   req.micro = micro;
-  req.commit = commit;
+  req.apply = commit;
   oomguard::StepReport report;
 
   auto unguarded = [&] {
@@ -313,7 +313,7 @@ void BM_Recovery(benchmark::State& state) {
   oomguard::StepRequest req;
   req.samples = kSamples;
   req.micro = micro;
-  req.commit = [&] { benchmark::DoNotOptimize(acc); };
+  req.apply = [&] { benchmark::DoNotOptimize(acc); };
   // The OOM comes before any MarkPhase, so the guard cannot tell whether
   // gradients were touched: it zeroes them and redoes the step (the general path).
   req.reset = [&] { acc = 0; };

@@ -52,7 +52,9 @@ OOMGUARD_EXPORT OomInfo ClassifyException(std::exception_ptr e);
 OOMGUARD_EXPORT OomInfo ClassifyMessage(std::string_view message);
 
 // A translator looks at an exception of a type the SDK does not know and
-// returns an OomInfo when it recognises it (kind kNone or nullopt: not mine).
+// returns an OomInfo when it recognises it (nullopt: not mine). An OomInfo of
+// kind kNone with exception_type set says "not an OOM, but this is what it is"
+// (used only to describe the exception when nothing else recognises it).
 // It is called inside a catch block: it may rethrow the current exception
 // (`std::rethrow_exception(e)`) inside its own try to inspect the type.
 using OomTranslator = std::function<std::optional<OomInfo>(std::exception_ptr)>;

@@ -308,7 +308,10 @@ OomInfo ClassifyException(std::exception_ptr e) {
 #endif
 
   // Translators run inside a catch block, as oom.h promises, so that a plain
-  // `throw;` in a translator also works.
+  // `throw;` in a translator also works. A translator may also describe an
+  // exception it knows is not an OOM (kind kNone with a type): that names
+  // types the C++ side cannot see, such as a Python exception on its way back.
+  std::optional<OomInfo> described;
   try {
     std::rethrow_exception(e);
   } catch (...) {
@@ -331,6 +334,7 @@ OomInfo ClassifyException(std::exception_ptr e) {
         if (result->exception_type.empty()) result->exception_type = "unknown";
         return *std::move(result);
       }
+      if (result && !described && !result->exception_type.empty()) described = std::move(result);
     }
   }
 
@@ -350,6 +354,7 @@ OomInfo ClassifyException(std::exception_ptr e) {
     info.exception_type = "std::string";
     return info;
   } catch (...) {
+    if (described) return *std::move(described);
     OomInfo info;
     info.exception_type = "unknown";
     return info;

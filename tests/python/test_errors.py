@@ -78,14 +78,14 @@ def test_non_oom_exception_passes_through_unchanged_even_if_it_mentions_memory()
     assert guard.total_ooms == 0
 
 
-def test_exception_in_commit_passes_through():
+def test_exception_in_apply_passes_through():
     guard = oomguard.Guard()
 
-    def commit():
+    def apply():
         raise KeyError("optimizer bug")
 
     with pytest.raises(KeyError, match="optimizer bug"):
-        guard.step(2, lambda mb: None, commit=commit)
+        guard.step(2, lambda mb: None, apply=apply)
 
 
 def test_oom_in_backward_without_reset_is_failed_precondition():
@@ -110,11 +110,11 @@ def test_invalid_options_and_fault_rules_are_value_errors():
 
 
 class _TimingOutCoordinator(oomguard.Coordinator):
-    """A Python coordinator whose vote never gets an answer."""
+    """A Python coordinator whose collectives never get an answer."""
 
     def __init__(self):
         super().__init__()
-        self.votes = 0
+        self.calls = 0
 
     def rank(self):
         return 0
@@ -125,8 +125,8 @@ class _TimingOutCoordinator(oomguard.Coordinator):
     def engine(self):
         return "test"
 
-    def vote(self, vote_input, deadline_s):
-        self.votes += 1
+    def allgather(self, mine, deadline_s):
+        self.calls += 1
         assert deadline_s == pytest.approx(0.25)
         raise TimeoutError("peer 1 did not answer")
 
@@ -135,31 +135,50 @@ def test_coordination_timeout_raises_timeout_error():
     coordinator = _TimingOutCoordinator()
     guard = oomguard.Guard(coordinator=coordinator, vote_deadline_ms=250)
     with pytest.raises(TimeoutError) as info:
-        guard.step(2, lambda mb: None, commit=lambda: pytest.fail("commit must not run without agreement"))
+        guard.step(2, lambda mb: None, apply=lambda: pytest.fail("apply must not run without agreement"))
     e = info.value
     assert isinstance(e, oomguard.CoordinationTimeoutError)
     assert e.code == "UNAVAILABLE"
     assert "peer 1 did not answer" in str(e)
-    assert coordinator.votes == 1
+    assert coordinator.calls == 1
     assert e.report.incidents and e.report.incidents[0].kind == "coordination"
 
 
-def test_python_coordinator_vote_round_trip():
-    """A Python coordinator that packs, 'reduces' and unpacks the vote."""
+def test_python_coordinator_carries_the_whole_step():
+    """A one-rank Python coordinator: the vote and the agreement arrive as
+    all-gathers, the sync as a sum of the step's own buffers (scale 1 here)."""
+    import numpy as np
 
     class Single(_TimingOutCoordinator):
         def size(self):
             return 1
 
-        def vote(self, vote_input, deadline_s):
-            self.votes += 1
-            return oomguard.unpack_vote(oomguard.pack_vote(vote_input))
+        def allgather(self, mine, deadline_s):
+            self.calls += 1
+            return list(mine)
+
+        def allreduce_sum(self, buffers, deadline_s):
+            self.sums.append([(type(b).__name__, scale) for b, scale in buffers])
 
     c = Single()
+    c.sums = []
     guard = oomguard.Guard(coordinator=c)
+    grad = np.zeros(3)
     done = []
-    report = guard.step(3, lambda mb: None, commit=lambda: done.append(True))
-    assert report.status.ok and done == [True] and c.votes == 1
-    assert len(oomguard.pack_vote(oomguard.VoteInput())) == oomguard.VOTE_WORDS
-    with pytest.raises(ValueError):
-        oomguard.unpack_vote([0, 1])
+
+    def micro(mb):
+        grad[:] += mb.weight
+
+    report = guard.step(3, micro, apply=lambda: done.append(grad.copy()), reset=lambda: grad.fill(0),
+                        sync=lambda: [grad])
+    assert report.status.ok and len(done) == 1 and c.calls == 2  # the vote and the agreement
+    assert done[0] == pytest.approx([1.0, 1.0, 1.0])
+    assert len(c.sums) == 1 and c.sums[0][0] == ("ndarray", 1.0), c.sums
+    assert c.sums[0][-1][0] == "ndarray", "the guard's status words travel as a float64 array"
+    assert guard.finish() == -1
+
+
+def test_peer_failure_is_its_own_error_class():
+    assert issubclass(oomguard.PeerFailedError, oomguard.OomguardError)
+    e = oomguard.errors._from_status(1, "CANCELLED", "rank 2 stopped at step 4: ValueError: bad batch", None)
+    assert isinstance(e, oomguard.PeerFailedError) and "rank 2" in str(e)

@@ -112,7 +112,7 @@ def test_two_ranks_as_python_threads_agree_through_the_thread_group():
                     raise MemoryError("rank 1 only")
 
             for _ in range(3):
-                reports[rank] = guards[rank].step(8, micro, commit=lambda: commits.__setitem__(rank, commits[rank] + 1),
+                reports[rank] = guards[rank].step(8, micro, apply=lambda: commits.__setitem__(rank, commits[rank] + 1),
                                                   reset=lambda: None)
         except BaseException as e:  # reported below
             errors.append(e)

@@ -26,6 +26,21 @@ def _release_cuda_cache() -> None:
         cuda.empty_cache()
 
 
+def _sum_buffer(value: Any):
+    """(data pointer, element count, dtype name, CUDA device or -1) of a buffer
+    a step's ``sync`` returns: a contiguous torch.Tensor or NumPy array."""
+    from .checkpoint import _describe
+
+    dtype, shape, ptr, location = _describe(value)
+    count = 1
+    for d in shape:
+        count *= d
+    device = -1
+    if location == "cuda":
+        device = value.device.index if value.device.index is not None else 0
+    return ptr, count, dtype, device
+
+
 def _native(obj: Any) -> Any:
     """The compiled object behind a Python wrapper (Checkpointer), or obj itself."""
     return getattr(obj, "native", obj)
@@ -62,6 +77,7 @@ class Guard:
         grow_tolerance: float = 0.05,
         forget_bad_after: int = 500,
         max_ooms_per_step: int = 32,
+        max_rollbacks_per_step: int = 3,
         retry_after_release: bool = True,
         history_steps: int = 32,
         uniform_micro_batch: bool = False,
@@ -82,6 +98,7 @@ class Guard:
         o.grow_tolerance = grow_tolerance
         o.forget_bad_after = forget_bad_after
         o.max_ooms_per_step = max_ooms_per_step
+        o.max_rollbacks_per_step = max_rollbacks_per_step
         o.retry_after_release = retry_after_release
         o.history_steps = history_steps
         o.uniform_micro_batch = uniform_micro_batch
@@ -104,26 +121,44 @@ class Guard:
         self,
         samples: int,
         micro: Callable[[MicroBatch], Any],
-        commit: Optional[Callable[[], Any]] = None,
+        apply: Optional[Callable[[], Any]] = None,
         reset: Optional[Callable[[], Any]] = None,
         costs: Optional[Sequence[int]] = None,
+        *,
+        units: Optional[Sequence[int]] = None,
+        sync: Optional[Callable[[], Sequence[Any]]] = None,
     ) -> StepReport:
         """Runs one optimizer step of ``samples`` samples.
 
         ``micro(mb)`` does forward and backward of samples
         ``[mb.offset, mb.offset + mb.size)`` (``mb.slice``) with the mean loss
-        multiplied by ``mb.weight``; ``commit()`` synchronises gradients and
-        steps the optimizer, once, after every rank is ready; ``reset()`` zeroes
-        accumulated gradients (needed to redo a step after an OOM in backward).
-        ``costs``: optional per-sample costs (e.g. tokens); the micro-batch limit
-        is then in cost units.
+        multiplied by ``mb.weight``. ``sync()`` (several ranks) returns the
+        buffers to sum over ranks — contiguous tensors or arrays, the
+        gradients and the loss — after the micro-batches and before the vote:
+        the guard sums them in place after a vote every rank passed, each
+        rank's contribution scaled by its share of the global batch, so they
+        hold the global batch's mean. ``apply()`` steps the optimizer, once,
+        after every rank's sync succeeded. ``reset()`` zeroes what the
+        micro-batches accumulated (needed to redo a step after an OOM in
+        backward, or after another rank failed before its apply).
+        ``costs``: optional per-sample costs (e.g. tokens); the micro-batch
+        limit is then in cost units. ``units``: optional per-sample loss units
+        (e.g. valid tokens): weights become shares of units instead of samples.
 
-        Returns the StepReport. Raises OutOfMemoryError (unrecoverable),
-        RolledBackError (continue from ``e.next_step``), CoordinationTimeoutError,
-        FailedPreconditionError (an OOM after backward and no reset), and any
-        other exception the callbacks raise, unchanged.
+        Returns the StepReport. Raises OutOfMemoryError (unrecoverable, here or
+        on another rank), RolledBackError (continue from ``e.next_step``),
+        CoordinationTimeoutError, PeerFailedError (another rank stopped with an
+        error), FailedPreconditionError (an OOM after backward and no reset),
+        and any other exception the callbacks raise, unchanged (after the other
+        ranks were told).
         """
-        return self.native.step(samples, micro, commit, reset, None if costs is None else list(costs))
+        return self.native.step(samples, micro, apply, reset, None if costs is None else list(costs),
+                                None if units is None else [int(u) for u in units], sync)
+
+    def finish(self) -> int:
+        """Ends the run (collective): waits for the checkpoint saves in flight and agrees
+        with every rank on the newest checkpoint complete everywhere; returns its step (-1: none)."""
+        return self.native.finish()
 
     def mark_phase(self, phase: Union[str, Phase]) -> None:
         """Marks what the code inside ``micro``/``commit`` is doing: "data",

@@ -5,7 +5,6 @@
 from typing import Any
 
 __version__: str
-VOTE_WORDS: int
 EXIT_COORDINATION_TIMEOUT: int
 CHECKPOINT_FORMAT: str
 

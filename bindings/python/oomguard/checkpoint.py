@@ -10,7 +10,7 @@ RNG state, data position) are registered with ``save() -> bytes`` and
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from . import _oomguard as _C
 from .errors import CheckpointNotFoundError
@@ -130,14 +130,21 @@ class Checkpointer:
     def load(self, step: int) -> int:
         return self.native.load(step)
 
-    def restore(self, step: int) -> int:
-        """Restores ``step`` from the in-memory snapshot when it holds it, else from disk."""
-        return self.native.restore(step)
+    def restore(self, step: int) -> None:
+        """Restores exactly ``step``: from the in-memory snapshot when it holds it, else from
+        disk. Raises (CorruptCheckpointError, CheckpointNotFoundError) rather than restore another step."""
+        self.native.restore(step)
 
-    def durable_step(self) -> int:
-        return self.native.durable_step()
+    def snapshot(self, step: int) -> None:
+        """Keeps a copy of the registered state in memory as ``step`` (nothing is written)."""
+        self.native.snapshot(step)
 
-    def snapshot_step(self) -> int:
+    def durable_steps(self) -> List[int]:
+        """Steps whose shard of this rank is durable (committed or not), ascending."""
+        return self.native.durable_steps()
+
+    def snapshot_step(self) -> Optional[int]:
+        """The step of the in-memory snapshot, or None."""
         return self.native.snapshot_step()
 
     @property

@@ -13,6 +13,7 @@ DATA_LOSS                  CorruptCheckpointError OSError
 NOT_FOUND                  CheckpointNotFound..   FileNotFoundError
 INVALID_ARGUMENT           InvalidArgumentError   ValueError
 FAILED_PRECONDITION        FailedPreconditionErr  RuntimeError
+CANCELLED                  PeerFailedError        RuntimeError
 anything else              OomguardError          RuntimeError
 =========================  =====================  ===============================
 
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "InvalidArgumentError",
     "FailedPreconditionError",
+    "PeerFailedError",
     "EXIT_COORDINATION_TIMEOUT",
     "oom_kind",
 ]
@@ -122,6 +124,16 @@ class FailedPreconditionError(OomguardError):
     code = "FAILED_PRECONDITION"
 
 
+class PeerFailedError(OomguardError):
+    """Another rank stopped this step with an error of its own (CANCELLED).
+
+    The message names that rank and its error; that rank raised the original
+    exception. Every rank stops at the same step, so a restart resumes all.
+    """
+
+    code = "CANCELLED"
+
+
 _BY_CODE = {
     "RESOURCE_EXHAUSTED": OutOfMemoryError,
     "ABORTED": RolledBackError,
@@ -131,6 +143,7 @@ _BY_CODE = {
     "NOT_FOUND": CheckpointNotFoundError,
     "INVALID_ARGUMENT": InvalidArgumentError,
     "FAILED_PRECONDITION": FailedPreconditionError,
+    "CANCELLED": PeerFailedError,
 }
 
 

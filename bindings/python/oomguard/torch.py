@@ -10,16 +10,17 @@ What TrainStep does per optimizer step:
   * splits the batch into micro-batches (dim 0) that fit, and multiplies each
     micro-batch's mean loss by its weight (size / batch), so the accumulated
     gradient equals the whole batch's;
-  * accumulates under DDP's ``no_sync`` and synchronises gradients itself in
-    ``commit``, which runs only after every rank voted that it is ready: a rank
-    that hit an OOM (and is still splitting) never leaves the others blocked
-    inside a gradient all-reduce;
+  * accumulates under DDP's ``no_sync`` and lets the guard sum the gradients
+    (and the loss) over ranks after its vote, every rank in the same
+    collective whatever failed where, then steps the optimizer only when every
+    rank's sum succeeded: a rank that hit an OOM never leaves the others
+    blocked inside a gradient all-reduce, and no rank updates alone;
   * marks phases, so completed micro-batches are kept after an OOM in forward
     and gradients are zeroed and the step redone after an OOM in backward.
 
 Checkpoints of model, optimizer and RNG state go through the C++ checkpointer
 (``register_state``); a coordinator over torch.distributed
-(``TorchDistributedCoordinator``) lets ranks agree once per step.
+(``TorchDistributedCoordinator``) carries the guard's collectives.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import contextlib
 import io
 import random
 import sys
+import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -102,7 +104,7 @@ class TrainStep:
             raise ValueError("DistributedDataParallel with broadcast_buffers=True broadcasts buffers inside "
                              "forward, a collective before the guard's vote; build it with broadcast_buffers=False")
         self._sync = (_distributed_world() > 1) if sync_gradients is None else sync_gradients
-        self._loss = 0.0
+        self._loss: Optional[torch.Tensor] = None
         self.last_report: Optional[_C.StepReport] = None
         self.last_loss: Optional[float] = None
 
@@ -114,22 +116,25 @@ class TrainStep:
             if len(b) != n:
                 raise ValueError(f"batch tensors differ in length along dim 0 ({n} vs {len(b)})")
         self._zero_grad()
-        self._loss = 0.0
+        self._loss = None
         guard = self.guard
 
         def micro(mb: _C.MicroBatch) -> None:
             parts = [b[mb.offset:mb.offset + mb.size] for b in batch]
-            # Gradients accumulate locally; commit synchronises them after the vote.
+            # Gradients accumulate locally; the guard sums them after its vote.
             with self.model.no_sync() if self._ddp else contextlib.nullcontext():
                 guard.mark_phase("forward")
                 loss = self._forward(self.model, *parts)
                 guard.mark_phase("backward")
                 (loss * mb.weight).backward()
-            self._loss += float(loss.detach()) * mb.weight
+            # On the loss's device: no host sync per micro-batch.
+            part = loss.detach().to(torch.float64) * mb.weight
+            self._loss = part if self._loss is None else self._loss + part
 
-        self.last_report = guard.step(n, micro, self._commit, self._reset, costs)
-        self.last_loss = self._loss
-        return self._loss
+        self.last_report = guard.step(n, micro, self._apply, self._reset, costs,
+                                      sync=self._sync_buffers if self._sync else None)
+        self.last_loss = 0.0 if self._loss is None else float(self._loss)
+        return self.last_loss
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,26 +142,24 @@ class TrainStep:
 
     def _reset(self) -> None:
         self._zero_grad()
-        self._loss = 0.0
+        self._loss = None
 
-    def _commit(self) -> None:
-        if self._sync:
-            self._all_reduce_gradients()
-        self.guard.mark_phase("optimizer")
-        self.optimizer.step()
-
-    def _all_reduce_gradients(self) -> None:
+    def _sync_buffers(self) -> list:
+        """What the guard sums over ranks: every gradient and the loss. Runs
+        before the vote, so that whatever it allocates (the gradient of a
+        parameter no micro-batch touched) is allocated while an OOM can still
+        go through the ladder."""
         params = [p for p in _unwrap(self.model).parameters() if p.requires_grad]
-        # Every rank must contribute the same tensors in the same order.
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        if self._loss is None:
+            self._loss = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+        return [p.grad for p in params] + [self._loss]
+
+    def _apply(self) -> None:
+        self.guard.mark_phase("optimizer")
+        self.optimizer.step()
 
 
 # ---- checkpoints ----
@@ -248,16 +251,26 @@ def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
 # ---- the coordinator over torch.distributed ----
 
 class TorchDistributedCoordinator(_C.Coordinator):
-    """The guard's per-step agreement over torch.distributed (gloo on CPU, nccl on GPU).
+    """The guard's transport over torch.distributed (gloo on CPU, nccl on GPU).
 
-    The vote is one all-reduce of VOTE_WORDS int64 with MAX. Every collective
-    waits at most its deadline (``Work.wait(timeout)``); after a timeout the
-    coordinator is broken and later calls fail at once, as the C++ contract
-    says: exit with ``oomguard.EXIT_COORDINATION_TIMEOUT`` and let the launcher
-    restart every rank.
+    The guard's protocol runs over two collectives: an all-gather of small
+    int64 records (votes, agreements) and an in-place sum of the step's sync
+    buffers, each rank's contribution scaled by its own factor. Every
+    collective is asynchronous and its completion is polled against the
+    deadline (``Work.is_completed``), so a peer that never arrives turns into
+    a TimeoutError after the deadline even where ``Work.wait`` would block for
+    the process group's own timeout. After a timeout the coordinator is
+    broken and later calls fail at once, as the C++ contract says: exit with
+    ``oomguard.EXIT_COORDINATION_TIMEOUT`` and let the launcher restart every rank.
+
+    Everything a collective needs is allocated here, not in the vote that
+    follows an out-of-memory error.
 
     Thread-safety: called by the guard on the training thread (with the GIL).
     """
+
+    _RECORD_WORDS = 64    # words of one rank's record kept preallocated
+    _STAGE_FLOATS = 64    # host buffers of a sum staged on the device (nccl)
 
     def __init__(self, group: Optional[Any] = None) -> None:
         super().__init__()
@@ -269,9 +282,13 @@ class TorchDistributedCoordinator(_C.Coordinator):
         backend = str(dist.get_backend(group))
         self._device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                         else torch.device("cpu"))
-        # Allocated once: the vote must not need memory on a rank that just ran out of it.
-        self._words = torch.zeros(_C.VOTE_WORDS, dtype=torch.int64, device=self._device)
+        self._mine = torch.zeros(self._RECORD_WORDS, dtype=torch.int64, device=self._device)
+        self._records = torch.zeros(self._RECORD_WORDS * self._size, dtype=torch.int64, device=self._device)
+        self._stage = (torch.zeros(self._STAGE_FLOATS, dtype=torch.float64, device=self._device)
+                       if self._device.type == "cuda" else None)
         self._broken: Optional[str] = None
+        # A first collective now, so that the backend's own buffers exist too.
+        self._wait([dist.all_reduce(self._mine[:1], group=self._group, async_op=True)], 600.0, "warm-up")
 
     def rank(self) -> int:
         return self._rank
@@ -282,59 +299,59 @@ class TorchDistributedCoordinator(_C.Coordinator):
     def engine(self) -> str:
         return "torch.distributed"
 
-    def _wait(self, work: Any, deadline_s: float, what: str) -> None:
-        try:
-            work.wait(timeout=timedelta(seconds=deadline_s))
-        except RuntimeError as e:
-            self._broken = f"{what} did not complete within {deadline_s:.3f} s: {e}"
-            raise TimeoutError(self._broken) from None
-
-    def _check(self) -> None:
+    def _wait(self, works: Sequence[Any], deadline_s: float, what: str) -> None:
         if self._broken is not None:
             raise TimeoutError(f"coordinator is broken: {self._broken}")
+        until = time.monotonic() + deadline_s
+        pause = 20e-6
+        pending = list(works)
+        while pending:
+            pending = [w for w in pending if not w.is_completed()]
+            if not pending:
+                break
+            if time.monotonic() >= until:
+                self._broken = f"{what} did not complete within {deadline_s:.3f} s"
+                raise TimeoutError(self._broken)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        for w in works:
+            try:
+                w.wait()  # completed: returns at once, or raises the collective's own error
+            except RuntimeError as e:
+                self._broken = f"{what} failed: {e}"
+                raise TimeoutError(self._broken) from None
 
-    def vote(self, vote_input: _C.VoteInput, deadline_s: float) -> _C.VoteResult:
-        self._check()
-        words = _C.pack_vote(vote_input)
-        for i, w in enumerate(words):
-            self._words[i] = w
-        work = dist.all_reduce(self._words, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._wait(work, deadline_s, "vote")
-        return _C.unpack_vote(self._words.tolist())
+    def allgather(self, mine: Any, deadline_s: float) -> list:
+        n = len(mine)
+        if n > self._mine.numel():  # a record larger than planned: grow once
+            self._mine = torch.zeros(n, dtype=torch.int64, device=self._device)
+            self._records = torch.zeros(n * self._size, dtype=torch.int64, device=self._device)
+        src = self._mine[:n]
+        src.copy_(torch.as_tensor(mine, dtype=torch.int64))
+        out = [self._records[r * n:(r + 1) * n] for r in range(self._size)]
+        self._wait([dist.all_gather(out, src, group=self._group, async_op=True)], deadline_s, "allgather")
+        return self._records[:n * self._size].tolist()
 
-    def gather_memory(self, mine: _C.RankMemory, deadline_s: float) -> list:
-        self._check()
-        t = torch.tensor([mine.rank, mine.allocated, mine.reserved, mine.peak_allocated],
-                         dtype=torch.int64, device=self._device)
-        out = [torch.zeros_like(t) for _ in range(self._size)]
-        self._wait(dist.all_gather(out, t, group=self._group, async_op=True), deadline_s, "gather_memory")
-        return [_C.RankMemory(*(int(v) for v in r.tolist())) for r in out]
-
-    def barrier(self, deadline_s: float) -> None:
-        self._check()
-        self._wait(dist.barrier(group=self._group, async_op=True), deadline_s, "barrier")
-
-    def broadcast(self, data: bytes, root: int, deadline_s: float) -> bytes:
-        self._check()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
-        self._wait(dist.broadcast(size, root, group=self._group, async_op=True), deadline_s, "broadcast")
-        n = int(size.item())
-        if self._rank == root:
-            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._device) if n else \
-                torch.zeros(0, dtype=torch.uint8, device=self._device)
-        else:
-            payload = torch.zeros(n, dtype=torch.uint8, device=self._device)
-        if n:
-            self._wait(dist.broadcast(payload, root, group=self._group, async_op=True), deadline_s, "broadcast")
-        return bytes(payload.cpu().numpy().tobytes())
-
-    def allreduce_sum(self, array: Any, deadline_s: float) -> None:
-        self._check()
-        host = torch.from_numpy(array)  # the caller's buffer
-        t = host if self._device.type == "cpu" else host.to(self._device)
-        self._wait(dist.all_reduce(t, group=self._group, async_op=True), deadline_s, "allreduce_sum")
-        if t is not host:
-            host.copy_(t.cpu())
+    def allreduce_sum(self, buffers: Sequence[Any], deadline_s: float) -> None:
+        works, staged, at = [], [], 0
+        for buf, scale in buffers:
+            t = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
+            if t.device != self._device:
+                # Host status words on an nccl group: through the preallocated stage.
+                if self._stage is None or at + t.numel() > self._stage.numel() or t.dtype != torch.float64:
+                    raise ValueError(f"allreduce_sum: a {t.dtype} buffer on {t.device} with an nccl group "
+                                     "(sync buffers must live on the group's device)")
+                dev = self._stage[at:at + t.numel()]
+                dev.copy_(t)
+                staged.append((t, dev))
+                at += t.numel()
+                t = dev
+            if scale != 1.0:
+                t.mul_(scale)
+            works.append(dist.all_reduce(t, group=self._group, async_op=True))
+        self._wait(works, deadline_s, "allreduce_sum")
+        for host, dev in staged:
+            host.copy_(dev)
 
     def abort(self) -> None:
         self._broken = self._broken or "aborted"

@@ -76,11 +76,13 @@ void BindCheckpoint(py::module_& m) {
       .def_readonly("last_error", &CheckpointStats::last_error);
 
   py::class_<RecoveryStore>(m, "RecoveryStore")
-      .def("durable_step", [](RecoveryStore& r) { return WithoutGil([&] { return r.DurableStep(); }); })
+      .def("durable_steps", [](RecoveryStore& r) { return WithoutGil([&] { return r.DurableSteps(); }); })
       .def("snapshot_step", [](RecoveryStore& r) { return WithoutGil([&] { return r.SnapshotStep(); }); })
       .def(
-          "restore",
-          [](RecoveryStore& r, int64_t step) { return ValueOrThrow(WithoutGil([&] { return r.Restore(step); })); },
+          "snapshot", [](RecoveryStore& r, int64_t step) { ThrowIfError(WithoutGil([&] { return r.Snapshot(step); })); },
+          py::arg("step"))
+      .def(
+          "restore", [](RecoveryStore& r, int64_t step) { ThrowIfError(WithoutGil([&] { return r.Restore(step); })); },
           py::arg("step"));
 
   py::class_<Checkpointer, RecoveryStore>(m, "Checkpointer")

@@ -66,6 +66,8 @@ class PythonOomError : public std::exception {
 // traceback.
 struct PythonPassthrough {
   py::error_already_set error;
+  std::string type;     // "ValueError": what the guard tells the other ranks
+  std::string message;  // str(exception)
 };
 
 // A non-OK Status thrown towards Python (see the translator in errors.cc).

@@ -3,12 +3,12 @@
 //
 // A Python coordinator implements, with deadlines in seconds (float):
 //   rank() -> int, size() -> int, engine() -> str
-//   vote(vote_input, deadline_s) -> VoteResult   (pack_vote/unpack_vote: one
-//                                                 allreduce of VOTE_WORDS int64 with MAX)
-//   gather_memory(mine, deadline_s) -> list[RankMemory]
-//   barrier(deadline_s) -> None
-//   broadcast(data: bytes, root, deadline_s) -> bytes
-//   allreduce_sum(array: numpy float64, deadline_s) -> None   (in place)
+//   allgather(mine: numpy int64 array, deadline_s) -> sequence of size()*len(mine) ints
+//   allreduce_sum(buffers: list of (buffer, scale), deadline_s) -> None
+//       each buffer is the object the step's `sync` returned (a torch.Tensor,
+//       a numpy array) or, for the guard's own status words, a numpy float64
+//       array; sum every buffer over ranks in place, each rank's contribution
+//       multiplied by its own `scale` first
 //   abort() -> None
 // An exception raised by a collective becomes kUnavailable (a peer did not
 // answer) with the exception's type and message, which the guard turns into
@@ -43,6 +43,18 @@ Status FromPythonError(const char* method, py::error_already_set& e) {
   return Status::Unavailable(std::string("coordinator.") + method + " raised " + type + ": " + what);
 }
 
+// A numpy view of a host buffer (no copy), valid while the caller's memory is.
+// REQUIRES: the GIL is held.
+py::array HostView(const SumBuffer& b) {
+  py::capsule no_owner(b.data, [](void*) {});
+  const py::ssize_t n = static_cast<py::ssize_t>(b.count);
+  switch (b.dtype) {
+    case DType::kFloat32: return py::array_t<float>({n}, {sizeof(float)}, static_cast<float*>(b.data), no_owner);
+    case DType::kInt64: return py::array_t<int64_t>({n}, {sizeof(int64_t)}, static_cast<int64_t*>(b.data), no_owner);
+    default: return py::array_t<double>({n}, {sizeof(double)}, static_cast<double*>(b.data), no_owner);
+  }
+}
+
 class PyCoordinator : public Coordinator {
  public:
   using Coordinator::Coordinator;
@@ -51,43 +63,31 @@ class PyCoordinator : public Coordinator {
   int size() const override { PYBIND11_OVERRIDE_PURE(int, Coordinator, size, ); }
   std::string engine() const override { PYBIND11_OVERRIDE_PURE(std::string, Coordinator, engine, ); }
 
-  StatusOr<VoteResult> Vote(const VoteInput& in, std::chrono::milliseconds deadline) override {
-    return Call<VoteResult>("vote", [&](py::function& f) { return f(in, Seconds(deadline)).cast<VoteResult>(); });
-  }
-
-  StatusOr<std::vector<RankMemory>> GatherMemory(const RankMemory& mine, std::chrono::milliseconds deadline) override {
-    return Call<std::vector<RankMemory>>("gather_memory", [&](py::function& f) {
-      return f(mine, Seconds(deadline)).cast<std::vector<RankMemory>>();
+  Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all, std::chrono::milliseconds deadline) override {
+    return Call("allgather", [&](py::function& f) -> Status {
+      py::array_t<int64_t> in(static_cast<py::ssize_t>(mine.size()));
+      std::copy(mine.begin(), mine.end(), in.mutable_data());
+      std::vector<int64_t> out = f(in, Seconds(deadline)).cast<std::vector<int64_t>>();
+      if (out.size() != all.size())
+        return Status::Internal("coordinator.allgather returned " + std::to_string(out.size()) + " words, expected " +
+                                std::to_string(all.size()));
+      std::copy(out.begin(), out.end(), all.begin());
+      return Status::Ok();
     });
   }
 
-  Status Barrier(std::chrono::milliseconds deadline) override {
-    return Call<bool>("barrier", [&](py::function& f) {
-             f(Seconds(deadline));
-             return true;
-           }).status();
-  }
-
-  Status Broadcast(std::vector<uint8_t>* data, int root, std::chrono::milliseconds deadline) override {
-    auto r = Call<bool>("broadcast", [&](py::function& f) {
-      py::bytes in(reinterpret_cast<const char*>(data->data()), data->size());
-      py::bytes out = f(in, root, Seconds(deadline));
-      const std::string_view v = out;
-      data->assign(v.begin(), v.end());
-      return true;
+  Status AllreduceSum(std::span<const SumBuffer> buffers, std::chrono::milliseconds deadline) override {
+    return Call("allreduce_sum", [&](py::function& f) -> Status {
+      py::list items;
+      for (const SumBuffer& b : buffers) {
+        py::object buf = b.handle != nullptr
+                             ? py::reinterpret_borrow<py::object>(static_cast<PyObject*>(const_cast<void*>(b.handle)))
+                             : py::object(HostView(b));
+        items.append(py::make_tuple(buf, b.scale));
+      }
+      f(items, Seconds(deadline));
+      return Status::Ok();
     });
-    return r.status();
-  }
-
-  Status AllreduceSum(std::span<double> data, std::chrono::milliseconds deadline) override {
-    return Call<bool>("allreduce_sum", [&](py::function& f) {
-             // A view of the caller's buffer (no copy), valid during the call.
-             py::capsule no_owner(data.data(), [](void*) {});
-             py::array_t<double> view({static_cast<py::ssize_t>(data.size())}, {sizeof(double)}, data.data(),
-                                      no_owner);
-             f(view, Seconds(deadline));
-             return true;
-           }).status();
   }
 
   void Abort() override {
@@ -101,8 +101,8 @@ class PyCoordinator : public Coordinator {
   }
 
  private:
-  template <typename T, typename F>
-  StatusOr<T> Call(const char* method, F&& body) {
+  template <typename F>
+  Status Call(const char* method, F&& body) {
     py::gil_scoped_acquire gil;
     try {
       py::function f = py::get_override(static_cast<const Coordinator*>(this), method);
@@ -119,68 +119,22 @@ class PyCoordinator : public Coordinator {
 }  // namespace
 
 void BindCoordinator(py::module_& m) {
-  m.attr("VOTE_WORDS") = kVoteWords;
-
-  py::enum_<VoteStatus>(m, "VoteStatus")
-      .value("ok", VoteStatus::kOk)
-      .value("rollback", VoteStatus::kRollback)
-      .value("failed", VoteStatus::kFailed);
-
-  py::class_<VoteInput>(m, "VoteInput")
-      .def(py::init<>())
-      .def_readwrite("status", &VoteInput::status)
-      .def_readwrite("durable_step", &VoteInput::durable_step)
-      .def_readwrite("snapshot_step", &VoteInput::snapshot_step)
-      .def_readwrite("micro_limit", &VoteInput::micro_limit)
-      .def_readwrite("had_oom", &VoteInput::had_oom);
-
-  py::class_<VoteResult>(m, "VoteResult")
-      .def(py::init<>())
-      .def_readwrite("status", &VoteResult::status)
-      .def_readwrite("min_durable_step", &VoteResult::min_durable_step)
-      .def_readwrite("min_snapshot_step", &VoteResult::min_snapshot_step)
-      .def_readwrite("max_snapshot_step", &VoteResult::max_snapshot_step)
-      .def_readwrite("min_micro_limit", &VoteResult::min_micro_limit)
-      .def_readwrite("any_oom", &VoteResult::any_oom);
-
-  m.def(
-      "pack_vote",
-      [](const VoteInput& in) {
-        int64_t words[kVoteWords];
-        PackVote(in, words);
-        return std::vector<int64_t>(words, words + kVoteWords);
-      },
-      py::arg("vote_input"), "The vote as VOTE_WORDS int64 to be reduced with MAX over ranks.");
-  m.def(
-      "unpack_vote",
-      [](const std::vector<int64_t>& reduced) {
-        if (reduced.size() != static_cast<size_t>(kVoteWords))
-          throw StatusError(Status::InvalidArgument("unpack_vote needs " + std::to_string(kVoteWords) +
-                                                    " words (got " + std::to_string(reduced.size()) + ")"));
-        return UnpackVote(reduced.data());
-      },
-      py::arg("reduced_max"));
-
   py::class_<Coordinator, PyCoordinator, std::unique_ptr<Coordinator>>(m, "Coordinator")
       .def(py::init<>())
       .def("rank", &Coordinator::rank)
       .def("size", &Coordinator::size)
       .def("engine", &Coordinator::engine)
       .def(
-          "vote",
-          [](Coordinator& c, const VoteInput& in, double deadline_s) {
-            return ValueOrThrow(WithoutGil([&] {
-              return c.Vote(in, std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000)));
+          "allgather",
+          [](Coordinator& c, const std::vector<int64_t>& mine, double deadline_s) {
+            std::vector<int64_t> all(mine.size() * static_cast<size_t>(c.size()));
+            ThrowIfError(WithoutGil([&] {
+              return c.Allgather(mine, all, std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000)));
             }));
+            return all;
           },
-          py::arg("vote_input"), py::arg("deadline_s"))
-      .def(
-          "barrier",
-          [](Coordinator& c, double deadline_s) {
-            ThrowIfError(WithoutGil(
-                [&] { return c.Barrier(std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000))); }));
-          },
-          py::arg("deadline_s"))
+          py::arg("mine"), py::arg("deadline_s"),
+          "Collective: every rank's `mine` (same length everywhere), concatenated in rank order.")
       .def("abort", [](Coordinator& c) { WithoutGil([&] { c.Abort(); }); });
 
   m.def("make_local_coordinator", &MakeLocalCoordinator);

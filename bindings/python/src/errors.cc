@@ -42,7 +42,16 @@ void RethrowForGuard(py::error_already_set&& e) {
   } catch (const py::cast_error&) {
     PyErr_WarnEx(PyExc_RuntimeWarning, "oomguard.errors._classify_for_guard returned a malformed verdict", 1);
   }
-  if (!oom) throw PythonPassthrough{std::move(e)};
+  if (!oom) {
+    std::string type, message;
+    try {
+      type = py::str(e.type().attr("__name__"));
+      message = py::str(e.value());
+    } catch (py::error_already_set& broken) {
+      broken.discard_as_unraisable("oomguard: describing an exception");
+    }
+    throw PythonPassthrough{std::move(e), std::move(type), std::move(message)};
+  }
   throw std::move(*oom);
 }
 
@@ -56,6 +65,12 @@ void RegisterErrorTranslation(py::module_& m) {
       info.exception_type = err.type();
       info.message = err.what();
       info.requested_bytes = err.requested_bytes();
+      return info;
+    } catch (const PythonPassthrough& p) {
+      // Not an OOM; named so that the other ranks hear what stopped this one.
+      OomInfo info;
+      info.exception_type = p.type.empty() ? "Python exception" : p.type;
+      info.message = p.message;
       return info;
     } catch (...) {
       return std::nullopt;

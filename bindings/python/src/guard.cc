@@ -17,6 +17,7 @@
 #include "common.h"
 #include "oomguard/coordinator.h"
 #include "oomguard/device.h"
+#include "oomguard/dtype.h"
 #include "oomguard/faults.h"
 #include "oomguard/guard.h"
 #include "oomguard/incident.h"
@@ -41,6 +42,33 @@ std::function<void()> Releaser(PyCallable fn, std::string name) {
       e.discard_as_unraisable(("oomguard cache releaser '" + name + "'").c_str());
     }
   };
+}
+
+// Calls the step's sync() (Python) and describes what it returned: a list of
+// contiguous torch tensors or numpy arrays, summed over ranks in place. The
+// objects are kept in *keep (released under the GIL when the step ends) and
+// passed to a Python coordinator as the buffers themselves.
+std::vector<SumBuffer> SumBuffers(const PyCallable& sync, PyCallable* keep) {
+  py::gil_scoped_acquire gil;
+  py::object returned = CallGuarded<py::object>(sync);
+  py::list objects;
+  for (py::handle h : returned) objects.append(h);
+  *keep = PyCallable(objects);
+  py::object describe = py::module_::import("oomguard._guard").attr("_sum_buffer");
+  std::vector<SumBuffer> out;
+  for (py::handle obj : objects) {
+    auto t = describe(obj).cast<py::tuple>();  // (data_ptr, count, dtype name, device index or -1)
+    SumBuffer b;
+    b.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+    b.count = t[1].cast<int64_t>();
+    auto dtype = ParseDType(t[2].cast<std::string>());
+    if (!dtype) throw py::value_error("sync(): unsupported dtype " + t[2].cast<std::string>());
+    b.dtype = *dtype;
+    b.device = t[3].cast<int>();
+    b.handle = obj.ptr();
+    out.push_back(b);
+  }
+  return out;
 }
 
 }  // namespace
@@ -164,7 +192,11 @@ void BindGuard(py::module_& m) {
       .def_readonly("ooms", &StepReport::ooms)
       .def_readonly("cache_releases", &StepReport::cache_releases)
       .def_readonly("replans", &StepReport::replans)
+      .def_readonly("redone", &StepReport::redone)
       .def_readonly("rolled_back_to", &StepReport::rolled_back_to)
+      .def_readonly("failed_rank", &StepReport::failed_rank)
+      .def_readonly("global_units", &StepReport::global_units)
+      .def_readonly("checkpoint_step", &StepReport::checkpoint_step)
       .def_readonly("incidents", &StepReport::incidents)
       .def_readonly("peak_allocated", &StepReport::peak_allocated)
       .def_readonly("wall_ms", &StepReport::wall_ms)
@@ -184,6 +216,7 @@ void BindGuard(py::module_& m) {
       .def_readwrite("grow_tolerance", &GuardOptions::grow_tolerance)
       .def_readwrite("forget_bad_after", &GuardOptions::forget_bad_after)
       .def_readwrite("max_ooms_per_step", &GuardOptions::max_ooms_per_step)
+      .def_readwrite("max_rollbacks_per_step", &GuardOptions::max_rollbacks_per_step)
       .def_readwrite("retry_after_release", &GuardOptions::retry_after_release)
       .def_readwrite("history_steps", &GuardOptions::history_steps)
       .def_readwrite("uniform_micro_batch", &GuardOptions::uniform_micro_batch)
@@ -210,17 +243,21 @@ void BindGuard(py::module_& m) {
            py::keep_alive<1, 4>(), py::keep_alive<1, 5>())
       .def(
           "step",
-          [](Guard& guard, int64_t samples, const py::function& micro, const py::object& commit,
-             const py::object& reset, std::optional<std::vector<int64_t>> costs) {
+          [](Guard& guard, int64_t samples, const py::function& micro, const py::object& apply,
+             const py::object& reset, std::optional<std::vector<int64_t>> costs,
+             std::optional<std::vector<int64_t>> units, const py::object& sync) {
             // Made while the GIL is held; the request's std::functions only
             // copy these shared handles, never Python references.
-            PyCallable micro_fn(micro), commit_fn(commit), reset_fn(reset);
+            PyCallable micro_fn(micro), apply_fn(apply), reset_fn(reset), sync_fn(sync);
+            PyCallable sync_objects;  // what sync() returned: alive until Step returns
             StepRequest req;
             req.samples = samples;
             if (costs) req.costs = std::span<const int64_t>(*costs);
+            if (units) req.units = std::span<const int64_t>(*units);
             req.micro = [&micro_fn](const MicroBatch& mb) { CallGuarded(micro_fn, mb); };
-            if (commit_fn) req.commit = [&commit_fn] { CallGuarded(commit_fn); };
+            if (apply_fn) req.apply = [&apply_fn] { CallGuarded(apply_fn); };
             if (reset_fn) req.reset = [&reset_fn] { CallGuarded(reset_fn); };
+            if (sync_fn) req.sync = [&sync_fn, &sync_objects] { return SumBuffers(sync_fn, &sync_objects); };
             StepReport report;
             Status status;
             try {
@@ -232,8 +269,11 @@ void BindGuard(py::module_& m) {
             if (!status.ok()) throw StatusError(status, std::move(report));
             return report;
           },
-          py::arg("samples"), py::arg("micro"), py::arg("commit") = py::none(), py::arg("reset") = py::none(),
-          py::arg("costs") = py::none())
+          py::arg("samples"), py::arg("micro"), py::arg("apply") = py::none(), py::arg("reset") = py::none(),
+          py::arg("costs") = py::none(), py::arg("units") = py::none(), py::arg("sync") = py::none())
+      .def("finish", [](Guard& guard) { return ValueOrThrow(WithoutGil([&] { return guard.Finish(); })); },
+           "Collective: waits for the checkpoint saves in flight and agrees with every rank on the newest "
+           "checkpoint complete everywhere (rank 0 commits it); returns its step (-1: none).")
       .def(
           "mark_phase", [](Guard& g, Phase p) { g.MarkPhase(p); }, py::arg("phase"))
       .def(
