@@ -49,10 +49,10 @@ $py "$root/bench/plot_controller.py" "$out/controller.csv" "$root/bench/controll
 $py "$root/bench/make_report.py" --overhead "$out/guard_overhead.json" \
   --controller "$out/controller.json" --machine "$out/machine.txt" --out "$root/bench/RESULTS.md" \
   --commit "$(git -C "$root" describe --always --dirty 2>/dev/null || true)"
-echo "== vote latency (ThreadGroup; MPI with 4 ranks)"
+echo "== the step protocol (ThreadGroup; MPI with 4 ranks)"
 "$build/bin/vote_bench" --ranks 4 --votes 20000 | tee "$out/vote.jsonl"
 if [[ -x $build/bin/mpi_vote ]]; then
-  mpirun --allow-run-as-root --oversubscribe -np 4 "$build/bin/mpi_vote" 20000 | tee -a "$out/vote.jsonl"
+  mpirun --allow-run-as-root --oversubscribe -np 4 "$build/bin/mpi_vote" --rounds 20000 | tee -a "$out/vote.jsonl"
 fi
 echo "== knowledge base: Record() cost and classification"
 "$build/bin/kb_bench" --benchmark_out="$out/kb.json" --benchmark_out_format=json

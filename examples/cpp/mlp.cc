@@ -353,17 +353,6 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
       result.status = reg;
       return result;
     }
-    if (cfg.resume) {
-      auto loaded = ckpt->LoadLatest();
-      if (loaded.ok()) {
-        result.resumed_from_step = *loaded;
-        first_step = *loaded + 1;
-        result.steps_done = first_step;
-      } else if (loaded.status().code() != oomguard::StatusCode::kNotFound) {
-        result.status = loaded.status();
-        return result;
-      }
-    }
     opts.recovery = ckpt.get();
   }
   auto guard_or = oomguard::Guard::Create(opts);
@@ -372,6 +361,18 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
     return result;
   }
   auto guard = std::move(guard_or).value();
+  if (ckpt != nullptr && cfg.resume) {
+    // Every rank resumes from the same step: the newest one all can load.
+    auto loaded = guard->Resume();
+    if (loaded.ok()) {
+      result.resumed_from_step = *loaded;
+      first_step = *loaded + 1;
+      result.steps_done = first_step;
+    } else if (loaded.status().code() != oomguard::StatusCode::kNotFound) {
+      result.status = loaded.status();
+      return result;
+    }
+  }
   guard->SetStep(first_step);
   result.initial_micro_batch = std::min(guard->micro_limit(), n_local);
   guard->SetResetHook([&] { trainer.ZeroGrad(); });

@@ -129,6 +129,14 @@ class OOMGUARD_EXPORT Guard {
   // other ranks were told. Every rank returns at the same step.
   virtual Status Step(const StepRequest& request, StepReport* report = nullptr) = 0;
 
+  // Starts a run from its checkpoints: every rank restores the newest
+  // checkpoint that every rank holds and can load (a corrupt one on any rank
+  // makes all move to the next), confirmed by all, and step() becomes the
+  // step after it. Returns that step; kNotFound when no checkpoint is common
+  // to every rank (start from scratch), kDataLoss when none could be loaded,
+  // kFailedPrecondition without a RecoveryStore. Collective.
+  virtual StatusOr<int64_t> Resume() = 0;
+
   // Ends the run: waits until the checkpoint saves in flight are durable and
   // agrees with every rank on the newest checkpoint complete everywhere
   // (rank 0 commits it). Returns that step (-1: none, or no RecoveryStore).

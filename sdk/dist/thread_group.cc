@@ -55,7 +55,9 @@ class Group {
     } else if (!cv_.wait_until(lock, until, [&] { return broken_ || (reading_ && round_ == round); })) {
       return Break(rank, what, deadline);
     }
-    if (broken_) return broken_status();
+    // A round every rank completed is read even if a rank broke the group
+    // right after reading it: all ranks then see the same data.
+    if (!(reading_ && round_ == round)) return broken_status();
     std::string diverged;
     for (int r = 1; r < size_ && diverged.empty(); ++r) {
       if (slots_[static_cast<size_t>(r)].call != slots_[0].call)

@@ -172,6 +172,7 @@ class GuardImpl final : public Guard {
   }
 
   Status Step(const StepRequest& req, StepReport* report) override;
+  StatusOr<int64_t> Resume() override;
   StatusOr<int64_t> Finish() override;
 
   void MarkPhase(Phase phase) override {
@@ -207,6 +208,19 @@ class GuardImpl final : public Guard {
   bool HandleOom(Run& run, std::exception_ptr error, Where where);
   // An exception in the apply: parameters may be half-updated.
   void HandleApplyFailure(Run& run, std::exception_ptr error);
+  // Calls the reset hook. Its own exception makes this rank fail (kept to be
+  // rethrown once the others know); false then.
+  bool Reset(Run& run) {
+    try {
+      run.reset();
+      return true;
+    } catch (...) {
+      run.error = std::current_exception();
+      run.local = Local::kFailed;
+      run.failure = Status::Cancelled("the reset hook raised: " + FailureText(run));
+      return false;
+    }
+  }
   // Every rank ends the step because some rank failed: the reasons travel,
   // the failing ranks return their own error, the others name the first.
   State EndFailed(Run& run);
@@ -220,6 +234,14 @@ class GuardImpl final : public Guard {
     return State::kDone;
   }
 
+  // What this rank can restore (after its saves in flight landed).
+  internal::RankPoints MyPoints();
+  // Every rank restores the first of `candidates` that every rank can, with
+  // rank 0 committing its manifest first when some rank loads from disk; the
+  // ranks confirm they hold it. kNotFound when none worked; another error when
+  // a collective failed.
+  StatusOr<int64_t> RestoreAgreed(const std::vector<internal::RankPoints>& points,
+                                  const std::vector<int64_t>& candidates, std::string* tried);
   Status ValidateRequest(const StepRequest& req) const;
   void EnsureInitialSnapshot();
   internal::RankVote MyVote(const Run& run);
@@ -341,12 +363,25 @@ class GuardImpl final : public Guard {
     }
   }
 
+  // Runs a RecoveryStore call between collectives: whatever it throws becomes
+  // a status, so that this rank still takes part in the collective that follows.
+  template <typename F>
+  static Status Contained(F&& call) {
+    try {
+      return call();
+    } catch (...) {
+      return Status::Internal(DescribeException(std::current_exception()));
+    }
+  }
+
+  static std::string DescribeException(const std::exception_ptr& e) {
+    OomInfo info = ClassifyException(e);
+    return "exception " + info.exception_type + (info.message.empty() ? "" : ": " + info.message);
+  }
+
   // What this rank tells the others about its own failure.
   std::string FailureText(const Run& run) const {
-    if (run.error) {
-      OomInfo info = ClassifyException(run.error);
-      return "exception " + info.exception_type + (info.message.empty() ? "" : ": " + info.message);
-    }
+    if (run.error) return DescribeException(run.error);
     return run.failure.ToString();
   }
 
@@ -404,6 +439,8 @@ void GuardImpl::EnsureInitialSnapshot() {
                      "back): {}", s.ToString());
   } catch (const std::exception& e) {
     Logger()->warn("no in-memory snapshot of the initial state: {}", e.what());
+  } catch (...) {
+    Logger()->warn("no in-memory snapshot of the initial state: {}", DescribeException(std::current_exception()));
   }
 }
 
@@ -602,7 +639,7 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
       run.pos = 0;
     }
   } else {
-    if (where == Where::kLocal) run.reset();
+    if (where == Where::kLocal && !Reset(run)) return false;
     PlanAnew(run);
   }
   ++rep.replans;
@@ -713,8 +750,7 @@ State GuardImpl::Sync(Run& run) {
           ": the step must be redone, and no reset hook is set (StepRequest.reset or Guard::SetResetHook)");
       return State::kLocal;
     }
-    run.reset();
-    if (run.local == Local::kOk && !mine.oom) PlanAnew(run);
+    if (Reset(run) && run.local == Local::kOk && !mine.oom) PlanAnew(run);
     Logger()->info("step {} is redone: {} rank(s) ran out of memory in the gradient sync", step_, synced->oom_ranks);
     return State::kLocal;
   }
@@ -805,26 +841,33 @@ void GuardImpl::CommitStep(Run& run) {
   if (done >= rollback_from_) rollback_repeats_ = 0;
   RecoveryStore* store = options_.recovery;
   if (store == nullptr) return;
-  // Rank 0 commits the newest checkpoint durable on every rank; the others
-  // learn of it from rank 0's next vote.
-  const auto& common = run.vote.newest_common_durable;
-  if (coordinator_->rank() == 0 && common && *common > committed_step_) {
-    Status c = store->CommitDurable(*common, coordinator_->size());
-    if (c.ok()) {
-      committed_step_ = *common;
-    } else {
-      Logger()->warn("committing checkpoint of step {} failed (retried at a later step): {}", *common, c.ToString());
+  // Rank 0 commits the checkpoints durable on every rank, oldest first (saves
+  // lag behind training, so several may have completed since the last
+  // vote; retention keeps the newest of them); the others learn of it from
+  // rank 0's next vote.
+  if (coordinator_->rank() == 0) {
+    for (int64_t step : run.vote.common_durable) {
+      if (step <= committed_step_) continue;
+      Status c = Contained([&] { return store->CommitDurable(step, coordinator_->size()); });
+      if (!c.ok()) {
+        Logger()->warn("committing checkpoint of step {} failed (retried at a later step): {}", step, c.ToString());
+        break;
+      }
+      committed_step_ = step;
     }
   }
   rep.checkpoint_step = committed_step_;
   // Every rank saves after the same steps: the trigger comes from the vote.
+  // The step is committed on every rank: an error here (a user's save
+  // callback raising) costs this rank's checkpoint of the step, which the
+  // ranks' durable sets then lack, never the step itself.
   Status s;
   try {
     s = store->OnStepCommitted(done, run.vote.any_oom);
-  } catch (const std::exception& e) {
-    s = Status::Internal(e.what());
+  } catch (...) {
+    s = Status::Internal(DescribeException(std::current_exception()));
   }
-  if (!s.ok()) Logger()->warn("checkpoint after step {} failed: {}", done, s.ToString());
+  if (!s.ok()) Logger()->error("checkpoint after step {} failed: {}", done, s.ToString());
 }
 
 State GuardImpl::EndFailed(Run& run) {
@@ -878,21 +921,67 @@ State GuardImpl::EndCoordination(Run& run, const Status& why) {
   return Done(run, why, IncidentOutcome::kFailed);
 }
 
-State GuardImpl::Rollback(Run& run) {
-  RecoveryStore* store = options_.recovery;
-  const int world = coordinator_->size();
-  const std::string& why = run.rollback_why;
+internal::RankPoints GuardImpl::MyPoints() {
   internal::RankPoints mine;
-  if (store != nullptr) {
-    mine.has_store = true;
-    // Saves in flight may land a newer common step; their failures show as
-    // steps missing from the list.
-    Status w = store->WaitDurable();
-    if (!w.ok()) Logger()->warn("before the rollback: {}", w.ToString());
+  RecoveryStore* store = options_.recovery;
+  if (store == nullptr) return mine;
+  // Saves in flight may land a newer common step; their failures show as
+  // steps missing from the list.
+  Status w = Contained([&] {
+    Status waited = store->WaitDurable();
     mine.durable = store->DurableSteps();
     mine.snapshot = store->SnapshotStep();
+    return waited;
+  });
+  if (!w.ok()) Logger()->warn("before restoring: {}", w.ToString());
+  mine.has_store = true;
+  return mine;
+}
+
+StatusOr<int64_t> GuardImpl::RestoreAgreed(const std::vector<internal::RankPoints>& points,
+                                           const std::vector<int64_t>& candidates, std::string* tried) {
+  RecoveryStore* store = options_.recovery;
+  const int world = coordinator_->size();
+  for (int64_t target : candidates) {
+    // A rank without that snapshot loads it from disk: rank 0 commits its
+    // manifest first, and every rank hears whether that worked before loading.
+    const bool from_disk = std::any_of(points.begin(), points.end(), [&](const internal::RankPoints& p) {
+      return !(p.snapshot && *p.snapshot == target);
+    });
+    if (from_disk && world > 1) {
+      int64_t code = 0;
+      if (coordinator_->rank() == 0)
+        code = static_cast<int64_t>(Contained([&] { return store->CommitDurable(target, world); }).code());
+      auto heard = channel_.Agree({&code, 1});
+      if (!heard.ok()) return heard.status();
+      if ((*heard)[0][0] != 0) {
+        *tried += "; step " + std::to_string(target) + ": rank 0 could not commit its manifest";
+        continue;
+      }
+      committed_step_ = std::max(committed_step_, target);
+    }
+    Status restored = store != nullptr ? Contained([&] { return store->Restore(target); })
+                                       : Status::FailedPrecondition("no recovery store");
+    const int64_t result[2] = {restored.ok() ? 0 : 1, target};
+    auto confirmed = channel_.Agree(result);
+    if (!confirmed.ok()) return confirmed.status();
+    std::string failed_ranks;
+    for (size_t r = 0; r < confirmed->size(); ++r)
+      if ((*confirmed)[r][0] != 0 || (*confirmed)[r][1] != target) failed_ranks += " " + std::to_string(r);
+    if (!restored.ok()) Logger()->warn("restoring step {} failed here: {}", target, restored.ToString());
+    if (failed_ranks.empty()) return target;  // every rank holds `target` now
+    *tried += "; step " + std::to_string(target) + ": could not be restored on rank(s)" + failed_ranks;
   }
-  auto points = channel_.ExchangePoints(mine);
+  return Status::NotFound("no step that every rank holds could be restored" + *tried);
+}
+
+State GuardImpl::Rollback(Run& run) {
+  const int world = coordinator_->size();
+  const std::string& why = run.rollback_why;
+  // The abandoned step's gradients must not leak into the redo. A reset that
+  // raises leaves this rank with nothing to offer: every rank then stops.
+  const bool reset_ok = !run.reset || Reset(run);
+  auto points = channel_.ExchangePoints(reset_ok ? MyPoints() : internal::RankPoints{});
   if (!points.ok()) return EndCoordination(run, points.status());
   const std::vector<int64_t> candidates = internal::CommonRestorableSteps(*points, step_);
   const std::string size = "micro-batch " + std::to_string(run.rollback_size);
@@ -910,55 +999,47 @@ State GuardImpl::Rollback(Run& run) {
                                           kGenericRemedies),
                 IncidentOutcome::kFailed);
   std::string tried;
-  for (int64_t target : candidates) {
-    // A rank without that snapshot loads it from disk: rank 0 commits its
-    // manifest first, and every rank hears whether that worked before loading.
-    const bool from_disk = std::any_of(points->begin(), points->end(), [&](const internal::RankPoints& p) {
-      return !(p.snapshot && *p.snapshot == target);
-    });
-    if (from_disk && world > 1) {
-      int64_t code = 0;
-      if (coordinator_->rank() == 0) code = static_cast<int64_t>(store->CommitDurable(target, world).code());
-      auto heard = channel_.Agree({&code, 1});
-      if (!heard.ok()) return EndCoordination(run, heard.status());
-      if ((*heard)[0][0] != 0) {
-        tried += "; step " + std::to_string(target) + ": rank 0 could not commit its manifest";
-        continue;
-      }
-      committed_step_ = std::max(committed_step_, target);
-    }
-    Status restored = store != nullptr ? store->Restore(target) : Status::FailedPrecondition("no recovery store");
-    const int64_t result[2] = {restored.ok() ? 0 : 1, target};
-    auto confirmed = channel_.Agree(result);
-    if (!confirmed.ok()) return EndCoordination(run, confirmed.status());
-    std::string failed_ranks;
-    for (size_t r = 0; r < confirmed->size(); ++r)
-      if ((*confirmed)[r][0] != 0 || (*confirmed)[r][1] != target) failed_ranks += " " + std::to_string(r);
-    if (!restored.ok()) Logger()->warn("restoring step {} failed here: {}", target, restored.ToString());
-    if (!failed_ranks.empty()) {
-      tried += "; step " + std::to_string(target) + ": could not be restored on rank(s)" + failed_ranks;
-      continue;
-    }
-    // Every rank holds `target` now.
-    if (run.reset) run.reset();  // the abandoned step's gradients must not leak into the redo
-    if (target == rollback_target_) {
-      ++rollback_repeats_;
-    } else {
-      rollback_target_ = target;
-      rollback_repeats_ = 1;
-    }
-    rollback_from_ = std::max(rollback_from_, step_);
-    run.rep.rolled_back_to = target;
-    step_ = target + 1;
-    run.rep.checkpoint_step = committed_step_;
-    Logger()->warn("rolled back to step {} ({}); continuing at {}", target, why, size);
-    return Done(run,
-                Status::Aborted(why + "; rolled back to step " + std::to_string(target) + ", continue from step " +
-                                std::to_string(step_)),
-                IncidentOutcome::kRolledBack);
+  auto restored = RestoreAgreed(*points, candidates, &tried);
+  if (!restored.ok()) {
+    if (restored.status().code() != StatusCode::kNotFound) return EndCoordination(run, restored.status());
+    return Done(run, Status::DataLoss(why + "; " + restored.status().message()), IncidentOutcome::kFailed);
   }
-  return Done(run, Status::DataLoss(why + "; no step that every rank holds could be restored" + tried),
-              IncidentOutcome::kFailed);
+  const int64_t target = *restored;
+  if (target == rollback_target_) {
+    ++rollback_repeats_;
+  } else {
+    rollback_target_ = target;
+    rollback_repeats_ = 1;
+  }
+  rollback_from_ = std::max(rollback_from_, step_);
+  run.rep.rolled_back_to = target;
+  step_ = target + 1;
+  run.rep.checkpoint_step = committed_step_;
+  Logger()->warn("rolled back to step {} ({}); continuing at {}", target, why, size);
+  return Done(run,
+              Status::Aborted(why + "; rolled back to step " + std::to_string(target) + ", continue from step " +
+                              std::to_string(step_)),
+              IncidentOutcome::kRolledBack);
+}
+
+StatusOr<int64_t> GuardImpl::Resume() {
+  if (options_.recovery == nullptr)
+    return Status::FailedPrecondition("Guard::Resume needs GuardOptions.recovery (a checkpointer)");
+  auto points = channel_.ExchangePoints(MyPoints());
+  if (!points.ok()) return points.status();
+  const std::vector<int64_t> candidates = internal::CommonRestorableSteps(*points, INT64_MAX);
+  if (candidates.empty()) return Status::NotFound("no checkpoint that every rank holds");
+  std::string tried;
+  auto restored = RestoreAgreed(*points, candidates, &tried);
+  if (!restored.ok()) {
+    if (restored.status().code() != StatusCode::kNotFound) return restored.status();
+    return Status::DataLoss(restored.status().message());
+  }
+  step_ = *restored + 1;
+  committed_step_ = std::max(committed_step_, *restored);
+  snapshot_checked_ = true;  // the resumed step is durable: no initial snapshot needed
+  Logger()->info("resumed from the checkpoint of step {} (every rank holds it)", *restored);
+  return *restored;
 }
 
 Status GuardImpl::Conclude(Run& run) {
@@ -992,20 +1073,24 @@ StatusOr<int64_t> GuardImpl::Finish() {
   }
   auto points = channel_.ExchangePoints(mine);
   if (!points.ok()) return points.status();
-  // The newest step durable on every rank (no snapshots: only disk outlives the run).
-  std::optional<int64_t> common;
-  if (std::all_of(points->begin(), points->end(), [](const internal::RankPoints& p) { return p.has_store; })) {
-    for (auto it = (*points)[0].durable.rbegin(); it != (*points)[0].durable.rend() && !common; ++it)
-      if (std::all_of(points->begin(), points->end(), [&](const internal::RankPoints& p) {
-            return std::binary_search(p.durable.begin(), p.durable.end(), *it);
-          }))
-        common = *it;
-  }
+  // The steps durable on every rank not committed yet, oldest first (no
+  // snapshots: only disk outlives the run). Rank 0 commits them.
+  std::vector<int64_t> common;
+  for (int64_t step : (*points)[0].durable)
+    if (step > committed_step_ && std::all_of(points->begin(), points->end(), [&](const internal::RankPoints& p) {
+          return p.has_store && std::binary_search(p.durable.begin(), p.durable.end(), step);
+        }))
+      common.push_back(step);
   Status commit;
-  if (coordinator_->rank() == 0 && common && *common > committed_step_)
-    commit = store->CommitDurable(*common, coordinator_->size());
+  if (coordinator_->rank() == 0) {
+    for (int64_t step : common) {
+      commit = Contained([&] { return store->CommitDurable(step, coordinator_->size()); });
+      if (!commit.ok()) break;
+      committed_step_ = step;
+    }
+  }
   const int64_t words[3] = {static_cast<int64_t>(saved.code()), static_cast<int64_t>(commit.code()),
-                            commit.ok() && common ? std::max(*common, committed_step_) : committed_step_};
+                            committed_step_};
   auto agreed = channel_.Agree(words);
   if (!agreed.ok()) return agreed.status();
   bool any_failed = false;

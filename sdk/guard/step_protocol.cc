@@ -134,15 +134,13 @@ StatusOr<VoteOutcome> StepChannel::Vote(const RankVote& mine) {
       return Diverged("rank 0 votes on step " + std::to_string(out.ranks[0].step) + ", rank " + std::to_string(r) +
                       " on step " + std::to_string(out.ranks[static_cast<size_t>(r)].step));
   }
-  for (auto it = out.ranks[0].durable.rbegin(); it != out.ranks[0].durable.rend(); ++it) {
-    const int64_t step = *it;
+  for (int64_t step : out.ranks[0].durable) {
     if (std::all_of(out.ranks.begin(), out.ranks.end(), [&](const RankVote& rv) {
           return std::binary_search(rv.durable.begin(), rv.durable.end(), step);
-        })) {
-      out.newest_common_durable = step;
-      break;
-    }
+        }))
+      out.common_durable.push_back(step);
   }
+  if (!out.common_durable.empty()) out.newest_common_durable = out.common_durable.back();
   return out;
 }
 

@@ -66,6 +66,7 @@ struct VoteOutcome {
   int64_t min_micro_limit = 0;
   bool any_oom = false;
   std::optional<int64_t> newest_common_durable;  // in every rank's durable list
+  std::vector<int64_t> common_durable;           // every such step, ascending
   int64_t committed = -1;                         // rank 0's newest committed checkpoint
 };
 

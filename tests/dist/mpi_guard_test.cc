@@ -3,6 +3,9 @@
 // Every rank runs the same tests in the same order (collectives must match).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "oomguard/faults.h"
 #include "oomguard/guard.h"
 #include "oomguard/mpi_coordinator.h"
@@ -185,6 +188,48 @@ TEST(MpiGuard, RepeatedRollbacksStopEveryRankWithTheSameError) {
   EXPECT_LT(o.statuses.size(), 30u);
 }
 
+// Issue 10: the guard's collectives carry their kind and sequence number. A
+// rank that ran one collective more than the others is found out at the next
+// one, on every rank, instead of its vote being read as another collective.
+TEST(MpiGuard, DivergedCollectiveSequenceIsDetected) {
+  auto fresh = MakeMpiCoordinator();  // its own communicator: this test breaks it
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  Coordinator& c = **fresh;
+  GuardOptions o;
+  o.coordinator = &c;
+  o.vote_deadline_ms = 3000;
+  auto guard = Guard::Create(o).value();
+  if (c.rank() == 1) {
+    // An allgather of the vote's size where the others vote.
+    std::vector<int64_t> mine(19, 7), all(19 * static_cast<size_t>(c.size()));
+    (void)c.Allgather(mine, all, milliseconds(3000));
+  }
+  StepRequest req;
+  req.samples = 4;
+  req.micro = [](const MicroBatch&) {};
+  Status s = guard->Step(req);
+  EXPECT_FALSE(s.ok());
+  if (c.rank() != 1) EXPECT_NE(s.message().find("collective sequence diverged"), std::string::npos) << s;
+}
+
+// Issue 10: MPI errors come back as statuses. Mismatched collectives make
+// Open MPI report MPI_ERR_TRUNCATE from MPI_Test, which it raises on
+// MPI_COMM_WORLD's handler (fatal by default); every rank must instead get an
+// error (or the deadline) and carry on.
+TEST(MpiCoordinator, MpiErrorsReturnInsteadOfAbortingTheJob) {
+  auto fresh = MakeMpiCoordinator();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  Coordinator& c = **fresh;
+  const size_t n = c.rank() == 0 ? 2 : 3;
+  std::vector<int64_t> mine(n, c.rank()), all(n * static_cast<size_t>(c.size()));
+  Status s = c.Allgather(mine, all, milliseconds(2000));
+  // Rank 0's receive buffer is too small for the others' records: it gets
+  // MPI_ERR_TRUNCATE as a status (the others' larger buffers may just fill).
+  if (c.rank() == 0) EXPECT_FALSE(s.ok());
+  // Still alive: the world communicator works for the test harness itself.
+  EXPECT_EQ(g_coord->size(), c.size());
+}
+
 }  // namespace
 }  // namespace oomguard
 
@@ -196,8 +241,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   oomguard::g_coord = c->get();
-  // Only rank 0 prints gtest's report; every rank's failures still fail the run.
-  if ((*c)->rank() != 0) {
+  // Only rank 0 prints gtest's report (OOMGUARD_TEST_ALL_RANKS_PRINT=1: every
+  // rank); every rank's failures still fail the run.
+  if ((*c)->rank() != 0 && std::getenv("OOMGUARD_TEST_ALL_RANKS_PRINT") == nullptr) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
   }

@@ -35,7 +35,6 @@ std::vector<mlp::TrainResult> RunRanks(const mlp::Config& cfg, const std::vector
       mlp::TrainHooks h;
       h.coordinator = group[static_cast<size_t>(r)].get();
       out[static_cast<size_t>(r)] = mlp::Train(cfg, dev.get(), h);
-      if (!out[static_cast<size_t>(r)].status.ok()) group[static_cast<size_t>(r)]->Abort();
     });
   }
   for (auto& t : threads) t.join();
