@@ -1,0 +1,251 @@
+// The agreement part of a guarded step: what this rank tells the others
+// (the vote), the gradient sync with its status words, the apply, the
+// agreement after it, the commit of a step, and the ways every rank ends a
+// step together when one failed or a peer was lost.
+#include "sdk/guard/guard_impl.h"
+
+namespace oomguard::guard_internal {
+
+internal::RankVote GuardImpl::MyVote(const Run& run) {
+  internal::RankVote v;
+  v.status = run.local == Local::kOk         ? VoteStatus::kOk
+             : run.local == Local::kRollback ? VoteStatus::kRollback
+                                             : VoteStatus::kFailed;
+  v.code = run.local == Local::kFailed ? run.failure.code() : StatusCode::kOk;
+  v.step = step_;
+  v.units = run.local_units;
+  v.micro_limit = controller_.limit();
+  v.had_oom = run.rep.ooms > 0;
+  if (options_.device != nullptr) {
+    MemoryStats m = options_.device->Stats();
+    v.allocated = m.allocated;
+    v.reserved = m.reserved;
+    v.peak_allocated = m.peak_allocated;
+  }
+  v.committed = committed_step_;
+  if (RecoveryStore* store = options_.recovery; store != nullptr) {
+    v.snapshot = store->SnapshotStep();
+    v.durable = store->DurableSteps();
+  }
+  return v;
+}
+
+State GuardImpl::Vote(Run& run) {
+  auto vote = channel_.Vote(MyVote(run));
+  if (!vote.ok()) return EndCoordination(run, vote.status());
+  run.vote = std::move(vote).value();
+  const internal::VoteOutcome& v = run.vote;
+  run.rep.global_units = v.total_units;
+  if (coordinator_->rank() != 0) committed_step_ = std::max(committed_step_, v.committed);
+  // Every rank's memory, so that incidents show rank imbalance.
+  if (v.any_oom && coordinator_->size() > 1) {
+    std::vector<RankMemory> ranks;
+    for (size_t r = 0; r < v.ranks.size(); ++r)
+      ranks.push_back(RankMemory{static_cast<int>(r), v.ranks[r].allocated, v.ranks[r].reserved,
+                                 v.ranks[r].peak_allocated});
+    for (auto& inc : run.rep.incidents) inc.ranks = ranks;
+  }
+  if (options_.uniform_micro_batch && v.min_micro_limit < controller_.limit()) controller_.SetLimit(v.min_micro_limit);
+  if (v.status == VoteStatus::kFailed) return EndFailed(run);
+  if (v.status == VoteStatus::kRollback) {
+    // The same words on every rank: a local rollback vote means an OOM that
+    // splitting cannot fix.
+    size_t asking = 0;
+    while (asking + 1 < v.ranks.size() && v.ranks[asking].status != VoteStatus::kRollback) ++asking;
+    run.rollback_why = (coordinator_->size() > 1 ? "rank " + std::to_string(asking) + " ran" : "ran") +
+                       std::string(" out of memory at step ") + std::to_string(step_) + " at its smallest micro-batch (" +
+                       std::to_string(v.ranks[asking].micro_limit) + ")";
+    run.rollback_size = v.ranks[asking].micro_limit;
+    return State::kRollback;
+  }
+  return State::kSync;
+}
+
+State GuardImpl::Sync(Run& run) {
+  internal::SyncStatus mine;
+  fault_ctx_.micro = -1;
+  SetCurrentFaultContext(fault_ctx_);
+  phase_ = Phase::kCommit;
+  try {
+    FaultPoint(FaultSite::kCommit, fault_ctx_);
+    FaultPoint(FaultSite::kSync, fault_ctx_);
+  } catch (...) {
+    std::exception_ptr error = std::current_exception();
+    if (ClassifyException(error).is_oom()) {
+      mine.oom = true;
+      HandleOom(run, std::move(error), Where::kCommit);
+    } else {
+      mine.error = true;
+      run.error = std::move(error);
+      run.local = Local::kFailed;
+      run.failure = Status::Cancelled(FailureText(run));
+    }
+  }
+  // This rank's share of the global batch: sum_r share_r * mean_r is the mean
+  // over every unit of the global batch. A rank that failed contributes zeros.
+  const double share = run.vote.total_units > 0
+                           ? static_cast<double>(run.local_units) / static_cast<double>(run.vote.total_units)
+                           : 0.0;
+  const bool failed = mine.oom || mine.error;
+  for (SumBuffer& b : run.buffers) b.scale = failed ? 0.0 : share;
+  auto synced = channel_.Sync(run.buffers, mine);
+  if (!synced.ok()) return EndCoordination(run, synced.status());
+  if (synced->error_ranks > 0) return EndFailed(run);
+  if (synced->oom_ranks > 0) {
+    // Nobody applied anything: every rank resets and redoes the step, the
+    // ranks that failed at their new size.
+    ++run.rep.redone;
+    if (run.rep.redone > options_.max_ooms_per_step)
+      return Done(run,
+                  Status::ResourceExhausted("step " + std::to_string(step_) + " was redone " +
+                                            std::to_string(run.rep.redone - 1) +
+                                            " times because ranks ran out of memory in the gradient sync "
+                                            "(max_ooms_per_step); remedies: " + kGenericRemedies),
+                  IncidentOutcome::kFailed);
+    if (!run.reset) {
+      run.local = Local::kFailed;
+      run.failure = Status::FailedPrecondition(
+          "another rank ran out of memory in the gradient sync of step " + std::to_string(step_) +
+          ": the step must be redone, and no reset hook is set (StepRequest.reset or Guard::SetResetHook)");
+      return State::kLocal;
+    }
+    if (Reset(run) && run.local == Local::kOk && !mine.oom) PlanAnew(run);
+    Logger()->info("step {} is redone: {} rank(s) ran out of memory in the gradient sync", step_, synced->oom_ranks);
+    return State::kLocal;
+  }
+  return State::kApply;
+}
+
+State GuardImpl::Apply(Run& run) {
+  phase_ = Phase::kOptimizer;
+  try {
+    FaultPoint(FaultSite::kApply, fault_ctx_);
+    if (run.req.apply) run.req.apply();
+  } catch (...) {
+    HandleApplyFailure(run, std::current_exception());
+  }
+  return State::kAgree;
+}
+
+
+State GuardImpl::Agree(Run& run) {
+  const int64_t mine[2] = {run.applied, controller_.limit()};
+  auto all = channel_.Agree(mine);
+  if (!all.ok()) return EndCoordination(run, all.status());
+  int oom_rank = -1;
+  bool error = false;
+  for (size_t r = 0; r < all->size(); ++r) {
+    if ((*all)[r][0] == kApplyError) error = true;
+    if ((*all)[r][0] == kApplyOom && oom_rank < 0) oom_rank = static_cast<int>(r);
+  }
+  if (error) return EndFailed(run);
+  if (oom_rank >= 0) {
+    run.rollback_why = (coordinator_->size() > 1 ? "rank " + std::to_string(oom_rank) + " ran" : "ran") +
+                       std::string(" out of memory in the optimizer apply at step ") + std::to_string(step_);
+    run.rollback_size = (*all)[static_cast<size_t>(oom_rank)][1];
+    return State::kRollback;
+  }
+  CommitStep(run);
+  return Done(run, Status::Ok(), IncidentOutcome::kRecovered);
+}
+
+void GuardImpl::CommitStep(Run& run) {
+  StepReport& rep = run.rep;
+  rep.micro_batches = run.plan.empty() ? 0 : run.plan.back().index + 1;
+  controller_.OnSuccess(run.largest, /*limit_bound=*/rep.micro_batches > 1);
+  rep.largest_micro = run.largest;
+  if (options_.device != nullptr) {
+    peaks_.push_back(options_.device->Stats().peak_allocated);
+    while (static_cast<int>(peaks_.size()) > options_.history_steps) peaks_.pop_front();
+  }
+  ++steps_ok_since_oom_;
+  if (options_.priors != nullptr && !options_.workload.empty() && run.largest > 0) {
+    Status p = options_.priors->RecordCleanMicroBatch(options_.workload, run.largest);
+    if (!p.ok()) Logger()->debug("recording the clean micro-batch failed: {}", p.ToString());
+  }
+  const int64_t done = step_++;
+  if (done >= rollback_from_) rollback_repeats_ = 0;
+  RecoveryStore* store = options_.recovery;
+  if (store == nullptr) return;
+  // Rank 0 commits the checkpoints durable on every rank, oldest first (saves
+  // lag behind training, so several may have completed since the last
+  // vote; retention keeps the newest of them); the others learn of it from
+  // rank 0's next vote.
+  if (coordinator_->rank() == 0) {
+    for (int64_t step : run.vote.common_durable) {
+      if (step <= committed_step_) continue;
+      Status c = Contained([&] { return store->CommitDurable(step, coordinator_->size()); });
+      if (!c.ok()) {
+        Logger()->warn("committing checkpoint of step {} failed (retried at a later step): {}", step, c.ToString());
+        break;
+      }
+      committed_step_ = step;
+    }
+  }
+  rep.checkpoint_step = committed_step_;
+  // Every rank saves after the same steps: the trigger comes from the vote.
+  // The step is committed on every rank: an error here (a user's save
+  // callback raising) costs this rank's checkpoint of the step, which the
+  // ranks' durable sets then lack, never the step itself.
+  Status s;
+  try {
+    s = store->OnStepCommitted(done, run.vote.any_oom);
+  } catch (...) {
+    s = Status::Internal(DescribeException(std::current_exception()));
+  }
+  if (!s.ok()) Logger()->error("checkpoint after step {} failed: {}", done, s.ToString());
+}
+
+State GuardImpl::EndFailed(Run& run) {
+  internal::StepChannel::Reason mine;
+  if (run.local == Local::kFailed) mine = {run.failure.code(), FailureText(run)};
+  auto reasons = channel_.ShareReasons(mine);
+  if (!reasons.ok()) return EndCoordination(run, reasons.status());
+  int first = -1, count = 0;
+  for (size_t r = 0; r < reasons->size(); ++r) {
+    if ((*reasons)[r].code == StatusCode::kOk) continue;
+    if (first < 0) first = static_cast<int>(r);
+    ++count;
+  }
+  run.rep.failed_rank = first;
+  if (run.local == Local::kFailed) {
+    Logger()->error("step {} stopped on this rank: {}", step_, FailureText(run));
+    return Done(run, run.failure, IncidentOutcome::kFailed);
+  }
+  if (first < 0)  // cannot happen: a failure was seen; stay on the safe side
+    return Done(run, Status::Internal("a rank failed at step " + std::to_string(step_) + " without a reason"),
+                IncidentOutcome::kFailed);
+  const internal::StepChannel::Reason& why = (*reasons)[static_cast<size_t>(first)];
+  std::string msg = "rank " + std::to_string(first) + " stopped at step " + std::to_string(step_) + ": " + why.text;
+  if (count > 1) msg += " (and " + std::to_string(count - 1) + " other rank(s))";
+  Logger()->error("{}", msg);
+  // The job cannot fit when the failing rank ran out of memory; otherwise this
+  // rank's step was cancelled on the failing rank's account.
+  Status s = why.code == StatusCode::kResourceExhausted ? Status::ResourceExhausted(msg) : Status::Cancelled(msg);
+  return Done(run, s, IncidentOutcome::kFailed);
+}
+
+State GuardImpl::EndCoordination(Run& run, const Status& why) {
+  if (why.code() == StatusCode::kUnavailable || why.code() == StatusCode::kAborted) {
+    OomInfo info;
+    info.exception_type = "oomguard::Coordinator";
+    info.message = why.ToString();
+    MicroBatch none;
+    none.index = -1;
+    Incident inc = NewIncident(info, options_.device != nullptr ? options_.device->Stats() : MemoryStats{}, none,
+                               run.req);
+    inc.kind = "coordination";
+    inc.phase = "vote";
+    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
+    RecordIncident(run, std::move(inc));
+    Logger()->error("coordination failed at step {}: {}; exit with code {} so that the launcher restarts every rank",
+                    step_, why.ToString(), kExitCoordinationTimeout);
+    return Done(run, why.code() == StatusCode::kUnavailable ? why : Status::Unavailable(why.message()),
+                IncidentOutcome::kFailed);
+  }
+  Logger()->error("step {} stopped: {}", step_, why.ToString());
+  return Done(run, why, IncidentOutcome::kFailed);
+}
+
+
+}  // namespace oomguard::guard_internal

@@ -1,0 +1,373 @@
+// GuardImpl: the guarded step as a state machine, shared by the files that
+// implement its parts (private to sdk/guard):
+//   guard.cc            creation, the step's local work and its one OOM handler
+//   guard_agreement.cc  the vote, the gradient sync, the apply, the agreement,
+//                       and the ways every rank ends a step together
+//   guard_restore.cc    rollback, Resume and Finish: restoring a step every
+//                       rank holds
+// docs/distributed.md describes the protocol these files implement.
+//
+// Thread-safety: one thread drives a GuardImpl (guard.h).
+#ifndef OOMGUARD_SDK_GUARD_GUARD_IMPL_H_
+#define OOMGUARD_SDK_GUARD_GUARD_IMPL_H_
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "oomguard/coordinator.h"
+#include "oomguard/device.h"
+#include "oomguard/faults.h"
+#include "oomguard/guard.h"
+#include "oomguard/logging.h"
+#include "oomguard/oom.h"
+#include "oomguard/priors.h"
+#include "oomguard/recovery.h"
+#include "oomguard/size_controller.h"
+#include "sdk/core/format.h"
+#include "sdk/core/ids.h"
+#include "sdk/guard/step_protocol.h"
+
+namespace oomguard::guard_internal {
+
+using internal::FormatBytes;
+using internal::VoteStatus;
+using Clock = std::chrono::steady_clock;
+
+inline double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// The memory figures at the moment of failure when the exception carries them
+// (the SDK's own error), otherwise what the device says now.
+MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device);
+
+// Fault sites that MarkPhase arms, one per phase (unknown/data/checkpoint have none).
+inline std::optional<FaultSite> SiteOfPhase(Phase p) {
+  switch (p) {
+    case Phase::kForward: return FaultSite::kForward;
+    case Phase::kBackward: return FaultSite::kBackward;
+    case Phase::kOptimizer: return FaultSite::kOptimizer;
+    default: return std::nullopt;
+  }
+}
+
+// What every give-up message offers, with the seeds' figures.
+extern const char* const kGenericRemedies;
+
+enum class State { kLocal, kVote, kSync, kApply, kAgree, kRollback, kDone };
+
+// What this rank concluded from its own work, before the vote.
+enum class Local { kOk, kRollback, kFailed };
+
+// Where an OOM was caught: it decides what survives it.
+enum class Where {
+  kLocal,   // micro-batches, sync buffers, vote site: this rank alone redoes work
+  kCommit,  // commit and sync sites, after the vote: every rank redoes the step
+};
+
+// The apply outcome as it travels in the agreement.
+enum ApplyOutcome : int64_t { kApplied = 0, kApplyOom = 1, kApplyError = 2 };
+
+// One call of Step: the request and everything the states hand each other.
+struct Run {
+  Run(const StepRequest& r, StepReport& p) : req(r), rep(p) {}
+  const StepRequest& req;
+  StepReport& rep;
+  Clock::time_point started = Clock::now();
+  std::function<void()> reset;         // the request's or the guard's hook
+  std::vector<int64_t> unit_prefix;    // prefix sums of req.units (empty: one per sample)
+  int64_t local_units = 0;
+  std::vector<MicroBatch> plan;
+  size_t pos = 0;                      // next micro-batch of `plan` to run
+  int64_t largest = 0;                 // largest micro-batch that completed
+  bool release_retry_used = false;
+  Local local = Local::kOk;
+  Status failure;                      // why this rank failed (local == kFailed)
+  std::exception_ptr error;            // a non-OOM exception: rethrown once the others know
+  std::vector<SumBuffer> buffers;      // what req.sync returned
+  internal::VoteOutcome vote;
+  ApplyOutcome applied = kApplied;
+  std::string rollback_why;            // the same text on every rank
+  int64_t rollback_size = 0;           // the micro-batch limit of the rank that asked
+  Status status;                       // what Step returns
+  IncidentOutcome outcome = IncidentOutcome::kRecovered;
+};
+
+class GuardImpl final : public Guard {
+ public:
+  explicit GuardImpl(const GuardOptions& o)
+      : options_(o),
+        controller_(ControllerOptions(o)),
+        run_id_(o.run_id.empty() ? internal::RandomHex16() : o.run_id),
+        own_coordinator_(o.coordinator == nullptr ? MakeLocalCoordinator() : nullptr),
+        coordinator_(o.coordinator != nullptr ? o.coordinator : own_coordinator_.get()),
+        channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)) {
+    if (options_.priors != nullptr && !options_.workload.empty()) {
+      if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+          prior && *prior >= 1 && *prior < controller_.limit()) {
+        controller_.AdoptPrior(*prior);
+        Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
+      }
+    }
+    // The guard is created on its training thread: its log lines carry its rank.
+    SetLogRank(coordinator_->rank());
+  }
+
+  static SizeControllerOptions ControllerOptions(const GuardOptions& o) {
+    SizeControllerOptions c;
+    c.min = o.min_micro_batch;
+    c.max = o.max_micro_batch > 0 ? o.max_micro_batch : INT64_MAX;
+    c.initial = o.initial_micro_batch > 0 ? std::min(o.initial_micro_batch, c.max) : c.max;
+    c.grow_after = o.grow_after;
+    c.tolerance = o.grow_tolerance;
+    c.forget_bad_after = o.forget_bad_after;
+    return c;
+  }
+
+  Status Step(const StepRequest& req, StepReport* report) override;
+  StatusOr<int64_t> Resume() override;
+  StatusOr<int64_t> Finish() override;
+
+  void MarkPhase(Phase phase) override {
+    phase_ = phase;
+    if (auto site = SiteOfPhase(phase)) FaultPoint(*site, fault_ctx_);
+  }
+  void SetResetHook(std::function<void()> reset) override { reset_ = std::move(reset); }
+  void AddCacheReleaser(std::string name, std::function<void()> release) override {
+    releasers_.emplace_back(std::move(name), std::move(release));
+  }
+  int64_t step() const override { return step_; }
+  void SetStep(int64_t step) override { step_ = step; }
+  int64_t micro_limit() const override { return controller_.limit(); }
+  void SetMicroLimit(int64_t limit) override { controller_.SetLimit(limit); }
+  int64_t total_ooms() const override { return total_ooms_; }
+  const std::string& run_id() const override { return run_id_; }
+  const GuardOptions& options() const override { return options_; }
+
+ private:
+  // ---- the states ----
+  State RunLocal(Run& run);
+  State Vote(Run& run);
+  State Sync(Run& run);
+  State Apply(Run& run);
+  State Agree(Run& run);
+  State Rollback(Run& run);
+  Status Conclude(Run& run);
+
+  // ---- the pieces they share ----
+  // The one OOM handler before the apply: records the incident, releases
+  // caches and walks the ladder. True when the work was re-planned and can be
+  // retried; false when this rank stops (run.local says how).
+  bool HandleOom(Run& run, std::exception_ptr error, Where where);
+  // An exception in the apply: parameters may be half-updated.
+  void HandleApplyFailure(Run& run, std::exception_ptr error);
+  // Calls the reset hook. Its own exception makes this rank fail (kept to be
+  // rethrown once the others know); false then.
+  bool Reset(Run& run) {
+    try {
+      run.reset();
+      return true;
+    } catch (...) {
+      run.error = std::current_exception();
+      run.local = Local::kFailed;
+      run.failure = Status::Cancelled("the reset hook raised: " + FailureText(run));
+      return false;
+    }
+  }
+  // Every rank ends the step because some rank failed: the reasons travel,
+  // the failing ranks return their own error, the others name the first.
+  State EndFailed(Run& run);
+  // A collective failed: a lost peer (kUnavailable) or diverged ranks.
+  State EndCoordination(Run& run, const Status& why);
+  // The step committed on every rank.
+  void CommitStep(Run& run);
+  State Done(Run& run, Status s, IncidentOutcome outcome) {
+    run.status = std::move(s);
+    run.outcome = outcome;
+    return State::kDone;
+  }
+
+  // What this rank can restore (after its saves in flight landed).
+  internal::RankPoints MyPoints();
+  // Every rank restores the first of `candidates` that every rank can, with
+  // rank 0 committing its manifest first when some rank loads from disk; the
+  // ranks confirm they hold it. kNotFound when none worked; another error when
+  // a collective failed.
+  StatusOr<int64_t> RestoreAgreed(const std::vector<internal::RankPoints>& points,
+                                  const std::vector<int64_t>& candidates, std::string* tried);
+  Status ValidateRequest(const StepRequest& req) const;
+  void EnsureInitialSnapshot();
+  internal::RankVote MyVote(const Run& run);
+
+  // The limit as it applies to this request: "whole step" when it is larger.
+  int64_t EffectiveLimit(const StepRequest& req) const {
+    int64_t whole = req.samples;
+    if (!req.costs.empty()) {
+      whole = 0;
+      for (int64_t c : req.costs) whole += c;
+    }
+    return std::min(controller_.limit(), std::max<int64_t>(whole, 1));
+  }
+
+  // Plans samples [begin, n) and weighs each micro-batch by its share of
+  // this rank's samples or units.
+  StatusOr<std::vector<MicroBatch>> MakePlan(const Run& run, int64_t begin, int first_index) const {
+    const StepRequest& req = run.req;
+    StatusOr<std::vector<MicroBatch>> plan =
+        !req.costs.empty()
+            ? PlanByCost(req.costs, controller_.limit(), begin, first_index)
+            : StatusOr<std::vector<MicroBatch>>(PlanBySamples(
+                  req.samples, std::max<int64_t>(1, std::min(controller_.limit(), req.samples)), begin, first_index));
+    if (plan.ok() && !run.unit_prefix.empty()) {
+      for (MicroBatch& mb : *plan) {
+        const int64_t u = run.unit_prefix[static_cast<size_t>(mb.offset + mb.size)] -
+                          run.unit_prefix[static_cast<size_t>(mb.offset)];
+        mb.weight = run.local_units > 0 ? static_cast<double>(u) / static_cast<double>(run.local_units) : 0.0;
+      }
+    }
+    return plan;
+  }
+
+  // Re-plans the whole step from its first sample.
+  void PlanAnew(Run& run) {
+    auto plan = MakePlan(run, 0, 0);
+    if (plan.ok()) run.plan = std::move(plan).value();  // the first plan succeeded, so this one does
+    run.pos = 0;
+    run.largest = 0;
+  }
+
+  // Rung 1: the retry must see the memory. User releasers first (they drop
+  // references), then the device's allocator cache. Returns the time spent in
+  // user releasers, which recovery time excludes.
+  double ReleaseCaches() {
+    auto t0 = Clock::now();
+    for (auto& [name, fn] : releasers_) {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        Logger()->warn("cache releaser '{}' threw: {}", name, e.what());
+      } catch (...) {
+        Logger()->warn("cache releaser '{}' threw a non-standard exception", name);
+      }
+    }
+    double user_ms = MsSince(t0);
+    if (options_.device != nullptr) options_.device->ReleaseCaches();
+    return user_ms;
+  }
+
+  Incident NewIncident(const OomInfo& info, const MemoryStats& mem, const MicroBatch& mb,
+                       const StepRequest& req) const {
+    Incident inc;
+    inc.id = internal::RandomHex16();
+    inc.run_id = run_id_;
+    inc.time_unix_ms = internal::NowUnixMs();
+    inc.host = internal::HostName();
+    inc.rank = coordinator_->rank();
+    inc.world_size = coordinator_->size();
+    inc.step = step_;
+    inc.micro_index = mb.index;
+    inc.phase = std::string(PhaseName(phase_));
+    inc.kind = std::string(OomKindName(info.kind));
+    inc.exception_type = info.exception_type;
+    inc.message = info.message;
+    inc.requested_bytes = info.requested_bytes;
+    inc.memory = mem;
+    inc.step_peaks.assign(peaks_.begin(), peaks_.end());
+    inc.steps_ok_before = steps_ok_since_oom_;
+    if (!req.costs.empty()) {
+      std::vector<int64_t> c(req.costs.begin(), req.costs.end());
+      auto mid = c.begin() + static_cast<std::ptrdiff_t>(c.size() / 2);
+      std::nth_element(c.begin(), mid, c.end());
+      inc.sample_cost_median = static_cast<double>(*mid);
+      int64_t top = 0;
+      for (int64_t i = mb.offset; i < mb.offset + mb.size; ++i) top = std::max(top, req.costs[static_cast<size_t>(i)]);
+      inc.sample_cost_this = static_cast<double>(top);
+    }
+    inc.micro_before = mb.cost;
+    inc.workload = options_.workload;
+    inc.injected = info.injected;
+    inc.outcome = std::string(IncidentOutcomeName(IncidentOutcome::kPending));
+    return inc;
+  }
+
+  void RecordIncident(Run& run, Incident inc) {
+    if (options_.incidents != nullptr) {
+      try {
+        options_.incidents->Record(inc);
+      } catch (...) {
+        // A failing knowledge base must never stop training.
+        Logger()->warn("incident sink failed to record incident {}", inc.id);
+      }
+    }
+    run.rep.incidents.push_back(std::move(inc));
+  }
+
+  void FinishIncidents(std::vector<Incident>& incs, IncidentOutcome outcome) {
+    for (auto& inc : incs) {
+      if (inc.outcome != IncidentOutcomeName(IncidentOutcome::kPending)) continue;
+      inc.outcome = std::string(IncidentOutcomeName(outcome));
+      if (options_.incidents != nullptr) {
+        try {
+          options_.incidents->UpdateOutcome(inc);
+        } catch (...) {
+          Logger()->warn("incident sink failed to update incident {}", inc.id);
+        }
+      }
+    }
+  }
+
+  // Runs a RecoveryStore call between collectives: whatever it throws becomes
+  // a status, so that this rank still takes part in the collective that follows.
+  template <typename F>
+  static Status Contained(F&& call) {
+    try {
+      return call();
+    } catch (...) {
+      return Status::Internal(DescribeException(std::current_exception()));
+    }
+  }
+
+  static std::string DescribeException(const std::exception_ptr& e) {
+    OomInfo info = ClassifyException(e);
+    return "exception " + info.exception_type + (info.message.empty() ? "" : ": " + info.message);
+  }
+
+  // What this rank tells the others about its own failure.
+  std::string FailureText(const Run& run) const {
+    if (run.error) return DescribeException(run.error);
+    return run.failure.ToString();
+  }
+
+  GuardOptions options_;
+  SizeController controller_;
+  std::string run_id_;
+  std::unique_ptr<Coordinator> own_coordinator_;
+  Coordinator* coordinator_ = nullptr;
+  internal::StepChannel channel_;
+  std::function<void()> reset_;
+  std::vector<std::pair<std::string, std::function<void()>>> releasers_;
+  int64_t step_ = 0;
+  Phase phase_ = Phase::kUnknown;
+  FaultContext fault_ctx_;
+  std::deque<int64_t> peaks_;
+  int64_t steps_ok_since_oom_ = 0;
+  int64_t total_ooms_ = 0;
+  bool snapshot_checked_ = false;
+  int64_t committed_step_ = -1;          // newest checkpoint committed on every rank
+  int64_t rollback_target_ = INT64_MIN;  // the last rollback's step
+  int rollback_repeats_ = 0;             // rollbacks to it in a row
+  int64_t rollback_from_ = -1;           // the step that last asked for a rollback
+};
+
+}  // namespace oomguard::guard_internal
+
+#endif  // OOMGUARD_SDK_GUARD_GUARD_IMPL_H_
