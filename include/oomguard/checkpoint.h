@@ -96,6 +96,13 @@ struct CheckpointOptions {
   bool verify_file_checksum = true;
   // Corrupt checkpoints met while loading are recorded here. Not owned.
   IncidentSink* incidents = nullptr;
+  // CUDA tensors: the streams (cudaStream_t values) whose queued work the
+  // staging and restore copies must wait for, asked at the start of each
+  // batch of copies. Not set, or empty: the legacy default stream. Training
+  // that writes its parameters on other streams (PyTorch's current stream
+  // when it is not the default one) must name them here; the Python
+  // Checkpointer passes torch's current stream.
+  std::function<std::vector<void*>()> cuda_streams;
 };
 
 struct CheckpointStats {
@@ -125,8 +132,9 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   // A tensor at HDF5 path /<path> ("model/fc1.weight"). `data` holds
   // prod(shape) elements, row-major; an empty shape is a scalar. kCuda: device
   // memory, staged into pinned host buffers on a side stream that waits for the
-  // default stream's work (SaveAsync returns once the copies landed); needs a
-  // CUDA build (kUnimplemented) and a visible GPU (kUnavailable).
+  // work of CheckpointOptions::cuda_streams (SaveAsync returns once the copies
+  // landed); needs a CUDA build (kUnimplemented) and a visible GPU
+  // (kUnavailable); every CUDA tensor of one checkpointer on one device.
   // REQUIRES: data stays valid for the Checkpointer's life.
   virtual Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
                            MemoryLocation location = MemoryLocation::kHost) = 0;

@@ -64,11 +64,12 @@ struct Entry {
 // One staged copy of the registered state (one buffer per entry).
 struct StagedState {
   ~StagedState() {
-    for (void* p : pinned) ckpt::UnpinHost(p);
+    for (void* p : pinned) ckpt::UnpinHost(p, device);
   }
   int64_t step = -1;
   std::vector<std::vector<uint8_t>> data;
-  std::vector<void*> pinned;  // page-locked buffers of CUDA entries (index = entry)
+  std::vector<void*> pinned;  // page-locked buffers of CUDA entries (index = entry); null: pageable
+  int device = 0;             // the CUDA device the buffers were pinned for
   int64_t bytes = 0;
   bool writing = false;  // guarded by CheckpointerImpl::mu_
 };
@@ -218,17 +219,13 @@ class CheckpointerImpl final : public Checkpointer {
   Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
                    MemoryLocation location) override {
     OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
-    if (location == MemoryLocation::kCuda && copier_ == nullptr) {
-      auto c = ckpt::DeviceCopier::Create();
-      if (!c.ok()) return Status(c.status().code(), "AddTensor(" + path + "): " + c.status().message());
-      copier_ = std::move(c).value();
-    }
     int64_t elems = 1;
     for (int64_t d : shape) {
       if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
       elems *= d;
     }
     if (data == nullptr && elems > 0) return Status::InvalidArgument("AddTensor(" + path + "): data is null");
+    if (location == MemoryLocation::kCuda) OOMGUARD_RETURN_IF_ERROR(UseDeviceOf(path, data));
     Entry e;
     e.path = std::move(path);
     e.dtype = dtype;
@@ -277,8 +274,38 @@ class CheckpointerImpl final : public Checkpointer {
       std::memcpy(out->data(), src, static_cast<size_t>(len));
       return Status::Ok();
     }
+    OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
     OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(out->data(), src, static_cast<size_t>(len)));
     return copier_->Sync();
+  }
+
+  // The copier for a CUDA tensor's device: every CUDA tensor of one
+  // checkpointer lives on one device (a rank's).
+  Status UseDeviceOf(const std::string& path, const void* data) {
+    auto device = ckpt::DeviceOfPointer(data);
+    if (!device.ok()) {
+      // Without a GPU (or a CUDA build) say that, rather than "not device memory".
+      auto probe = ckpt::DeviceCopier::Create(0);
+      const Status& why = probe.ok() ? device.status() : probe.status();
+      return Status(why.code(), "AddTensor(" + path + "): " + why.message());
+    }
+    if (copier_ != nullptr) {
+      if (copier_->device() == *device) return Status::Ok();
+      return Status::InvalidArgument("AddTensor(" + path + "): on CUDA device " + std::to_string(*device) +
+                                     ", other tensors on device " + std::to_string(copier_->device()) +
+                                     " (one checkpointer holds one rank's state, on one device)");
+    }
+    auto c = ckpt::DeviceCopier::Create(*device);
+    if (!c.ok()) return Status(c.status().code(), "AddTensor(" + path + "): " + c.status().message());
+    copier_ = std::move(c).value();
+    return Status::Ok();
+  }
+
+  // Starts a batch of device copies after the streams that write the tensors.
+  Status BeginDeviceCopies() {
+    std::vector<void*> streams;
+    if (o_.cuda_streams) streams = o_.cuda_streams();
+    return copier_->Begin(streams);
   }
 
   int64_t ShardDurableStep() const override {
@@ -366,6 +393,7 @@ class CheckpointerImpl final : public Checkpointer {
   std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
   ckpt::FramePool frames_;                        // compressed-frame buffers, reused by every save
   std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
+  bool pin_warned_ = false;                     // training thread only
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -419,17 +447,25 @@ StatusOr<std::shared_ptr<StagedState>> CheckpointerImpl::StageWithinBudget(
     auto& buf = snap->data[i];
     if (static_cast<int64_t>(buf.size()) != e.bytes) {
       // Resize without value-initialising what memcpy overwrites anyway.
-      ckpt::UnpinHost(snap->pinned[i]);
+      ckpt::UnpinHost(snap->pinned[i], snap->device);
       snap->pinned[i] = nullptr;
       buf = std::vector<uint8_t>();
       buf.resize(static_cast<size_t>(e.bytes));
     }
     if (e.bytes == 0) continue;
     if (e.on_cuda) {
-      // Pinned once per buffer; buffers are recycled between saves.
+      if (!device_copies) OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
+      // Pinned once per buffer; buffers are recycled between saves. A buffer
+      // the driver would not pin stays pageable (slower, still correct).
       if (snap->pinned[i] == nullptr) {
-        ckpt::PinHost(buf.data(), buf.size());
-        snap->pinned[i] = buf.data();
+        snap->device = copier_->device();
+        if (ckpt::PinHost(buf.data(), buf.size(), snap->device)) {
+          snap->pinned[i] = buf.data();
+        } else if (!pin_warned_) {
+          pin_warned_ = true;
+          Logger()->warn("checkpoint staging: could not page-lock {} bytes of host memory for {}: device copies "
+                         "of this state run from pageable memory (slower)", buf.size(), e.path);
+        }
       }
       OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(buf.data(), e.data, static_cast<size_t>(e.bytes)));
       device_copies = true;
@@ -768,7 +804,8 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
     std::vector<uint8_t> host(static_cast<size_t>(e.bytes));
     read_status = r.ReadInto("/" + e.path, true, e.dtype, e.shape, host.data(), e.bytes, pool_.get());
     if (read_status.ok() && e.bytes > 0) {
-      read_status = copier_->ToDevice(e.data, host.data(), host.size());
+      read_status = BeginDeviceCopies();
+      if (read_status.ok()) read_status = copier_->ToDevice(e.data, host.data(), host.size());
       if (read_status.ok()) read_status = copier_->Sync();
     }
   }
@@ -835,6 +872,7 @@ Status CheckpointerImpl::Restore(int64_t step) {
   }
   if (snap) {
     // The writer only reads a snapshot, so copying out of it is safe while it is written.
+    if (copier_ != nullptr) OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
     for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
       if (e.is_object) continue;
