@@ -59,6 +59,13 @@ MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device) {
   return device != nullptr ? device->Stats() : MemoryStats{};
 }
 
+bool IsCommunicatorFailure(std::string_view message) {
+  for (std::string_view mark : {"NCCL error", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",
+                                "ncclRemoteError", "ProcessGroupNCCL", "NCCL WARN", "NCCL communicator"})
+    if (message.find(mark) != std::string_view::npos) return true;
+  return false;
+}
+
 const char* const kGenericRemedies =
     "reduce activation memory (mixed precision saves about 30-50%; activation checkpointing "
     "saves about 60-70% of activations for 20-30% more compute); lower min_micro_batch or the "
@@ -192,6 +199,17 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     run.error = std::move(error);
     run.local = Local::kFailed;
     run.failure = Status::Cancelled(FailureText(run));
+    return false;
+  }
+  if (IsCommunicatorFailure(info.message)) {
+    // NCCL reports its own allocation failures ("Cuda failure 'out of
+    // memory'"), but the communicator is unusable afterwards: no smaller
+    // micro-batch helps. Every rank stops and the launcher restarts them.
+    run.local = Local::kFailed;
+    run.failure = Status::Unavailable("the collective communicator failed at step " + std::to_string(step_) +
+                                      " and cannot be used again (" + info.exception_type + ": " + info.message +
+                                      "); exit with code " + std::to_string(kExitCoordinationTimeout) +
+                                      " so that every rank restarts");
     return false;
   }
   Device* device = options_.device;

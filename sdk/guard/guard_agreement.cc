@@ -219,9 +219,12 @@ State GuardImpl::EndFailed(Run& run) {
   std::string msg = "rank " + std::to_string(first) + " stopped at step " + std::to_string(step_) + ": " + why.text;
   if (count > 1) msg += " (and " + std::to_string(count - 1) + " other rank(s))";
   Logger()->error("{}", msg);
-  // The job cannot fit when the failing rank ran out of memory; otherwise this
-  // rank's step was cancelled on the failing rank's account.
-  Status s = why.code == StatusCode::kResourceExhausted ? Status::ResourceExhausted(msg) : Status::Cancelled(msg);
+  // The job cannot fit when the failing rank ran out of memory; a failed
+  // communicator is everyone's restart; otherwise this rank's step was
+  // cancelled on the failing rank's account.
+  Status s = why.code == StatusCode::kResourceExhausted ? Status::ResourceExhausted(msg)
+             : why.code == StatusCode::kUnavailable     ? Status::Unavailable(msg)
+                                                        : Status::Cancelled(msg);
   return Done(run, s, IncidentOutcome::kFailed);
 }
 

@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,11 @@ inline std::optional<FaultSite> SiteOfPhase(Phase p) {
 
 // What every give-up message offers, with the seeds' figures.
 extern const char* const kGenericRemedies;
+
+// True for an error of a collective communicator (NCCL, or torch's
+// ProcessGroupNCCL) rather than of the training step's own memory: even when
+// its text says "out of memory", the communicator is unusable afterwards.
+bool IsCommunicatorFailure(std::string_view message);
 
 enum class State { kLocal, kVote, kSync, kApply, kAgree, kRollback, kDone };
 

@@ -255,6 +255,35 @@ TEST_F(MultiRank, ErrorOnOneRankIsRethrownThereAndStopsTheOthersAtOnce) {
   }
 }
 
+// An NCCL failure reads "out of memory" but leaves the communicator unusable:
+// it is no OOM to split away; every rank stops for a restart (exit 75).
+TEST_F(MultiRank, CommunicatorOutOfMemoryIsACoordinationFailureNotAnOom) {
+  Make(3);
+  std::vector<std::thread> threads;
+  std::vector<Status> got(3);
+  std::vector<StepReport> reps(3);
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      StepRequest req;
+      req.samples = 32;
+      req.micro = [r](const MicroBatch&) {
+        if (r == 1)
+          throw std::runtime_error(
+              "NCCL error in: ProcessGroupNCCL.cpp:1191, unhandled cuda error, NCCL version 2.28.3 "
+              "ncclUnhandledCudaError: Call to CUDA function failed. Last error: Cuda failure 'out of memory'");
+      };
+      req.reset = [] {};
+      got[r] = ranks_[r]->guard->Step(req, &reps[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(reps[1].ooms, 0) << "not retried as an OOM";
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(got[r].code(), StatusCode::kUnavailable) << got[r];
+    EXPECT_NE(got[r].message().find("communicator"), std::string::npos) << got[r];
+  }
+}
+
 TEST_F(MultiRank, BadRequestOnOneRankStopsEveryRankWithoutWaiting) {
   GuardOptions o;
   o.vote_deadline_ms = 30000;
