@@ -1,6 +1,7 @@
 // The NCCL coordinator with one rank, on a real GPU: every collective returns
-// the rank's own input, a guarded step votes through NCCL and recovers an
-// injected OOM, and an aborted coordinator refuses further calls. Without a
+// the rank's own input (sums scaled), a guarded step runs its protocol through
+// NCCL and recovers an injected OOM, an aborted coordinator refuses further
+// calls, and joining a two-rank communicator alone ends at its deadline. Without a
 // visible GPU it exits with kSkip (ctest SKIP_RETURN_CODE), so the test is
 // reported as skipped rather than passed.
 //
@@ -116,6 +117,20 @@ int main() {
   nccl->Abort();
   Status after = nccl->Allgather(mine, all, kDeadline);
   Check(!after.ok(), "an aborted coordinator refuses the next collective: " + after.ToString());
+
+  // A deadline that fires: a communicator of two ranks that only this rank
+  // joins. Joining is non-blocking, so the wait ends at the deadline with
+  // kUnavailable instead of hanging in ncclCommInitRank.
+  auto lonely_id = NewNcclId();
+  if (lonely_id.ok()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto lonely = MakeNcclCoordinator(/*rank=*/0, /*size=*/2, *lonely_id, /*cuda_device=*/0,
+                                      std::chrono::milliseconds(2000));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    Check(!lonely.ok() && lonely.status().code() == StatusCode::kUnavailable && s < 10.0,
+          "joining a communicator whose peer never comes ends at the deadline (" + std::to_string(s) +
+              " s): " + lonely.status().ToString());
+  }
 
   std::printf("nccl_one_rank: %s\n", failures == 0 ? "all checks passed" : "FAILED");
   return failures == 0 ? 0 : 1;

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""examples/python/train_torch.py's model and data on CUDA, under a memory limit.
+"""examples/python/train_torch.py's model and data on CUDA, with the device full.
 
 Trains the example's MLP (float64) through ``oomguard.torch.TrainStep`` twice in
-one process: once without a limit, then again from the same seed with
-``torch.cuda.set_per_process_memory_fraction`` leaving ``--headroom-mib`` above
-what the model, optimizer and data already hold, so that the whole batch's
-activations do not fit and torch's caching allocator raises real CUDA OOMs.
+one process: once without a limit, then again from the same seed with the
+device genuinely filled — a plain tensor takes all of its free memory but
+``--headroom-mib`` above what the model, optimizer and data already hold — so
+that the whole batch's activations do not fit and torch's caching allocator
+raises real CUDA OOMs (no memory-fraction setting: cudaMalloc itself fails).
+``--fraction`` keeps the older way (set_per_process_memory_fraction) for
+comparison.
 Prints one JSON line: OOMs of each run, the final micro-batch, and the maximum
 relative difference of the final parameters (the guard's promise: <= 1e-10).
 
@@ -41,28 +44,42 @@ def train(args: argparse.Namespace, headroom_bytes: int) -> dict:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    if headroom_bytes > 0:
+    fraction = 1.0
+    filler = None
+    if headroom_bytes > 0 and args.fraction:
         # Momentum buffers appear at the first optimizer step: counted in the headroom.
         fraction = min(1.0, (torch.cuda.memory_reserved() + headroom_bytes) / total)
-    else:
-        fraction = 1.0
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    elif headroom_bytes > 0:
+        # Fill the device for real: what cudaMalloc can still give, less the headroom.
+        free, _ = torch.cuda.mem_get_info()
+        take = max(0, free - headroom_bytes)
+        filler = torch.empty(take, dtype=torch.uint8, device="cuda")
+        filler.fill_(1)  # touched, so the memory is really in use
+    free_at_start = torch.cuda.mem_get_info()[0]
     guard = oomguard.Guard(workload=f"train_torch-cuda-b{args.global_batch}")
     train_step = ogt.TrainStep(model, optimizer, torch.nn.functional.mse_loss, guard=guard)
     t0 = time.monotonic()
     loss = None
+    first_incident = ""
     for step in range(args.steps):
         loss = train_step(xs[step], ys[step])
+        if not first_incident and train_step.last_report.incidents:
+            first_incident = train_step.last_report.incidents[0].message[:160]
     torch.cuda.synchronize()
     out = {
         "ooms": guard.total_ooms,
         "final_micro_batch": min(guard.micro_limit, args.global_batch),
         "loss_last": loss,
         "fraction": fraction,
+        "filled_gib": 0 if filler is None else round(filler.numel() / (1 << 30), 2),
+        "free_mib_at_start": round(free_at_start / (1 << 20), 1),
+        "device_gib": round(total / (1 << 30), 1),
         "wall_s": round(time.monotonic() - t0, 3),
+        "incident": first_incident,
         "params": ogt.flat_parameters(model).cpu(),
     }
-    del train_step, guard, optimizer, model, xs, ys
+    del train_step, guard, optimizer, model, xs, ys, filler
     torch.cuda.set_per_process_memory_fraction(1.0, 0)
     torch.cuda.empty_cache()
     return out
@@ -74,6 +91,8 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=16384)
     p.add_argument("--headroom-mib", type=float, default=160)
     p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--fraction", action="store_true",
+                   help="limit with set_per_process_memory_fraction instead of filling the device")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("train_torch_cuda: torch sees no CUDA device", file=sys.stderr)
