@@ -1,0 +1,215 @@
+// Descriptions: what a person reporting an OOM wrote in plain words ("memory
+// keeps increasing", "after 15K steps", "during validation", "when I resume
+// from a checkpoint"). These cues weigh less than figures or frames; the
+// classifier says when a conclusion rests on them.
+#include <array>
+#include <cctype>
+
+#include "sdk/kb/text_scan.h"
+
+namespace oomguard::kb {
+namespace {
+
+using text::Contains;
+using text::ContainsAny;
+
+// A negation shortly before `at` ("no other process", "not during ...").
+bool Negated(std::string_view all, size_t at) {
+  size_t from = at > 24 ? at - 24 : 0;
+  std::string_view before = all.substr(from, at - from);
+  return ContainsAny(before, {" no ", " not ", "n't ", "without ", "never "});
+}
+
+std::string Snippet(std::string_view all, size_t at, size_t len) {
+  size_t b = all.rfind('\n', at);
+  b = b == std::string_view::npos ? 0 : b + 1;
+  if (at > b + 40) b = all.find(' ', at - 40) + 1;
+  size_t e = all.find('\n', at);
+  if (e == std::string_view::npos) e = all.size();
+  if (e > at + len + 40) {
+    size_t cut = all.rfind(' ', at + len + 40);
+    e = cut != std::string_view::npos && cut > at + len ? cut : at + len + 40;
+  }
+  return "\"" + std::string(text::Trim(all.substr(b, e - b))) + "\"";
+}
+
+// The first phrase of `phrases` found (not negated); sets the cue with a quote.
+bool Said(std::string_view all, std::initializer_list<std::string_view> phrases, Cue* cue) {
+  for (std::string_view p : phrases) {
+    for (size_t at = all.find(p); at != std::string_view::npos; at = all.find(p, at + 1)) {
+      if (Negated(all, at)) continue;
+      cue->Set("the report says " + Snippet(all, at, p.size()));
+      return true;
+    }
+  }
+  return false;
+}
+
+// A word that is not part of an identifier or a flag ("--do_eval",
+// "validation_file", "eval_batch_size" are configuration, not events).
+bool SaidWord(std::string_view all, std::initializer_list<std::string_view> stems, Cue* cue) {
+  for (std::string_view stem : stems) {
+    for (size_t at = all.find(stem); at != std::string_view::npos; at = all.find(stem, at + 1)) {
+      char before = at > 0 ? all[at - 1] : ' ';
+      size_t end = at + stem.size();
+      while (end < all.size() && std::isalpha(static_cast<unsigned char>(all[end]))) ++end;
+      char after = end < all.size() ? all[end] : ' ';
+      if (before == '_' || before == '-' || before == '.' || before == '/' || std::isalnum(static_cast<unsigned char>(before)))
+        continue;
+      if (after == '_' || after == '=' || after == '.' || after == '/') continue;
+      if (Negated(all, at)) continue;
+      cue->Set("the report says " + Snippet(all, at, end - at));
+      return true;
+    }
+  }
+  return false;
+}
+
+std::optional<int64_t> QuantityWord(std::string_view w) {
+  struct Q {
+    std::string_view word;
+    int64_t value;
+  };
+  static constexpr Q kWords[] = {{"one", 1},   {"two", 2},       {"three", 3},     {"four", 4},     {"five", 5},
+                                 {"six", 6},   {"seven", 7},     {"eight", 8},     {"nine", 9},     {"ten", 10},
+                                 {"few", 3},   {"several", 3},   {"some", 2},      {"many", 10},    {"couple", 2},
+                                 {"hundreds", 100}, {"hundred", 100}, {"thousands", 1000}, {"thousand", 1000},
+                                 {"first", 1}, {"second", 2},    {"third", 3}};
+  for (const Q& q : kWords)
+    if (w == q.word) return q.value;
+  if (auto n = text::NumberAt(w, 0)) {
+    // Ordinals ("55th") count the epoch in progress: one fewer is done.
+    return *n;
+  }
+  return std::nullopt;
+}
+
+// "after 15K training steps", "for 125 epochs", "before the 55th epoch",
+// "after a few thousand of examples": how much ran before the OOM.
+void ReadAmounts(std::string_view all, TextCues* c) {
+  std::vector<std::string_view> words;
+  std::vector<size_t> starts;
+  for (size_t i = 0; i < all.size();) {
+    while (i < all.size() && !std::isalnum(static_cast<unsigned char>(all[i])) && all[i] != '~') ++i;
+    size_t b = i;
+    while (i < all.size() && (std::isalnum(static_cast<unsigned char>(all[i])) || all[i] == '~' || all[i] == ',')) ++i;
+    if (i > b) {
+      std::string_view w = all.substr(b, i - b);
+      while (!w.empty() && w.back() == ',') w.remove_suffix(1);
+      words.push_back(w);
+      starts.push_back(b);
+    }
+  }
+  for (size_t k = 0; k < words.size(); ++k) {
+    std::string_view u = words[k];
+    bool epoch = u == "epoch" || u == "epochs";
+    bool step = u == "step" || u == "steps" || u == "iteration" || u == "iterations" || u == "iters" ||
+                u == "iter" || u == "batch" || u == "batches" || u == "examples" || u == "samples" ||
+                u == "episodes" || u == "hours";
+    if (!epoch && !step) continue;
+    std::optional<int64_t> amount;
+    bool lead = false, before = false, ordinal = false;
+    for (size_t back = 1; back <= 8 && back <= k; ++back) {
+      std::string_view w = words[k - back];
+      if (w == "after" || w == "for" || w == "past" || w == "than" || w == "over") {
+        lead = true;
+        break;
+      }
+      if (w == "before") {
+        lead = before = true;
+        break;
+      }
+      if (amount) continue;
+      if (auto q = QuantityWord(w)) {
+        amount = q;
+        ordinal = w.size() > 2 && (w.substr(w.size() - 2) == "th" || w.substr(w.size() - 2) == "st" ||
+                                   w.substr(w.size() - 2) == "nd" || w.substr(w.size() - 2) == "rd" ||
+                                   w == "first" || w == "second" || w == "third");
+      }
+    }
+    if (!lead || !amount || Negated(all, starts[k])) continue;
+    int64_t done = *amount - ((ordinal && before) ? 1 : 0);
+    if (u == "hours") done = std::max<int64_t>(done, 1) * 100;  // hours of training: many steps
+    std::optional<int64_t>& slot = epoch ? c->said_epochs_done : c->said_steps_done;
+    if (!slot || done > *slot) slot = done;
+  }
+}
+
+}  // namespace
+
+void ReadDescription(std::string_view all, TextCues* c) {
+  if (all.size() > 64 * 1024) all = all.substr(all.size() - 64 * 1024);
+  Said(all, {"memory leak", "leaks memory", "leaking memory", "keeps increasing", "keep increasing", "kept increasing",
+             "keeps growing", "keep growing", "grows slowly", "growed slowly", "grew slowly", "slowly increas",
+             "steady increase", "steadily increas", "gradually increas", "gradually fill", "increases every",
+             "increases each", "increasing every", "increase every", "increasing gpu-memory", "increasing gpu memory",
+             "memory is increased", "more and more memory", "more and more gpu memory", "more and more vram",
+             "memory usage keeps", "increasing during the training", "increasing during training", "not released"},
+       &c->said_growth);
+  Said(all, {"long sequence", "longer sequence", "long sentence", "long lines", "long input", "long utterance",
+             "variable length", "varying length", "different length", "some batches", "certain batch",
+             "particular batch", "specific batch", "the same step", "always stop at", "always stops at",
+             "always fails at", "non-deterministic", "nondeterministic", "at a random", "random point", "randomly",
+             "crop or limit", "truncate the", "limit the lines"},
+       &c->said_batch_specific);
+  SaidWord(all, {"validat", "evaluat", "eval stage", "eval phase", "eval mode", "eval loop"}, &c->said_eval);
+  Said(all, {"resume training", "resuming training", "resume the training", "resume from", "resuming from",
+             "resume my training", "continue training", "continuing training", "restart it", "restarting",
+             "from a checkpoint", "from the checkpoint", "existing checkpoint", "unfinished checkpoint",
+             "after the checkpoint is loaded", "history loading", "load it from disk", "previous stored model",
+             "loads the existing", "restored checkpoint"},
+       &c->said_resume);
+  Said(all, {"consolidat", "saving checkpoint", "checkpoint saving", "save checkpoint", "saving the checkpoint",
+             "when saving", "while saving", "after saving", "save the state", "save the model", "save the optimizer",
+             "save the checkpoint", "saving the model", "saving the 1st", "saving the first", "saving the state",
+             "when save", "tried to save", "saving a checkpoint"},
+       &c->said_save);
+  // "after the first epoch" is progress, not the first step.
+  for (std::string_view p : {"first iteration", "first step", "first batch", "first forward", "first training step",
+                             "very first", "beginning of the training", "beginning of training", "start of training",
+                             "can't even start", "cannot even start", "doesn't even start", "does not even start",
+                             "fails immediately", "failed immediately", "before training starts",
+                             "before the training starts", "training initialization", "state initialization",
+                             "even with batch size 1", "even with `--batch_size 1", "even with --batch_size 1",
+                             "even when batch_size=1", "batch_size to [1]", "batch_size=1, it"}) {
+    size_t at = all.find(p);
+    if (at == std::string_view::npos || Negated(all, at)) continue;
+    if (at >= 10 && Contains(all.substr(at - 10, 10), "after")) continue;
+    c->said_first.Set("the report says " + Snippet(all, at, p.size()));
+    break;
+  }
+  ReadAmounts(all, c);
+  const bool gpu_word = ContainsAny(all, {"gpu 0", "gpu0", "gpu:0", "first gpu", "0 gpu", "main gpu", "master gpu",
+                                          "gpu #0", "cuda:0", "first card", "one gpu"});
+  if (gpu_word)
+    Said(all, {"imbalanc", "unbalanc", "uneven", "more memory than", "more memories than", "much more memory",
+               "only used in the first", "only on the first", "occupies much more", "takes more memory",
+               "more than the others", "more than others"},
+         &c->said_imbalance);
+  Said(all, {"another process", "other process", "other processes", "occupied by other", "someone else"},
+       &c->said_other_process);
+  Said(all, {"num_workers set to 0", "num_workers=0", "num_workers = 0", "num_workers 0", "num_workers to 0",
+             "num_worker=0", "workers=0"},
+       &c->said_no_workers);
+  if (Contains(all, "adam") && Contains(all, "sgd"))
+    c->said_adam_not_sgd.Set("the report compares Adam with SGD (Adam keeps two extra tensors per parameter)");
+  if (!Said(all, {"loading checkpoint shards", "from_pretrained", "loading the model", "load the model",
+                  "model loading", "loading model", "offload", "合并", "加载"},
+            &c->said_loading_weights)) {
+    for (size_t at = all.find("merg"); at != std::string_view::npos; at = all.find("merg", at + 1)) {
+      std::string_view around = all.substr(at, 40);
+      if (ContainsAny(around, {"lora", "weight", "model", "checkpoint"})) {
+        c->said_loading_weights.Set("the report says " + Snippet(all, at, 5));
+        break;
+      }
+    }
+  }
+  Said(all, {"dataloader", "data loader", "num_workers", "prefetch", "pin_memory", "shared memory", "/dev/shm",
+             "replay_buffer", "replay buffer", "bus error"},
+       &c->said_data_pipeline);
+  SaidWord(all, {"seq2seq", "sequence", "sentence", "utterance", "token", "translation", "speech", "audio", "dialog",
+                 "nlp", "point cloud"},
+           &c->variable_size_data);
+}
+
+}  // namespace oomguard::kb
