@@ -44,7 +44,10 @@ struct Facts {
   bool RanBefore() const;
   // The device reports at least the requested size free: capacity does not
   // explain the failure.
-  bool FreeCoversRequest() const { return free && requested && *free >= *requested; }
+  // The device reports the requested size free with room to spare (the
+  // driver's free figure is never all usable in one piece): capacity does
+  // not explain the failure.
+  bool FreeCoversRequest() const { return free && requested && *free >= *requested + (int64_t{256} << 20); }
   std::optional<int64_t> CachedFree() const {
     if (reserved && allocated && *reserved >= *allocated) return *reserved - *allocated;
     return std::nullopt;

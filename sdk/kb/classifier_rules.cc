@@ -26,9 +26,11 @@ constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr double kImpossibleOfCapacity = 2.0;      // impossible_request: request >= 2x the device
 constexpr double kImpossibleOfHeld = 10.0;         // ... or > the device and >= 10x what the process holds
 constexpr int64_t kImpossibleAbsolute = 256 * kGiB;  // ... or, capacity unknown, >= 256 GiB
-constexpr double kFragMinOfReserved = 0.03;        // fragmentation: cached free >= 3% of reserved (below: rounding)
-constexpr double kFragStrongOfRequest = 2.0;       // ... +0.15 when cached free >= 2x the request
-constexpr double kFragStrongOfReserved = 0.10;     // ... +0.10 when cached free >= 10% of reserved
+constexpr double kFragMinOfReserved = 0.08;        // fragmentation: cached free >= 8% of reserved (+0.1) ...
+constexpr double kFragManyRequests = 4.0;          // ... or >= 4x the request and ...
+constexpr double kFragFloorOfReserved = 0.03;      // ... >= 3% of reserved (below: ordinary allocator slack)
+constexpr double kFragLargeOfReserved = 0.20;      // +0.1 when cached free >= 20% of reserved
+constexpr double kFragStrongOfRequest = 2.0;       // +0.1 when cached free >= 2x the request
 constexpr double kForeignOfReserved = 0.25;        // foreign_memory: outside >= 25% of this process's reserved
 constexpr int64_t kContextAllowance = 512 * kMiB;  // a CUDA context's own memory, when not printed
 constexpr double kSpikeCostRatio = 1.5;            // activation_spike: largest sample cost / median
@@ -204,13 +206,19 @@ std::optional<Candidate> Fragmentation(const Facts& f) {
   auto slack = f.CachedFree();
   if (!slack || !f.requested || !f.reserved || f.FreeCoversRequest()) return std::nullopt;
   const double s = D(*slack), req = D(*f.requested), res = D(*f.reserved);
-  if (s < req || s < kFragMinOfReserved * res) return std::nullopt;
-  double conf = 0.6;
-  std::string ev = B(*slack) + " is reserved but unallocated (" + Pct(s / res) + " of the " + B(*f.reserved) +
+  // Cached free blocks matter when they are a real share of what the
+  // allocator holds, or many times the request while not a rounding error.
+  const double share = s / res;
+  if (s < req) return std::nullopt;
+  if (share < kFragMinOfReserved && !(s >= kFragManyRequests * req && share >= kFragFloorOfReserved))
+    return std::nullopt;
+  double conf = 0.55;
+  if (share >= kFragMinOfReserved) conf += 0.1;
+  if (share >= kFragLargeOfReserved) conf += 0.1;
+  if (s >= kFragStrongOfRequest * req) conf += 0.1;
+  std::string ev = B(*slack) + " is reserved but unallocated (" + Pct(share) + " of the " + B(*f.reserved) +
                    " reserved) against a request of " + B(*f.requested) +
                    ": the cache holds enough in total, but no free block is large enough";
-  if (s >= kFragStrongOfRequest * req) conf += 0.15;
-  if (s >= kFragStrongOfReserved * res) conf += 0.1;
   if (f.inactive_split && D(*f.inactive_split) >= 0.5 * s) {
     ev += "; " + B(*f.inactive_split) + " is stranded in split blocks";
     conf += 0.05;
@@ -234,10 +242,16 @@ std::optional<Candidate> EvalWithoutNoGrad(const Facts& f) {
   if (f.kind == "host" || f.cues.no_grad) return std::nullopt;
   if (f.phase == "backward" || f.phase == "optimizer" || f.phase == "load" || f.phase == "checkpoint") return std::nullopt;
   const Cue& e = f.cues.eval ? f.cues.eval : f.cues.said_eval;
-  if (!e) return std::nullopt;
+  if (!e && !f.cues.said_grad_on) return std::nullopt;
   double conf = f.cues.eval ? 0.7 : 0.6;
-  std::string ev = "the OOM happened in evaluation/validation (" + e.why + ") and nothing shows gradients disabled "
-                   "there: without torch.no_grad()/inference_mode every activation is kept for a backward that never runs";
+  std::string ev = e ? "the OOM happened in evaluation/validation (" + e.why + ") and nothing shows gradients "
+                       "disabled there: without torch.no_grad()/inference_mode every activation is kept for a backward "
+                       "that never runs"
+                     : "an evaluation runs with gradients on";
+  if (f.cues.said_grad_on) {
+    conf = e ? conf + 0.1 : 0.65;
+    ev += "; " + f.cues.said_grad_on.why;
+  }
   if (f.cues.eval_code_without_no_grad) {
     conf += 0.1;
     ev += "; " + f.cues.eval_code_without_no_grad.why;

@@ -69,7 +69,9 @@ bool FormatMarker(std::string_view l) {
 // A sentence about an OOM (used only when no error record exists).
 bool Mention(std::string_view l) {
   if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
-                      "over memory", "`killed`", "memory error"}))
+                      "over memory", "`killed`", "memory error", "get killed", "gets killed", "got killed",
+                      "getting killed", "being killed", "been killed", "was killed", "is killed", "process killed",
+                      "killed by the system", "killed by linux", "oom killer"}))
     return true;
   for (size_t at = l.find("oom"); at != std::string_view::npos; at = l.find("oom", at + 1)) {
     bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));

@@ -57,6 +57,7 @@ bool ParseFrameHeader(std::string_view l, Frame* f) {
     size_t end = l.find('"', at + 6);
     if (end == std::string_view::npos) return false;
     f->file = std::string(l.substr(at + 6, end - at - 6));
+    std::replace(f->file.begin(), f->file.end(), '\\', '/');  // Windows paths
     if (size_t in = l.find(", in ", end); in != std::string_view::npos) f->func = Ident(l.substr(in + 5));
     return true;
   }
@@ -210,14 +211,15 @@ std::string FramePhase(const Frame& f) {
                  "collate_fn", "_pin_memory_loop", "__getitem__", "_error_if_any_worker_fails"}))
     return "data";
   if ((Contains(file, "torch/nn/modules/module.py") && FuncIn(f, {"_apply", "to", "cuda", "convert"})) ||
-      FuncIn(f, {"_move_model_to_device", "_configure_distributed_model", "from_pretrained"}) ||
+      FuncIn(f, {"_move_model_to_device", "_configure_distributed_model", "from_pretrained", "prepare_model"}) ||
       ContainsAny(code, {"t.to(device", "module.to(self.device", "model.to(device", "model.cuda(", "model = model.to(",
-                         "deepspeed.initialize("}))
+                         "deepspeed.initialize(", "accelerator.prepare(", "prepare_model("}))
     return "init";
   if (ContainsAny(file, {"torch/nn/modules/", "torch/nn/functional.py", "/models/", "transformers/"}) ||
       FuncIn(f, {"forward", "_call_impl", "_wrapped_call_impl", "linear", "conv2d", "softmax",
                  "scaled_dot_product_attention"}) ||
-      ContainsAny(f.func, {"forward", "conv", "attention"}) || ContainsAny(code, {"model(", "self.forward("}))
+      ContainsAny(f.func, {"forward", "conv", "attention"}) ||
+      ContainsAny(code, {"= model(", " model(", "(model(", "self.forward(", "self.model("}))
     return "forward";
   return "";
 }

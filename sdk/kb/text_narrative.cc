@@ -20,6 +20,15 @@ bool Negated(std::string_view all, size_t at) {
   return ContainsAny(before, {" no ", " not ", "n't ", "without ", "never "});
 }
 
+// A guess, not an observation ("maybe some library causes a memory leak").
+bool Hedged(std::string_view all, size_t at) {
+  size_t from = at > 40 ? at - 40 : 0;
+  std::string_view before = all.substr(from, at - from);
+  if (size_t stop = before.find_last_of(".!?\n"); stop != std::string_view::npos) before = before.substr(stop + 1);
+  return ContainsAny(before, {"maybe", "might", "perhaps", "possibly", "i guess", "i wonder", "could it be",
+                              "is it ", "whether"});
+}
+
 std::string Snippet(std::string_view all, size_t at, size_t len) {
   size_t b = all.rfind('\n', at);
   b = b == std::string_view::npos ? 0 : b + 1;
@@ -37,7 +46,7 @@ std::string Snippet(std::string_view all, size_t at, size_t len) {
 bool Said(std::string_view all, std::initializer_list<std::string_view> phrases, Cue* cue) {
   for (std::string_view p : phrases) {
     for (size_t at = all.find(p); at != std::string_view::npos; at = all.find(p, at + 1)) {
-      if (Negated(all, at)) continue;
+      if (Negated(all, at) || Hedged(all, at)) continue;
       cue->Set("the report says " + Snippet(all, at, p.size()));
       return true;
     }
@@ -84,6 +93,23 @@ std::optional<int64_t> QuantityWord(std::string_view w) {
   return std::nullopt;
 }
 
+// A verb near an object: "save(d|s|ing) ... checkpoint" within a few words,
+// however the sentence is phrased ("attempts to save a checkpoint").
+bool SaidNear(std::string_view all, std::initializer_list<std::string_view> verbs,
+              std::initializer_list<std::string_view> objects, std::initializer_list<std::string_view> unless, Cue* cue) {
+  for (std::string_view v : verbs) {
+    for (size_t at = all.find(v); at != std::string_view::npos; at = all.find(v, at + 1)) {
+      if (at > 0 && std::isalpha(static_cast<unsigned char>(all[at - 1]))) continue;
+      std::string_view window = all.substr(at, 40);
+      if (size_t nl = window.find('\n'); nl != std::string_view::npos) window = window.substr(0, nl);
+      if (!ContainsAny(window, objects) || ContainsAny(window, unless) || Negated(all, at)) continue;
+      cue->Set("the report says " + Snippet(all, at, window.size()));
+      return true;
+    }
+  }
+  return false;
+}
+
 // "after 15K training steps", "for 125 epochs", "before the 55th epoch",
 // "after a few thousand of examples": how much ran before the OOM.
 void ReadAmounts(std::string_view all, TextCues* c) {
@@ -111,8 +137,19 @@ void ReadAmounts(std::string_view all, TextCues* c) {
     bool lead = false, before = false, ordinal = false;
     for (size_t back = 1; back <= 8 && back <= k; ++back) {
       std::string_view w = words[k - back];
-      if (w == "after" || w == "for" || w == "past" || w == "than" || w == "over") {
+      if (w == "after" || w == "past" || w == "than" || w == "over") {
         lead = true;
+        break;
+      }
+      if (w == "for") {
+        // "train for 10 epochs" is a plan; "runs fine for three steps" is history.
+        for (size_t v = 1; v <= 4 && back + v <= k; ++v) {
+          std::string_view verb = words[k - back - v];
+          if (verb == "ran" || verb == "runs" || verb == "run" || verb == "running" || verb == "trained" ||
+              verb == "training" || verb == "fine" || verb == "well" || verb == "normally" || verb == "worked" ||
+              verb == "works" || verb == "successfully")
+            lead = true;
+        }
         break;
       }
       if (w == "before") {
@@ -152,23 +189,32 @@ void ReadDescription(std::string_view all, TextCues* c) {
              "always fails at", "non-deterministic", "nondeterministic", "at a random", "random point", "randomly",
              "crop or limit", "truncate the", "limit the lines"},
        &c->said_batch_specific);
-  SaidWord(all, {"validat", "evaluat", "eval stage", "eval phase", "eval mode", "eval loop"}, &c->said_eval);
-  Said(all, {"resume training", "resuming training", "resume the training", "resume from", "resuming from",
-             "resume my training", "continue training", "continuing training", "restart it", "restarting",
-             "from a checkpoint", "from the checkpoint", "existing checkpoint", "unfinished checkpoint",
-             "after the checkpoint is loaded", "history loading", "load it from disk", "previous stored model",
-             "loads the existing", "restored checkpoint"},
-       &c->said_resume);
-  Said(all, {"consolidat", "saving checkpoint", "checkpoint saving", "save checkpoint", "saving the checkpoint",
-             "when saving", "while saving", "after saving", "save the state", "save the model", "save the optimizer",
-             "save the checkpoint", "saving the model", "saving the 1st", "saving the first", "saving the state",
-             "when save", "tried to save", "saving a checkpoint"},
-       &c->said_save);
+  SaidWord(all, {"validat", "evaluat", "eval stage", "eval phase", "eval mode", "eval loop", "test set", "testset",
+                 "test data", "testing phase"},
+           &c->said_eval);
+  Said(all, {"without turning gradient", "without turning off gradient", "without disabling gradient",
+             "without torch.no_grad", "without no_grad", "forgot torch.no_grad", "forgot no_grad",
+             "forgot to use torch.no_grad", "not use torch.no_grad", "does not turn off gradients",
+             "doesn't turn off gradients", "not turning off gradient", "gradients are still computed",
+             "still computes gradients"},
+       &c->said_grad_on);
+  if (!SaidNear(all, {"resum", "restor", "reload", "restart", "continu"},
+                {"checkpoint", "ckpt", "training", "state", "from disk"}, {"resume_from_checkpoint", "shards"},
+                &c->said_resume))
+    Said(all, {"existing checkpoint", "unfinished checkpoint", "after the checkpoint is loaded", "history loading",
+               "load it from disk", "previous stored model", "loads the existing", "from a checkpoint",
+               "from the checkpoint"},
+         &c->said_resume);
+  if (!Said(all, {"consolidat", "checkpoint saving", "when saving", "while saving", "after saving"}, &c->said_save))
+    SaidNear(all, {"save", "saving", "saved"}, {"checkpoint", "ckpt", "state_dict", "state dict", "the model",
+                                                "the state", "the weights", "the optimizer", "1st", "first"},
+             {"save memory", "save gpu", "to save the memory"}, &c->said_save);
   // "after the first epoch" is progress, not the first step.
   for (std::string_view p : {"first iteration", "first step", "first batch", "first forward", "first training step",
                              "very first", "beginning of the training", "beginning of training", "start of training",
                              "can't even start", "cannot even start", "doesn't even start", "does not even start",
-                             "fails immediately", "failed immediately", "before training starts",
+                             "fails immediately", "failed immediately", "instantly", "immediately", "right away",
+                             "straight away", "at startup", "before training starts",
                              "before the training starts", "training initialization", "state initialization",
                              "even with batch size 1", "even with `--batch_size 1", "even with --batch_size 1",
                              "even when batch_size=1", "batch_size to [1]", "batch_size=1, it"}) {
@@ -205,7 +251,8 @@ void ReadDescription(std::string_view all, TextCues* c) {
     }
   }
   Said(all, {"dataloader", "data loader", "num_workers", "prefetch", "pin_memory", "shared memory", "/dev/shm",
-             "replay_buffer", "replay buffer", "bus error"},
+             "replay_buffer", "replay buffer", "bus error", "preprocessing", "data-loading", "data loading",
+             "loading data", "loading the dataset", "load the dataset", "dataset loading", "loading the data"},
        &c->said_data_pipeline);
   SaidWord(all, {"seq2seq", "sequence", "sentence", "utterance", "token", "translation", "speech", "audio", "dialog",
                  "nlp", "point cloud"},

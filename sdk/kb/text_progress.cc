@@ -273,8 +273,10 @@ std::optional<Progress> ParseProgress(std::string_view l) {
   if (ContainsAny(l, {"file \"", ", line ", "frame #", "tried to allocate"})) return std::nullopt;
   p.eval = ContainsAny(l, {"valid", "evaluat", "eval ", "eval:", "testing", "test:", "(val", " val "}) &&
            !Contains(l, "(train");
-  p.load = ContainsAny(l, {"loading checkpoint shards", "loading weights", "loading model"});
-  p.data = ContainsAny(l, {"processing", "tokeniz", "map:", "map (", "preprocess", "filter", "downloading"});
+  p.load = ContainsAny(l, {"loading checkpoint shards", "loading weights", "loading model", "loading pipeline"});
+  // Other "Loading ..." bars before training read the dataset (labels, paths, files).
+  p.data = ContainsAny(l, {"processing", "tokeniz", "map:", "map (", "preprocess", "filter", "downloading"}) ||
+           (Contains(l, "loading") && !p.load);
   return p;
 }
 
