@@ -402,6 +402,12 @@ std::optional<Candidate> StartupCapacity(const Facts& f) {
     return Make("startup_capacity", 0.6, "XLA sized the compiled program's buffers at " + B(*f.fig.program_total) +
                                              ": the same program fails on every step" + end);
   if (f.cues.said_first) return Make("startup_capacity", 0.65, "the OOM came at the start: " + f.cues.said_first.why + end);
+  if (f.cues.said_model_to_device)
+    return Make("startup_capacity", 0.65, "the OOM came while the model was set up on the device: " +
+                                              f.cues.said_model_to_device.why + end);
+  if (f.cues.said_batch_one)
+    return Make("startup_capacity", 0.6, "it fails even at batch size 1, so the model and its states alone do not fit: " +
+                                             f.cues.said_batch_one.why + end);
   if (f.total && f.requested && *f.requested > *f.total)
     return Make("startup_capacity", 0.55, "one request of " + B(*f.requested) + " is larger than the whole device (" +
                                               B(*f.total) + ")" + end);

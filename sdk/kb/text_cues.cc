@@ -312,9 +312,11 @@ void ReadTraceback(const std::vector<std::string>& lines, const std::vector<std:
     if (IsEvalFrame(f)) c->eval.Set("traceback frame `" + (f.func.empty() ? f.code : f.func) + "`");
   }
   if (c->phase.empty()) {
+    // TensorFlow names the op near its error: in the message, a title, or the lines around.
     std::string why;
     std::string p = TensorFlowPhase(message_lower, &why);
-    for (size_t i = anchor; p.empty() && i < lower.size() && i < anchor + 20; ++i) p = TensorFlowPhase(lower[i], &why);
+    for (size_t i = anchor > 20 ? anchor - 20 : 0; p.empty() && i < lower.size() && i < anchor + 20; ++i)
+      p = TensorFlowPhase(lower[i], &why);
     if (!p.empty()) {
       c->phase = p;
       c->phase_why = why;
@@ -342,7 +344,16 @@ TextCues AnalyzeText(std::string_view context, std::string_view message) {
   size_t progress_end = std::min(anchor, lines.size());
   ReadTraceback(lines, lower, std::min(anchor, lines.size()), message_lower, &c, &progress_end);
   ReadProgress(lower, progress_end, &c);
-  std::string all = Lower(context.empty() ? message : context);
+  // Descriptions are prose: progress bars and traceback frames are records,
+  // already read above ("Validation: 0%|" is not a person saying "validation").
+  std::string all;
+  for (size_t i = 0; i < lower.size(); ++i) {
+    const std::string& l = lower[i];
+    if (ContainsAny(l, {"%|", "it/s]", "s/it]", "file \"", "frame #"})) continue;
+    all += l;
+    all += '\n';
+  }
+  if (context.empty() && lines.empty()) all = Lower(message);
   ReadDescription(all, &c);
   if (c.eval && !c.no_grad && !ContainsAny(all, {"no_grad", "inference_mode", "set_grad_enabled(false"}) &&
       ContainsAny(all, {".eval()", "def validate", "def evaluate", "validation_step"}))

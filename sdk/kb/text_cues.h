@@ -56,6 +56,8 @@ struct TextCues {
   std::optional<int64_t> said_steps_done;   // "after 15K steps", "for three update steps"
   std::optional<int64_t> said_epochs_done;  // "after ~2 epochs", "before the 55th epoch"
   Cue said_first;            // "at the first iteration", "at the beginning of training"
+  Cue said_batch_one;        // "even with batch size 1": the model alone does not fit
+  Cue said_model_to_device;  // "when initializing the model", "module.to(self.device)" quoted
   Cue said_growth;           // "memory keeps increasing", "memory leak"
   Cue said_batch_specific;   // "long lines", "always stops at the same step", "non-deterministic"
   Cue said_eval;             // "during validation", "on the test set"

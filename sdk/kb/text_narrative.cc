@@ -152,7 +152,7 @@ void ReadAmounts(std::string_view all, TextCues* c) {
         }
         break;
       }
-      if (w == "before") {
+      if (w == "before" || w == "until" || w == "till") {
         lead = before = true;
         break;
       }
@@ -183,11 +183,15 @@ void ReadDescription(std::string_view all, TextCues* c) {
              "memory is increased", "more and more memory", "more and more gpu memory", "more and more vram",
              "memory usage keeps", "increasing during the training", "increasing during training", "not released"},
        &c->said_growth);
+  if (!c->said_growth)
+    SaidNear(all, {"models in a", "model in a", "several models", "multiple models"}, {"loop"}, {}, &c->said_growth);
   Said(all, {"long sequence", "longer sequence", "long sentence", "long lines", "long input", "long utterance",
              "variable length", "varying length", "different length", "some batches", "certain batch",
              "particular batch", "specific batch", "the same step", "always stop at", "always stops at",
              "always fails at", "non-deterministic", "nondeterministic", "at a random", "random point", "randomly",
-             "crop or limit", "truncate the", "limit the lines"},
+             "crop or limit", "truncate the", "limit the lines", "memory usage jumps", "memory jumps",
+             "usage jumps", "sudden spike", "spikes in memory", "memory spike", "suddenly increase",
+             "suddenly jumps"},
        &c->said_batch_specific);
   SaidWord(all, {"validat", "evaluat", "eval stage", "eval phase", "eval mode", "eval loop", "test set", "testset",
                  "test data", "testing phase"},
@@ -225,6 +229,26 @@ void ReadDescription(std::string_view all, TextCues* c) {
     break;
   }
   ReadAmounts(all, c);
+  // "even when I reduce the batch_size to 1", "batch size from 4 to 1", "batch设为1".
+  for (size_t at = all.find("batch"); at != std::string_view::npos && !c->said_batch_one; at = all.find("batch", at + 1)) {
+    std::string_view window = all.substr(at, 50);
+    if (size_t nl = window.find('\n'); nl != std::string_view::npos) window = window.substr(0, nl);
+    for (size_t k = 1; k + 1 <= window.size(); ++k) {
+      if (window[k] != '1') continue;
+      char before = window[k - 1];
+      char after = k + 1 < window.size() ? window[k + 1] : ' ';
+      if ((before == ' ' || before == '=' || before == ':' || before == '[' || static_cast<unsigned char>(before) > 127) &&
+          !std::isdigit(static_cast<unsigned char>(after)) && after != '/' && after != ',' &&
+          !(after == '.' && k + 2 < window.size() && std::isdigit(static_cast<unsigned char>(window[k + 2])))) {
+        c->said_batch_one.Set("the report says " + Snippet(all, at, k + 1));
+        break;
+      }
+    }
+  }
+  if (!SaidNear(all, {"initializ", "initialis"}, {"model", "engine", "weights"}, {}, &c->said_model_to_device))
+    Said(all, {"module.to(self.device", "model.to(device", "model.cuda()", "copied the model onto the gpu",
+               "moving the model to", "move the model to", "loading the model onto"},
+         &c->said_model_to_device);
   const bool gpu_word = ContainsAny(all, {"gpu 0", "gpu0", "gpu:0", "first gpu", "0 gpu", "main gpu", "master gpu",
                                           "gpu #0", "cuda:0", "first card", "one gpu"});
   if (gpu_word)

@@ -288,6 +288,7 @@ void ReadProgress(const std::vector<std::string>& lower, size_t anchor, TextCues
   int64_t max_count = -1, max_epoch = -1;
   bool epoch_complete = false;
   bool after_prep = false;
+  std::string last_eval;  // the evaluation progress line, while no training progress followed it
   for (size_t i = 0; i < lower.size() && i <= anchor; ++i) {
     const std::string& l = lower[i];
     if (i < anchor && ContainsAny(l, {"restoring states from the checkpoint", "loaded model weights from checkpoint",
@@ -312,9 +313,10 @@ void ReadProgress(const std::vector<std::string>& lower, size_t anchor, TextCues
     if (p->load) c->loading_weights.Set("progress line \"" + quoted + "\"");
     if (p->data && !p->load) c->data_prep.Set("progress line \"" + quoted + "\"");
     if (p->eval) {
-      c->eval.Set("progress line \"" + quoted + "\"");
+      last_eval = "progress line \"" + quoted + "\"";
       continue;
     }
+    last_eval.clear();  // training progress after an evaluation: the evaluation is over
     if (i == anchor) continue;  // the OOM line itself ("3/8 [..]Killed") is not a completed step
     if (p->load || p->data) continue;
     if (p->epoch) max_epoch = std::max(max_epoch, *p->epoch);
@@ -323,6 +325,7 @@ void ReadProgress(const std::vector<std::string>& lower, size_t anchor, TextCues
     last_train = p;
     last_train_line = quoted;
   }
+  if (!last_eval.empty()) c->eval.Set(last_eval);
   if (!last_train) return;
   // Logs count steps within an epoch; the epoch number says more ran before.
   if (max_epoch >= 0) c->epochs_done = std::max<int64_t>(0, max_epoch - 1) + (epoch_complete ? 1 : 0);

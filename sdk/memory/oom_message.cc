@@ -387,6 +387,7 @@ OomInfo ClassifyMessage(std::string_view message) {
   } else if (host_kill || Has(m, "out of memory: killed process")) {
     kind = OomKind::kHost;
   } else if (Has(m, "oom when allocating") || Has(m, "ran out of memory trying to allocate") ||
+             Has(m, "resourceexhaustederror") ||
              ((Has(m, "resource_exhausted") || Has(m, "resource exhausted")) && (out_of_memory || Has(m, "oom")))) {
     // TensorFlow/XLA/JAX. TF names the allocator; a CPU one is host memory.
     kind = (Has(m, "device:cpu") || Has(m, "allocator cpu")) ? OomKind::kHost : OomKind::kDevice;
