@@ -108,6 +108,9 @@ std::optional<Candidate> CheckpointLoad(const Facts& f) {
                                              ") and ran out in its first steps" + hold);
   if (f.cues.said_resume)
     return Make("checkpoint_load", 0.7, "the OOM follows restoring a checkpoint: " + f.cues.said_resume.why + hold);
+  if (f.cues.said_pretrained)
+    return Make("checkpoint_load", 0.6, "the OOM comes with loading pretrained weights onto the device: " +
+                                            f.cues.said_pretrained.why + hold);
   return std::nullopt;
 }
 
@@ -170,6 +173,13 @@ std::optional<Candidate> ForeignMemory(const Facts& f) {
     return Make("foreign_memory", 0.8, "NCCL could not allocate its own communication buffers (\"" +
                                            f.inc.message.substr(0, 120) + "\"): the framework's allocator left no room "
                                            "for memory held outside it");
+  if (f.phase == "comm")
+    return Make("foreign_memory", 0.75, "the OOM was raised inside a collective (" + f.phase_why + "): NCCL allocates "
+                                        "its communicators and buffers there, outside the framework's allocator");
+  const std::string ctx = text::Lower(f.inc.context);
+  if (Contains(ctx, "nccl") && ContainsAny(ctx, {"unhandled cuda error", "ncclunhandledcudaerror", "cuda failure"}))
+    return Make("foreign_memory", 0.7, "NCCL failed with a CUDA error alongside the OOM: its buffers found no room "
+                                       "beside the framework's memory");
   if (!f.FreeCoversRequest() && f.total && f.reserved && f.free) {
     const int64_t reserved = *f.reserved;
     const int64_t outside = *f.total - reserved - *f.free;

@@ -71,7 +71,7 @@ bool Mention(std::string_view l) {
   if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
                       "over memory", "`killed`", "memory error", "get killed", "gets killed", "got killed",
                       "getting killed", "being killed", "been killed", "was killed", "is killed", "process killed",
-                      "killed by the system", "killed by linux", "oom killer"}))
+                      "killed by the system", "killed by system", "killed by linux", "oom killer"}))
     return true;
   for (size_t at = l.find("oom"); at != std::string_view::npos; at = l.find("oom", at + 1)) {
     bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));
@@ -263,9 +263,18 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
     e.rank = lines[i].rank;
     std::string all;
     for (const Line& l : lines) all += l.lower + "\n";
-    const bool device = ContainsAny(all, {"cuda", "gpu", "vram", "npu", "显存"});
-    const bool host = ContainsAny(all, {"killed", " ram ", "ram.", "cpu memory", "host memory", "内存"});
-    e.kind = device || !host ? OomKind::kDevice : OomKind::kHost;
+    // A process said to be killed, or its resident/system memory, is host
+    // memory even in a GPU job, unless the device's own OOM is named.
+    const bool device_oom = ContainsAny(all, {"cuda out of memory", "cuda error: out of memory", "gpu out of memory",
+                                              "out of gpu memory", "out-of-gpu-memory", "vram", "显存", "cuda oom"});
+    bool host = ContainsAny(all, {"killed", " rss", "system memory", "cpu memory", "host memory", "内存"});
+    for (size_t at = all.find("ram"); at != std::string::npos && !host; at = all.find("ram", at + 1)) {
+      bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(all[at - 1]));
+      bool right = at + 3 >= all.size() || !std::isalpha(static_cast<unsigned char>(all[at + 3]));
+      host = left && right;  // "RAM", not "program"
+    }
+    const bool device = ContainsAny(all, {"cuda", "gpu", "npu"});
+    e.kind = device_oom || (device && !host) ? OomKind::kDevice : (host ? OomKind::kHost : OomKind::kDevice);
     events.push_back(e);
     break;
   }

@@ -206,6 +206,11 @@ std::string FramePhase(const Frame& f) {
       ContainsAny(f.func, {"_backward", "backward_out", "autograd::engine"}) ||
       ContainsAny(code, {".backward(", "run_backward("}))
     return "backward";
+  // Collectives allocate NCCL's communicators and buffers.
+  if (ContainsAny(file, {"distributed_c10d.py", "c10d_logger.py"}) ||
+      FuncIn(f, {"barrier", "broadcast", "all_reduce", "all_gather", "reduce_scatter", "init_process_group",
+                 "new_group", "_sync_params_and_buffers", "_broadcast_coalesced", "_sync_module_states"}))
+    return "comm";
   if (ContainsAny(file, {"torch/utils/data/", "signal_handling.py"}) ||
       FuncIn(f, {"__next__", "_next_data", "_get_data", "_try_get_data", "_worker_loop", "default_collate", "collate",
                  "collate_fn", "_pin_memory_loop", "__getitem__", "_error_if_any_worker_fails"}))

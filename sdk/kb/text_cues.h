@@ -63,6 +63,7 @@ struct TextCues {
   Cue said_eval;             // "during validation", "on the test set"
   Cue said_grad_on;          // "without turning gradient computations off"
   Cue said_resume;           // "resume training from a checkpoint"
+  Cue said_pretrained;       // "when using pretrained weights", "loads pretrained weight"
   Cue said_save;             // "when saving the checkpoint", "consolidate_state_dict"
   Cue said_imbalance;        // "the first GPU uses much more memory than the others"
   Cue said_other_process;    // "another process was using the GPU"

@@ -25,8 +25,8 @@ bool Hedged(std::string_view all, size_t at) {
   size_t from = at > 40 ? at - 40 : 0;
   std::string_view before = all.substr(from, at - from);
   if (size_t stop = before.find_last_of(".!?\n"); stop != std::string_view::npos) before = before.substr(stop + 1);
-  return ContainsAny(before, {"maybe", "might", "perhaps", "possibly", "i guess", "i wonder", "could it be",
-                              "is it ", "whether"});
+  return ContainsAny(before, {"maybe", "might", "perhaps", "possibly", "probably", "i guess", "i wonder",
+                              "i think", "i suspect", "could it be", "is it ", "whether", "as though", "as if"});
 }
 
 std::string Snippet(std::string_view all, size_t at, size_t len) {
@@ -191,7 +191,8 @@ void ReadDescription(std::string_view all, TextCues* c) {
              "always fails at", "non-deterministic", "nondeterministic", "at a random", "random point", "randomly",
              "crop or limit", "truncate the", "limit the lines", "memory usage jumps", "memory jumps",
              "usage jumps", "sudden spike", "spikes in memory", "memory spike", "suddenly increase",
-             "suddenly jumps"},
+             "suddenly jumps", "skipping batch", "skip the batch", "skipped batch", "abnormal sample",
+             "outlier sample", "some samples", "certain samples", "a few batches"},
        &c->said_batch_specific);
   SaidWord(all, {"validat", "evaluat", "eval stage", "eval phase", "eval mode", "eval loop", "test set", "testset",
                  "test data", "testing phase"},
@@ -245,16 +246,21 @@ void ReadDescription(std::string_view all, TextCues* c) {
       }
     }
   }
+  if (!SaidNear(all, {"load", "using", "use ", "with "}, {"pretrained weight", "pretrained model", "pre-trained weight",
+                                                          "pretrained checkpoint"},
+                {}, &c->said_pretrained))
+    Said(all, {"pretrained weights", "pre-trained weights"}, &c->said_pretrained);
   if (!SaidNear(all, {"initializ", "initialis"}, {"model", "engine", "weights"}, {}, &c->said_model_to_device))
     Said(all, {"module.to(self.device", "model.to(device", "model.cuda()", "copied the model onto the gpu",
                "moving the model to", "move the model to", "loading the model onto"},
          &c->said_model_to_device);
   const bool gpu_word = ContainsAny(all, {"gpu 0", "gpu0", "gpu:0", "first gpu", "0 gpu", "main gpu", "master gpu",
-                                          "gpu #0", "cuda:0", "first card", "one gpu"});
+                                          "gpu #0", "cuda:0", "first card", "one gpu", "other gpus"});
   if (gpu_word)
     Said(all, {"imbalanc", "unbalanc", "uneven", "more memory than", "more memories than", "much more memory",
                "only used in the first", "only on the first", "occupies much more", "takes more memory",
-               "more than the others", "more than others"},
+               "more than the others", "more than others", "only fails at one", "only on one gpu",
+               "fails on one gpu", "basically empty", "others are empty", "other gpus are empty"},
          &c->said_imbalance);
   Said(all, {"another process", "other process", "other processes", "occupied by other", "someone else"},
        &c->said_other_process);

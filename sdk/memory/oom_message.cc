@@ -8,6 +8,7 @@
 // that is not printed stays unknown.
 #include "sdk/memory/oom_message.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -279,8 +280,13 @@ void ParseOthers(std::string_view m, OomFigures* f) {
     f->device = "mps";
     f->allocated = SizeAfterPhrase(m, "mps allocated:");
     f->capacity = SizeAfterPhrase(m, "max allowed:");
-    if (auto other = SizeAfterPhrase(m, "other allocations:"); other && f->allocated)
+    if (auto other = SizeAfterPhrase(m, "other allocations:"); other && f->allocated) {
       f->process_in_use = *f->allocated + *other;
+      // The MPS allocator's pool is what it allocated; what remains of the
+      // allowed size is free to it.
+      f->reserved = f->allocated;
+      if (f->capacity) f->free = std::max<int64_t>(0, *f->capacity - *f->process_in_use);
+    }
   }
   // Linux OOM killer: "Killed process 25315 (python3) total-vm:53312244kB,
   // anon-rss:31451456kB". The kernel's kB are KiB.
