@@ -13,11 +13,21 @@ namespace {
 using text::Contains;
 using text::ContainsAny;
 
-// A negation shortly before `at` ("no other process", "not during ...").
+// A negation shortly before `at` ("no other process", "not during ..."),
+// as whole words ("whenever" is not "never").
 bool Negated(std::string_view all, size_t at) {
   size_t from = at > 24 ? at - 24 : 0;
   std::string_view before = all.substr(from, at - from);
-  return ContainsAny(before, {" no ", " not ", "n't ", "without ", "never "});
+  size_t i = 0;
+  while (i < before.size()) {
+    while (i < before.size() && !std::isalpha(static_cast<unsigned char>(before[i])) && before[i] != '\'') ++i;
+    size_t b = i;
+    while (i < before.size() && (std::isalpha(static_cast<unsigned char>(before[i])) || before[i] == '\'')) ++i;
+    std::string_view w = before.substr(b, i - b);
+    if (b == 0 && from > 0) continue;  // a word cut by the window
+    if (w == "no" || w == "not" || w == "never" || w == "without" || w.ends_with("n't")) return true;
+  }
+  return false;
 }
 
 // A guess, not an observation ("maybe some library causes a memory leak").
@@ -181,7 +191,10 @@ void ReadDescription(std::string_view all, TextCues* c) {
              "steady increase", "steadily increas", "gradually increas", "gradually fill", "increases every",
              "increases each", "increasing every", "increase every", "increasing gpu-memory", "increasing gpu memory",
              "memory is increased", "more and more memory", "more and more gpu memory", "more and more vram",
-             "memory usage keeps", "increasing during the training", "increasing during training", "not released"},
+             "memory usage keeps", "increasing during the training", "increasing during training", "not released",
+             "added to a list", "appended to a list", "remain in the gpu", "remain in gpu", "stored on the gpu",
+             "stored _on the gpu", "kept on the gpu", "only released", "accumulate memory", "accumulates memory",
+             "accumulating memory", "memory accumulat"},
        &c->said_growth);
   if (!c->said_growth)
     SaidNear(all, {"models in a", "model in a", "several models", "multiple models"}, {"loop"}, {}, &c->said_growth);
@@ -192,7 +205,8 @@ void ReadDescription(std::string_view all, TextCues* c) {
              "crop or limit", "truncate the", "limit the lines", "memory usage jumps", "memory jumps",
              "usage jumps", "sudden spike", "spikes in memory", "memory spike", "suddenly increase",
              "suddenly jumps", "skipping batch", "skip the batch", "skipped batch", "abnormal sample",
-             "outlier sample", "some samples", "certain samples", "a few batches"},
+             "outlier sample", "some samples", "certain samples", "a few batches", "some long", "long examples",
+             "long samples", "longer examples", "longer samples"},
        &c->said_batch_specific);
   SaidWord(all, {"validat", "evaluat", "eval stage", "eval phase", "eval mode", "eval loop", "test set", "testset",
                  "test data", "testing phase"},
@@ -219,7 +233,8 @@ void ReadDescription(std::string_view all, TextCues* c) {
                              "very first", "beginning of the training", "beginning of training", "start of training",
                              "can't even start", "cannot even start", "doesn't even start", "does not even start",
                              "fails immediately", "failed immediately", "instantly", "immediately", "right away",
-                             "straight away", "at startup", "before training starts",
+                             "straight away", "at startup", "kick off training", "start training", "starting training",
+                             "training starts", "start the training", "before training starts",
                              "before the training starts", "training initialization", "state initialization",
                              "even with batch size 1", "even with `--batch_size 1", "even with --batch_size 1",
                              "even when batch_size=1", "batch_size to [1]", "batch_size=1, it"}) {
