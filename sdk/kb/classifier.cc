@@ -148,10 +148,18 @@ std::string Situation(const Facts& f) {
   if (f.FreeCoversRequest())
     return "the device reports " + FormatBytes(static_cast<double>(*f.free)) + " free against a request of " +
            FormatBytes(static_cast<double>(*f.requested)) + ": the printed figures do not explain the failure";
-  if (f.total && f.allocated)
-    return FormatBytes(static_cast<double>(*f.allocated)) + " of the " + FormatBytes(static_cast<double>(*f.total)) +
-           " device is in live tensors: the working set filled the device, and what made it grow is not in the "
-           "record";
+  if (f.total && f.allocated) {
+    std::string s = FormatBytes(static_cast<double>(*f.allocated)) + " of the " +
+                    FormatBytes(static_cast<double>(*f.total)) +
+                    " device is in live tensors: the working set filled the device, and what made it grow is not in "
+                    "the record";
+    // One request of a large share of the device is worth a look at the
+    // failing op's shapes, though it does not decide a pattern by itself.
+    if (f.requested && *f.total > 0 && *f.requested * 4 >= *f.total)
+      s += "; the failing request alone is " + FormatBytes(static_cast<double>(*f.requested)) + " (" +
+           std::to_string(*f.requested * 100 / *f.total) + "% of the device)";
+    return s;
+  }
   return std::string(f.kind.empty() ? "an" : "a " + f.kind) + " OOM with nothing that tells its cause";
 }
 

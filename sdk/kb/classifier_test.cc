@@ -89,6 +89,14 @@ TEST(ClassifierTest, AbsentStepIsNotStepZero) {
       "allocated; 73.75 MiB free; 13.63 GiB reserved in total by PyTorch)"));
   EXPECT_EQ(c.pattern, "unknown") << c.evidence;
   EXPECT_TRUE(Has(c.evidence, "13.5 GiB of the 14.8 GiB device is in live tensors")) << c.evidence;
+  EXPECT_FALSE(Has(c.evidence, "the failing request alone")) << c.evidence;  // 240 MiB is 1.6%
+
+  // A request of a large share of the device is pointed out, not classified.
+  c = ClassifyIncident(Imported(
+      "CUDA out of memory. Tried to allocate 6.00 GiB (GPU 0; 10.00 GiB total capacity; 3.40 GiB already "
+      "allocated; 5.90 GiB free; 3.50 GiB reserved in total by PyTorch)"));
+  EXPECT_EQ(c.pattern, "unknown") << c.evidence;
+  EXPECT_TRUE(Has(c.evidence, "the failing request alone is 6.0 GiB (60% of the device)")) << c.evidence;
 }
 
 TEST(ClassifierTest, SpikeNeedsCostRatioAboveThreshold) {
