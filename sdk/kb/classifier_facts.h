@@ -42,8 +42,6 @@ struct Facts {
   bool AtFirstStep() const;
   // Some training ran cleanly before the OOM.
   bool RanBefore() const;
-  // The device reports at least the requested size free: capacity does not
-  // explain the failure.
   // The device reports the requested size free with room to spare (the
   // driver's free figure is never all usable in one piece): capacity does
   // not explain the failure.

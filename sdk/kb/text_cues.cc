@@ -351,15 +351,20 @@ TextCues AnalyzeText(std::string_view context, std::string_view message) {
   ReadProgress(lower, progress_end, &c);
   // Descriptions are prose: progress bars and traceback frames are records,
   // already read above ("Validation: 0%|" is not a person saying "validation").
-  std::string all;
+  std::string all, as_written;
   for (size_t i = 0; i < lower.size(); ++i) {
     const std::string& l = lower[i];
     if (ContainsAny(l, {"%|", "it/s]", "s/it]", "file \"", "frame #"})) continue;
     all += l;
     all += '\n';
+    as_written += lines[i];
+    as_written += '\n';
   }
-  if (context.empty() && lines.empty()) all = Lower(message);
-  ReadDescription(all, &c);
+  if (context.empty() && lines.empty()) {
+    all = Lower(message);
+    as_written = std::string(message);
+  }
+  ReadDescription(all, as_written, &c);
   if (c.eval && !c.no_grad && !ContainsAny(all, {"no_grad", "inference_mode", "set_grad_enabled(false"}) &&
       ContainsAny(all, {".eval()", "def validate", "def evaluate", "validation_step"}))
     c.eval_code_without_no_grad.Set("the evaluation code shown never disables gradients (no torch.no_grad / "

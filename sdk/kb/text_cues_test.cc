@@ -143,6 +143,11 @@ TEST(TextCuesTest, Descriptions) {
   EXPECT_FALSE(AnalyzeText("", "--validation_file dev.txt --do_eval").said_eval);  // configuration, not events
   EXPECT_FALSE(AnalyzeText("", "OOM after the first epoch").said_first);
   EXPECT_TRUE(AnalyzeText("", "OOM at the first iteration").said_first);
+  // Quotes are as written, though the search ignores case.
+  c = AnalyzeText("Epoch 3\nIt fails when I Resume Training from the LoRA checkpoint\n", "CUDA out of memory");
+  ASSERT_TRUE(c.said_resume);
+  EXPECT_NE(c.said_resume.why.find("Resume Training from the LoRA checkpoint"), std::string::npos)
+      << c.said_resume.why;
 }
 
 // The rest of the line after the prefix keeps its indentation (code under

@@ -39,7 +39,16 @@ bool Hedged(std::string_view all, size_t at) {
                               "i think", "i suspect", "could it be", "is it ", "whether", "as though", "as if"});
 }
 
+// The text as written, for quotes. Set by ReadDescription for its duration:
+// the cue readers search the lower-cased text, and threading the original
+// through every one of them would double their parameters for one use.
+thread_local std::string_view tl_lower;
+thread_local std::string_view tl_written;
+
+// `all` quoted around [at, at + len), in the case it was written in when
+// `all` is the text ReadDescription is reading.
 std::string Snippet(std::string_view all, size_t at, size_t len) {
+  if (all.data() == tl_lower.data() && all.size() == tl_written.size()) all = tl_written;
   size_t b = all.rfind('\n', at);
   b = b == std::string_view::npos ? 0 : b + 1;
   if (at > b + 40) b = all.find(' ', at - 40) + 1;
@@ -184,8 +193,16 @@ void ReadAmounts(std::string_view all, TextCues* c) {
 
 }  // namespace
 
-void ReadDescription(std::string_view all, TextCues* c) {
-  if (all.size() > 64 * 1024) all = all.substr(all.size() - 64 * 1024);
+void ReadDescription(std::string_view all, std::string_view written, TextCues* c) {
+  if (written.size() != all.size()) written = all;  // not the same text: quote lower-case
+  if (all.size() > 64 * 1024) {
+    all = all.substr(all.size() - 64 * 1024);
+    written = written.substr(written.size() - 64 * 1024);
+  }
+  struct Scope {
+    Scope(std::string_view l, std::string_view w) { tl_lower = l, tl_written = w; }
+    ~Scope() { tl_lower = {}, tl_written = {}; }
+  } scope(all, written);
   Said(all, {"memory leak", "leaks memory", "leaking memory", "keeps increasing", "keep increasing", "kept increasing",
              "keeps growing", "keep growing", "grows slowly", "growed slowly", "grew slowly", "slowly increas",
              "steady increase", "steadily increas", "gradually increas", "gradually fill", "increases every",

@@ -50,7 +50,9 @@ std::optional<int64_t> NumberAt(std::string_view s, size_t pos);
 // `lower` are the prefix-stripped, lower-cased lines; progress is read from
 // lines before `anchor`.
 void ReadProgress(const std::vector<std::string>& lower, size_t anchor, TextCues* cues);
-void ReadDescription(std::string_view all_lower, TextCues* cues);
+// `all_lower` is the prose lower-cased; `all` the same text as written (same
+// length, ASCII case folding keeps offsets), which the quotes are taken from.
+void ReadDescription(std::string_view all_lower, std::string_view all, TextCues* cues);
 
 }  // namespace oomguard::kb
 
