@@ -101,7 +101,8 @@ Facts BuildFacts(const Incident& inc) {
   }
 
   if (!f.fig.format.empty()) f.used.push_back("the message's figures (" + f.fig.format + " format)");
-  if (!f.phase.empty()) f.used.push_back("phase '" + f.phase + "' (" + f.phase_why + ")");
+  if (!f.phase.empty())
+    f.used.push_back("phase '" + f.phase + "' (" + (f.phase_why.starts_with("recorded") ? "recorded" : f.phase_why) + ")");
   if (f.step) f.used.push_back("step " + std::to_string(*f.step));
   else if (!f.cues.progress_why.empty()) f.used.push_back(f.cues.progress_why);
   if (f.steps_ok_before) f.used.push_back(std::to_string(*f.steps_ok_before) + " clean steps before");

@@ -46,9 +46,13 @@ std::string Pct(double frac) {
   std::snprintf(buf, sizeof(buf), "%.0f%%", frac * 100.0);
   return buf;
 }
+// Sample costs are usually token or pixel counts: whole numbers print whole.
 std::string Num(double v) {
   char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3g", v);
+  if (v == std::floor(v) && std::fabs(v) < 1e15)
+    std::snprintf(buf, sizeof(buf), "%.0f", v);
+  else
+    std::snprintf(buf, sizeof(buf), "%.3g", v);
   return buf;
 }
 std::string B(int64_t v) { return FormatBytes(static_cast<double>(v)); }
