@@ -68,7 +68,9 @@ std::optional<Candidate> ImpossibleRequest(const Facts& f) {
   const std::string tail = ": no batch size or precision change makes one allocation of that size fit; a shape, "
                            "dtype or unit computed it (check the tensor sizes of the failing op)";
   if (f.requested_lower_bound && req >= int64_t{1000000000000000})
-    return Make("impossible_request", 0.95, "the request was more than " + B(req) + tail);
+    return Make("impossible_request", 0.95,
+                "the request was more than " +
+                    (req >= int64_t{1000000000000000000} ? std::string("1 EB (10^18 bytes)") : B(req)) + tail);
   if (f.total) {
     const double times = D(req) / D(std::max<int64_t>(*f.total, 1));
     if (times >= kImpossibleOfCapacity)

@@ -357,6 +357,10 @@ OomFigures ParseOomFigures(std::string_view message) {
   }
   ParseDevice(m, &f);
   ParsePyTorch(m, &f);
+  // PyTorch's "Tried to allocate X" without the capacity clause (torch_npu,
+  // "more than 1EB", messages cut short) is still PyTorch's, whatever else
+  // the line mentions ("after an NCCL timeout").
+  if (f.format.empty() && f.requested && Has(m, "tried to allocate")) f.format = "pytorch-request";
   ParseOthers(m, &f);
   return f;
 }

@@ -32,7 +32,8 @@ struct ProcessMemory {
 struct OomFigures {
   // The format that matched: "pytorch" (>= 2.1 wording), "pytorch-1.x"
   // ("reserved in total by PyTorch"), "pytorch-cached" (<= 1.3: "X cached" is
-  // the allocator's free cache), "tensorflow", "tensorflow-bfc", "xla", "nccl",
+  // the allocator's free cache), "pytorch-request" (only "Tried to allocate
+  // X"), "tensorflow", "tensorflow-bfc", "xla", "nccl",
   // "cpu-allocator", "mps", "oom-killer"; empty when none did.
   std::string format;
   std::string device;     // "cuda", "npu", "xpu", "hip", "mps", "gpu", "cpu", "tpu"; empty: not printed

@@ -195,6 +195,12 @@ TEST(OomFiguresTest, AbsurdRequests) {
                                  "memory.");
   EXPECT_EQ(f.requested, int64_t{1000000000000000000});
   EXPECT_TRUE(f.requested_is_lower_bound);
+  EXPECT_EQ(f.format, "pytorch-request");
+  // Another library named on the line does not make it that library's message.
+  f = ParseOomFigures("Does an NCCL timeout lead to \"torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to "
+                      "allocate more than 1EB memory\"?");
+  EXPECT_EQ(f.format, "pytorch-request");
+  EXPECT_TRUE(f.requested_is_lower_bound);
   f = ParseOomFigures("CUDA out of memory. Tried to allocate 13535.27 GiB. GPU 0 has a total capacity of 79.14 GiB "
                       "of which 61.76 GiB is free.");
   EXPECT_EQ(f.requested, Gi(13535.27));
