@@ -348,7 +348,7 @@ TextCues AnalyzeText(std::string_view context, std::string_view message) {
   const size_t anchor = context.empty() ? lines.size() : FindAnchor(lower, message);
   size_t progress_end = std::min(anchor, lines.size());
   ReadTraceback(lines, lower, std::min(anchor, lines.size()), message_lower, &c, &progress_end);
-  ReadProgress(lower, progress_end, &c);
+  ReadProgress(lines, lower, progress_end, &c);
   // Descriptions are prose: progress bars and traceback frames are records,
   // already read above ("Validation: 0%|" is not a person saying "validation").
   std::string all, as_written;

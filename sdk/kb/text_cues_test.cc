@@ -120,11 +120,16 @@ TEST(TextCuesTest, ProgressLines) {
   c = AnalyzeText("Restoring states from the checkpoint path at out/last.ckpt\nEpoch 0:  1%| | 3/500\nCUDA out of memory.\n",
                   oom);
   EXPECT_TRUE(c.resumed);
+  EXPECT_NE(c.resumed.why.find("Restoring states from the checkpoint path at out/last.ckpt"), std::string::npos)
+      << "quoted as written: " << c.resumed.why;
   c = AnalyzeText("Processing...\n100%|#####| 205944/205944 [18:54<00:00]\nKilled\n", "Killed");
   EXPECT_TRUE(c.data_prep);
   EXPECT_FALSE(c.steps_done.has_value()) << "the dataset's bar is not training progress";
-  c = AnalyzeText("Loading checkpoint shards:  38%|##      | 3/8 [00:02<00:03]Killed\n", "Killed");
+  c = AnalyzeText("Loading checkpoint shards:  38%|##                                  | 3/8 [00:02<00:03]Killed\n",
+                  "Killed");
   EXPECT_TRUE(c.loading_weights);
+  EXPECT_EQ(c.loading_weights.why.find("   "), std::string::npos) << "a bar's blanks are shortened: "
+                                                                     << c.loading_weights.why;
 }
 
 TEST(TextCuesTest, Descriptions) {

@@ -280,9 +280,21 @@ std::optional<Progress> ParseProgress(std::string_view l) {
   return p;
 }
 
+// Line i as written, for a quote: trimmed, runs of blanks (a progress bar's
+// empty part) shortened, at most `max` bytes.
+std::string Quote(const std::vector<std::string>& lines, size_t i, size_t max) {
+  std::string out;
+  for (char ch : text::Trim(lines[i])) {
+    if (ch == ' ' && out.size() >= 2 && out[out.size() - 1] == ' ' && out[out.size() - 2] == ' ') continue;
+    out.push_back(ch);
+  }
+  return out.substr(0, max);
+}
+
 }  // namespace
 
-void ReadProgress(const std::vector<std::string>& lower, size_t anchor, TextCues* c) {
+void ReadProgress(const std::vector<std::string>& lines, const std::vector<std::string>& lower, size_t anchor,
+                  TextCues* c) {
   std::optional<Progress> last_train;
   std::string last_train_line;
   int64_t max_count = -1, max_epoch = -1;
@@ -295,21 +307,21 @@ void ReadProgress(const std::vector<std::string>& lower, size_t anchor, TextCues
                                       "resuming from", "resuming training", "resumed from", "restored from checkpoint",
                                       "load checkpoint from", "loading checkpoint from", "loaded checkpoint"}) &&
         !Contains(l, "resume_from_checkpoint"))
-      c->resumed.Set("log line \"" + std::string(text::Trim(l)).substr(0, 120) + "\"");
+      c->resumed.Set("log line \"" + Quote(lines, i, 120) + "\"");
     auto p = ParseProgress(l);
     const bool prep_line = ContainsAny(l, {"processing", "tokenizing", "preprocessing", "building dataset"});
-    if (prep_line && i + 4 >= anchor) c->data_prep.Set("log line \"" + std::string(text::Trim(l)).substr(0, 80) + "\"");
+    if (prep_line && i + 4 >= anchor) c->data_prep.Set("log line \"" + Quote(lines, i, 80) + "\"");
     if (p && after_prep) p->data = true;  // a bar right under "Processing..." belongs to it
     after_prep = prep_line || (after_prep && p && p->data);
     if (!p) {
       if (i + 3 >= anchor && i < anchor && ContainsAny(l, {"saving checkpoint", "saving model", "saving lora", "save checkpoint"}) &&
           c->phase.empty()) {
         c->phase = "checkpoint";
-        c->phase_why = "log line \"" + std::string(text::Trim(l)).substr(0, 80) + "\" right before the OOM";
+        c->phase_why = "log line \"" + Quote(lines, i, 80) + "\" right before the OOM";
       }
       continue;
     }
-    std::string quoted = std::string(text::Trim(l)).substr(0, 120);
+    std::string quoted = Quote(lines, i, 120);
     if (p->load) c->loading_weights.Set("progress line \"" + quoted + "\"");
     if (p->data && !p->load) c->data_prep.Set("progress line \"" + quoted + "\"");
     if (p->eval) {

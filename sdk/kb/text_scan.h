@@ -47,9 +47,10 @@ std::optional<int64_t> NumberAt(std::string_view s, size_t pos);
 }  // namespace text
 
 // Fill the progress and description cues (text_progress.cc, text_narrative.cc).
-// `lower` are the prefix-stripped, lower-cased lines; progress is read from
-// lines before `anchor`.
-void ReadProgress(const std::vector<std::string>& lower, size_t anchor, TextCues* cues);
+// `lines` are the prefix-stripped lines as written (quotes come from them),
+// `lower` the same lower-cased; progress is read from lines before `anchor`.
+void ReadProgress(const std::vector<std::string>& lines, const std::vector<std::string>& lower, size_t anchor,
+                  TextCues* cues);
 // `all_lower` is the prose lower-cased; `all` the same text as written (same
 // length, ASCII case folding keeps offsets), which the quotes are taken from.
 void ReadDescription(std::string_view all_lower, std::string_view all, TextCues* cues);

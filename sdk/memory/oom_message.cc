@@ -263,7 +263,10 @@ void ParseOthers(std::string_view m, OomFigures* f) {
     if (f->format.empty()) f->format = "xla";
     if (auto total = SizeAfterPhrase(m, "total allocation:")) f->program_total = total;
   }
-  if (Has(m, "nccl")) {
+  // NCCL's own lines, not a sentence that names NCCL ("does an NCCL timeout
+  // lead to 'CUDA out of memory'?").
+  if (Has(m, "nccl warn") || Has(m, "nccl error") || Has(m, "nccl info") || Has(m, "ncclunhandled") ||
+      Has(m, "cuda calloc") || Has(m, "cuda malloc")) {
     if (f->format.empty()) f->format = "nccl";
     if (f->device.empty()) f->device = "cuda";
     if (!f->requested) {
@@ -357,11 +360,10 @@ OomFigures ParseOomFigures(std::string_view message) {
   }
   ParseDevice(m, &f);
   ParsePyTorch(m, &f);
-  // PyTorch's "Tried to allocate X" without the capacity clause (torch_npu,
-  // "more than 1EB", messages cut short) is still PyTorch's, whatever else
-  // the line mentions ("after an NCCL timeout").
-  if (f.format.empty() && f.requested && Has(m, "tried to allocate")) f.format = "pytorch-request";
   ParseOthers(m, &f);
+  // PyTorch's "Tried to allocate X" without the capacity clause ("more than
+  // 1EB", messages cut short) is still PyTorch's.
+  if (f.format.empty() && f.requested && Has(m, "tried to allocate")) f.format = "pytorch-request";
   return f;
 }
 

@@ -161,6 +161,7 @@ TEST(OomFiguresTest, HostFormats) {
       "RuntimeError: [enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: "
       "you tried to allocate 335544320000 bytes. Error code 12 (Cannot allocate memory)");
   EXPECT_EQ(f.device, "cpu");
+  EXPECT_EQ(f.format, "cpu-allocator");
   EXPECT_EQ(f.requested, 335544320000);
   f = ParseOomFigures(
       "[2059991.491542] Out of memory: Killed process 25315 (python3) total-vm:53312244kB, anon-rss:31451456kB, "
