@@ -189,6 +189,16 @@ TEST(TextCuesTest, LinePrefixes) {
             "torch.OutOfMemoryError: x");
   EXPECT_EQ(host, "");
   EXPECT_EQ(Rest("[0/795]Killed", &rank, &host), "[0/795]Killed");
+  rank = -1;
+  EXPECT_EQ(Rest("RANK 3: RuntimeError: CUDA out of memory.", &rank, &host), "RuntimeError: CUDA out of memory.");
+  EXPECT_EQ(rank, 3);
+  rank = -1;
+  EXPECT_EQ(Rest("[RANK 5] step 10", &rank, &host), "step 10");
+  EXPECT_EQ(rank, 5);
+  rank = -1;
+  // Prose that names a rank is not a prefix.
+  EXPECT_EQ(Rest("rank 3 ran out of memory", &rank, &host), "rank 3 ran out of memory");
+  EXPECT_EQ(rank, -1);
 }
 
 }  // namespace

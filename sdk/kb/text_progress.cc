@@ -163,6 +163,18 @@ std::string_view StripLinePrefix(std::string_view line, int* rank, std::string* 
         continue;
       }
     }
+    // "RANK 3:", "Rank 3 :" (launchers that print the rank as two words).
+    if (text::Lower(tok) == "rank" && !after.empty() && std::isdigit(static_cast<unsigned char>(after.front()))) {
+      size_t d = 0;
+      while (d < after.size() && std::isdigit(static_cast<unsigned char>(after[d]))) ++d;
+      size_t colon = d;
+      while (colon < after.size() && after[colon] == ' ') ++colon;
+      if (d <= 6 && colon < after.size() && after[colon] == ':') {
+        *rank = std::atoi(std::string(after.substr(0, d)).c_str());
+        s = after.substr(colon + 1);
+        continue;
+      }
+    }
     // "worker-5:", "0:" (srun -l), "rank3:"
     if (tok.size() > 1 && tok.back() == ':' && tok.size() < 24 && !Contains(tok, "/") && !Contains(tok, ".py")) {
       std::string_view name = tok.substr(0, tok.size() - 1);
