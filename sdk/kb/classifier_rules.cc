@@ -25,7 +25,10 @@ constexpr int64_t kMiB = int64_t{1} << 20;
 // ---- thresholds (docs/patterns.md) ----
 constexpr double kImpossibleOfCapacity = 2.0;      // impossible_request: request >= 2x the device
 constexpr double kImpossibleOfHeld = 10.0;         // ... or > the device and >= 10x what the process holds
-constexpr int64_t kImpossibleAbsolute = 256 * kGiB;  // ... or, capacity unknown, >= 256 GiB
+constexpr int64_t kImpossibleAbsolute = 256 * kGiB;  // ... or, capacity unknown, >= 256 GiB of host memory
+// ... or of device memory: more than the largest single accelerator ships
+// with (256 GB of HBM3E on an MI325X; 192 GB on a B200).
+constexpr int64_t kImpossibleAbsoluteDevice = int64_t{256} * 1000 * 1000 * 1000;
 constexpr double kFragMinOfReserved = 0.08;        // fragmentation: cached free >= 8% of reserved (+0.1) ...
 constexpr double kFragManyRequests = 4.0;          // ... or >= 4x the request and ...
 constexpr double kFragFloorOfReserved = 0.03;      // ... >= 3% of reserved (below: ordinary allocator slack)
@@ -84,9 +87,10 @@ std::optional<Candidate> ImpossibleRequest(const Facts& f) {
                       ") while the process holds only " + B(held) + tail);
     return std::nullopt;
   }
-  if (req >= kImpossibleAbsolute)
+  if (req >= (f.kind == "host" ? kImpossibleAbsolute : kImpossibleAbsoluteDevice))
     return Make("impossible_request", 0.85,
-                "a single request of " + B(req) + " is beyond the memory of any single device or ordinary host" + tail);
+                "a single request of " + B(req) + " is beyond the memory of any single " +
+                    (f.kind == "host" ? "ordinary host" : "device (the largest have 256 GB)") + tail);
   return std::nullopt;
 }
 

@@ -222,6 +222,11 @@ TEST(ClassifierTest, ImpossibleRequestIsABugNotCapacity) {
       "capacity; 13.51 GiB already allocated; 0 bytes free; 15.91 GiB reserved in total by PyTorch)"));
   EXPECT_EQ(c.pattern, "impossible_request");
   EXPECT_GE(c.confidence, 0.8);
+  // No capacity printed: beyond the largest device there is, it is a size bug.
+  c = ClassifyIncident(Imported("RuntimeError: CUDA out of memory. Tried to allocate 243.00 GiB"));
+  EXPECT_EQ(c.pattern, "impossible_request") << c.evidence;
+  EXPECT_NE(ClassifyIncident(Imported("RuntimeError: CUDA out of memory. Tried to allocate 120.00 GiB")).pattern,
+            "impossible_request");
   c = ClassifyIncident(Imported("CUDA out of memory. Tried to allocate more than 1EB memory."));
   EXPECT_EQ(c.pattern, "impossible_request");
   EXPECT_TRUE(Has(c.evidence, "more than 1 EB")) << c.evidence;
