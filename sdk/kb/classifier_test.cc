@@ -70,6 +70,20 @@ TEST(ClassifierTest, FirstStepIsStartupCapacity) {
   EXPECT_EQ(ClassifyIncident(i).pattern, "optimizer_state");
 }
 
+TEST(ClassifierTest, OomRightAfterTheFirstOptimizerStepIsOptimizerState) {
+  // Adam creates its moments in the first optimizer step, so the second
+  // iteration's forward is the first to run beside them.
+  Incident i = Base();
+  i.step = 1;
+  i.steps_ok_before = 1;
+  Classification c = ClassifyIncident(i);
+  EXPECT_EQ(c.pattern, "optimizer_state") << c.evidence;
+  EXPECT_TRUE(Has(c.evidence, "exactly one step completed")) << c.evidence;
+  i.step = 100;
+  i.steps_ok_before = 50;
+  EXPECT_NE(ClassifyIncident(i).pattern, "optimizer_state");
+}
+
 TEST(ClassifierTest, AbsentStepIsNotStepZero) {
   // The same figures as a first-step incident, but the step is unknown: no
   // step-based pattern, and the evidence names what is missing.
