@@ -1,11 +1,10 @@
 #!/usr/bin/env python3
-"""Appends the vote, knowledge-base, browser-listing, checkpoint and diagnosis
-sections to bench/RESULTS.md (after make_report.py wrote the guard and
-controller ones).
+"""Appends the vote, knowledge-base, browser-listing and checkpoint sections to
+bench/RESULTS.md (after make_report.py wrote the guard and controller ones).
 
-Every figure comes from a file the benchmarks wrote in this run, except the
-held-out batches' first-contact figures, which are history: they are quoted
-from the table in tests/kb/testdata/reports/README.md."""
+Every figure comes from a file the benchmarks wrote in this run. The diagnosis
+section (--diagnosis) also quotes the held-out batches' first-contact figures,
+which are history, from the table in tests/kb/testdata/reports/README.md."""
 import argparse
 import json
 import os
