@@ -2,10 +2,13 @@
 """Appends the step-protocol, knowledge-base, browser-listing and checkpoint sections to
 bench/RESULTS.md (after make_report.py wrote the guard and controller ones).
 
-Every figure comes from a file the benchmarks wrote in this run."""
+Every figure comes from a file the benchmarks wrote in this run. The diagnosis
+section (--diagnosis) also quotes the held-out batches' first-contact figures,
+which are history, from the table in tests/kb/testdata/reports/README.md."""
 import argparse
 import json
 import os
+import re
 
 
 def gbench(path):
@@ -37,6 +40,114 @@ def ms(b):
     return b["real_time"] * scale
 
 
+def cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "an unnamed CPU"
+
+
+def first_contact(readme):
+    """{batch: (right, reports)} from the README's first-contact table."""
+    out = {}
+    if not readme or not os.path.exists(readme):
+        return out
+    for line in open(readme):
+        m = re.match(r"\|\s*(held-out \d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|", line)
+        if m:
+            out[m.group(1)] = (int(m.group(3)), int(m.group(2)))
+    return out
+
+
+def abbreviations(names):
+    """Short column heads for the confusion table: initials of the words."""
+    out = {}
+    for n in names:
+        if n == "unknown":
+            ab = "unk"
+        elif n.startswith("("):
+            ab = "none"
+        else:
+            words = n.split("_")
+            ab = "".join(x[0] for x in words).upper() if len(words) > 1 else n[:2].upper()
+        base, k = ab, 2
+        while ab in out.values():
+            ab, k = f"{base}{k}", k + 1
+        out[n] = ab
+    return out
+
+
+def diagnosis_section(d, fc):
+    md = []
+    w = md.append
+    n, right = d["reports"], d["right"]
+    w("## Diagnosis on real OOM reports")
+    w("")
+    w(f"`diagnosis_bench` runs the log importer and the classifier over the {n} public OOM reports of")
+    w("tests/kb/testdata/reports (issue threads and Q&A pages, each quoted with its address and labelled")
+    w("by hand from the report alone; `unknown` where the report does not decide). A report's answer is")
+    w("its most confident OOM event, as `oomguard diagnose` lists it.")
+    w("")
+    w(f"- right: **{right}/{n} ({100.0 * right / n:.1f}%)**; target ≥ 85%")
+    w(f"- most confident wrong answer: **{d['max_wrong_confidence']:.2f}**; target: none ≥ 0.8")
+    w(f"- cost: {d['us_per_report']:.0f} µs per report (mean {d['mean_report_bytes']} bytes; parse + classify, "
+      f"mean of {d['passes']} passes) on {cpu_name()} ({os.cpu_count()} cores, shared; no GPU used)")
+    w("")
+    w("| batch | reports | right now | right at first contact |")
+    w("|---|---:|---:|---:|")
+    fc_right = fc_total = 0
+    for batch, bt in d["by_batch"].items():
+        first = ""
+        if batch in fc:
+            r, t = fc[batch]
+            first = f"{r}/{t} ({100.0 * r / t:.0f}%)"
+            fc_right, fc_total = fc_right + r, fc_total + t
+        w(f"| {batch} | {bt['total']} | {bt['right']} | {first or '(rules written on it)'} |")
+    if fc_total:
+        w(f"| all held-out batches | {fc_total} | | {fc_right}/{fc_total} ({100.0 * fc_right / fc_total:.0f}%) |")
+    w("")
+    w("The development set is not an evaluation: every batch was fed back into the rules. The first-contact")
+    w("column is the better estimate of accuracy on reports the rules have not seen, and it is far lower;")
+    w("what each batch's misses had in common is in the commit that follows it.")
+    w("")
+    labels = sorted(d["confusion"])
+    answers = sorted({a for row in d["confusion"].values() for a in row})
+    ab = abbreviations(sorted(set(labels) | set(answers)))
+    w("Confusion (rows: label; columns: the classifier's answer; diagonal in bold):")
+    w("")
+    w("| label | n | " + " | ".join(ab[a] for a in answers) + " |")
+    w("|---|---:|" + "---:|" * len(answers))
+    for l in labels:
+        row = d["confusion"][l]
+        cells = []
+        for a in answers:
+            v = row.get(a, 0)
+            cells.append(f"**{v}**" if a == l and v else (str(v) if v else ""))
+        w(f"| {l} ({ab[l]}) | {sum(row.values())} | " + " | ".join(cells) + " |")
+    w("")
+    if d["wrong"]:
+        w("Wrong answers:")
+        w("")
+        w("| report | label | answer | confidence |")
+        w("|---|---|---|---:|")
+        for x in d["wrong"]:
+            w(f"| [{x['file']}]({x['source']}) | {x['label']} | {x['answer']} | {x['confidence']:.2f} |")
+        w("")
+    if d.get("logs"):
+        w("Raw logs (tests/kb/testdata/logs), as `oomguard diagnose` reads them:")
+        w("")
+        w("| log | bytes | OOM events: patterns | µs |")
+        w("|---|---:|---|---:|")
+        for l in d["logs"]:
+            pats = l["error"] or ", ".join(l["patterns"])
+            w(f"| {l['file']} | {l['bytes']} | {len(l['patterns'])}: {pats} | {l['us']:.0f} |")
+        w("")
+    return md
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True)
@@ -44,9 +155,16 @@ def main():
     ap.add_argument("--kb", help="kb_bench JSON")
     ap.add_argument("--serve", help="kb_serve_bench JSON")
     ap.add_argument("--checkpoint", help="bench/checkpoint_bench.md")
+    ap.add_argument("--diagnosis", help="diagnosis_bench JSON")
+    ap.add_argument("--reports-readme", help="tests/kb/testdata/reports/README.md (first-contact figures)")
+    ap.add_argument("--only-diagnosis", action="store_true",
+                    help="append the diagnosis section only (the other sections stay as they are)")
     a = ap.parse_args()
     md = []
     w = md.append
+
+    if a.only_diagnosis:
+        a.vote = a.kb = a.serve = a.checkpoint = None
 
     votes = json_lines(a.vote)
     if votes:
@@ -124,6 +242,10 @@ def main():
             text = text[1:]
         md.extend(text)
         w("")
+
+    diag = json.load(open(a.diagnosis)) if a.diagnosis and os.path.exists(a.diagnosis) else None
+    if diag:
+        md.extend(diagnosis_section(diag, first_contact(a.reports_readme)))
 
     with open(a.results, "a") as f:
         f.write("\n" + "\n".join(md) + "\n")

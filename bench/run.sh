@@ -19,7 +19,7 @@ if [[ ! -f $build/CMakeCache.txt ]]; then
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$py
 fi
 echo "== building the benchmarks in $build"
-targets=(guard_overhead_bench controller_bench vote_bench kb_bench kb_serve_bench checkpoint_bench)
+targets=(guard_overhead_bench controller_bench vote_bench kb_bench kb_serve_bench checkpoint_bench diagnosis_bench)
 grep -q '^OOMGUARD_WITH_MPI:BOOL=ON' "$build/CMakeCache.txt" && targets+=(mpi_vote)
 cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 
@@ -58,8 +58,11 @@ echo "== knowledge base: Record() cost and classification"
 "$build/bin/kb_bench" --benchmark_out="$out/kb.json" --benchmark_out_format=json
 echo "== browser API over 100,000 incidents"
 "$build/bin/kb_serve_bench" --benchmark_out="$out/kb_serve.json" --benchmark_out_format=json
+echo "== diagnosis on the real OOM reports of tests/kb/testdata/reports"
+"$build/bin/diagnosis_bench" --json="$out/diagnosis.json"
 echo "== checkpoints (${OOMGUARD_BENCH_CKPT_MIB:-1024} MiB state; set OOMGUARD_BENCH_CKPT_MIB to change)"
 "$root/bench/checkpoint_bench.sh" "$build" "${OOMGUARD_BENCH_CKPT_MIB:-1024}"
 $py "$root/bench/append_sections.py" --results "$root/bench/RESULTS.md" --vote "$out/vote.jsonl" \
-  --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md"
+  --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md" \
+  --diagnosis "$out/diagnosis.json" --reports-readme "$root/tests/kb/testdata/reports/README.md"
 echo "== wrote $root/bench/RESULTS.md and $root/bench/controller.svg"

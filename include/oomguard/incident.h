@@ -62,6 +62,15 @@ struct Incident {
   std::string workload;           // workload signature
   std::vector<std::string> actions;  // every ladder rung taken for this incident, in order
   bool injected = false;          // raised by fault injection
+  // Where an imported record came from (the log importer sets these; the
+  // guard leaves them empty):
+  std::string source;             // "logs/train.log:412": file and line of the OOM
+  std::string context;            // the source text around the OOM (traceback, log lines), <= 16 KiB
+  // Fields the source did not hold: "step", "steps_ok_before", "rank". The
+  // classifier never reads an unknown field as zero. Figures such as
+  // memory.total or requested_bytes are unknown when 0 and need no entry; the
+  // guard knows every field and leaves this empty.
+  std::vector<std::string> unknown;
   // Filled by the classifier (knowledge base):
   std::string pattern;
   double confidence = 0;
@@ -69,6 +78,9 @@ struct Incident {
   std::vector<std::string> remedies;
   std::string fingerprint;
 };
+
+// True unless `field` is listed in incident.unknown.
+OOMGUARD_EXPORT bool IsKnown(const Incident& incident, std::string_view field);
 
 class OOMGUARD_EXPORT IncidentSink {
  public:

@@ -21,6 +21,10 @@ void AddKbCommands(CLI::App* app, CommandResult* result);
 // `kb` group that AddKbCommands created.
 void AddKbServeCommands(CLI::App* kb, CommandResult* result);
 
+// `oomguard diagnose` and `oomguard kb import-log` (diagnose_commands.cc);
+// import-log joins the `kb` group that AddKbCommands created.
+void AddDiagnoseCommands(CLI::App* app, CommandResult* result);
+
 // `oomguard ckpt list|verify|inspect` (ckpt_commands.cc).
 void AddCkptCommands(CLI::App* app, CommandResult* result);
 

@@ -144,11 +144,18 @@ void CmdShow(const KbArgs& a) {
   kv("micro-batch", std::to_string(i.micro_before) + " -> " + std::to_string(i.micro_after));
   kv("outcome", i.outcome + " (" + Conf(i.recovery_ms) + " ms)");
   kv("workload", i.workload);
+  if (!i.source.empty()) kv("source", i.source);
+  if (!i.unknown.empty()) {
+    std::string u;
+    for (const auto& f : i.unknown) u += (u.empty() ? "" : ", ") + f;
+    kv("unknown", u);
+  }
   kv("pattern", i.pattern + " (confidence " + Conf(i.confidence) + ")");
   kv("evidence", i.evidence);
   kv("fingerprint", i.fingerprint);
   std::printf("remedies:\n");
   for (size_t k = 0; k < i.remedies.size(); ++k) std::printf("  %zu. %s\n", k + 1, i.remedies[k].c_str());
+  if (!i.context.empty()) std::printf("context:\n%s\n", i.context.c_str());
 }
 
 void CmdStats(const KbArgs& a) {

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   oomguard::cli::AddKbCommands(&app, &result);
   oomguard::cli::AddKbServeCommands(app.get_subcommand("kb"), &result);
   oomguard::cli::AddCkptCommands(&app, &result);
+  oomguard::cli::AddDiagnoseCommands(&app, &result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -142,6 +142,10 @@ class FieldReader {
     }
   }
   std::string Path(const char* key) const { return prefix_ + key; }
+  bool Present(const char* key) const {
+    auto it = obj_.find(key);
+    return it != obj_.end() && !it->is_null();
+  }
 
  private:
   const json* Find(const char* key) {
@@ -185,6 +189,12 @@ std::string Hex16(uint64_t h) {
 
 }  // namespace
 
+bool IsKnown(const Incident& incident, std::string_view field) {
+  for (const std::string& u : incident.unknown)
+    if (u == field) return false;
+  return true;
+}
+
 std::string IncidentToJson(const Incident& inc) {
   json ranks = json::array();
   for (const auto& r : inc.ranks) {
@@ -216,6 +226,9 @@ std::string IncidentToJson(const Incident& inc) {
             {"recovery_ms", inc.recovery_ms},
             {"workload", inc.workload},
             {"injected", inc.injected},
+            {"source", inc.source},
+            {"context", inc.context},
+            {"unknown", inc.unknown},
             {"pattern", inc.pattern},
             {"confidence", inc.confidence},
             {"evidence", inc.evidence},
@@ -247,6 +260,7 @@ StatusOr<Incident> IncidentFromJson(std::string_view text) {
     r.Int("rank", &inc.rank);
     r.Int("world_size", &inc.world_size);
     r.Int("step", &inc.step);
+    bool history_known = false;
     r.Int("micro_index", &inc.micro_index);
     r.String("phase", &inc.phase);
     r.String("kind", &inc.kind);
@@ -267,6 +281,12 @@ StatusOr<Incident> IncidentFromJson(std::string_view text) {
         }
       }
       hr.Int("steps_ok_before", &inc.steps_ok_before);
+      history_known = hr.Present("steps_ok_before");
+    }
+    // Other tools often flatten the history; take theirs when ours is absent.
+    if (!history_known && r.Present("steps_ok_before")) {
+      r.Int("steps_ok_before", &inc.steps_ok_before);
+      history_known = true;
     }
     if (const json* sc = r.Object("sample_cost")) {
       FieldReader sr(*sc, "sample_cost.", &err);
@@ -303,6 +323,16 @@ StatusOr<Incident> IncidentFromJson(std::string_view text) {
     r.String("evidence", &inc.evidence);
     r.StringArray("remedies", &inc.remedies);
     r.String("fingerprint", &inc.fingerprint);
+    r.String("source", &inc.source);
+    r.String("context", &inc.context);
+    if (r.Present("unknown")) {
+      r.StringArray("unknown", &inc.unknown);
+    } else {
+      // A record from another tool: what it does not carry is unknown, not 0.
+      if (!r.Present("step")) inc.unknown.push_back("step");
+      if (!history_known) inc.unknown.push_back("steps_ok_before");
+      if (!r.Present("rank")) inc.unknown.push_back("rank");
+    }
   } catch (const std::exception& e) {
     return Status::InvalidArgument(std::string("bad incident: ") + e.what());
   }

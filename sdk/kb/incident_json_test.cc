@@ -39,12 +39,38 @@ TEST(IncidentJsonTest, RoundTripKeepsEveryField) {
   i.evidence = "e";
   i.remedies = {"a", "b"};
   i.fingerprint = "ff";
+  i.source = "train.log:412";
+  i.context = "step 5\nTraceback";
+  i.unknown = {"rank"};
   auto back = IncidentFromJson(IncidentToJson(i));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(IncidentToJson(*back), IncidentToJson(i));
   EXPECT_EQ(back->memory.inactive_split, 25);
   EXPECT_EQ(back->ranks[1].peak_allocated, 6);
   EXPECT_EQ(back->message, i.message);
+  EXPECT_EQ(back->unknown, std::vector<std::string>{"rank"});
+  EXPECT_FALSE(IsKnown(*back, "rank"));
+  EXPECT_TRUE(IsKnown(*back, "step"));
+}
+
+TEST(IncidentJsonTest, AbsentFieldsOfOtherToolsAreUnknownNotZero) {
+  auto a = IncidentFromJson(R"({"message":"CUDA out of memory."})");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_FALSE(IsKnown(*a, "step"));
+  EXPECT_FALSE(IsKnown(*a, "steps_ok_before"));
+  EXPECT_FALSE(IsKnown(*a, "rank"));
+  // Present fields are known, even when zero; a flattened steps_ok_before counts.
+  auto b = IncidentFromJson(R"({"step":0,"rank":0,"steps_ok_before":0})");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(b->unknown.empty());
+  auto c = IncidentFromJson(R"({"step":3,"history":{"step_peaks":[1]}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->unknown, (std::vector<std::string>{"steps_ok_before", "rank"}));
+  // An exported record says itself what it knows.
+  auto d = IncidentFromJson(R"({"unknown":[]})");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->unknown.empty());
+  EXPECT_FALSE(IncidentFromJson(R"({"unknown":"step"})").ok());
 }
 
 TEST(IncidentJsonTest, MissingFieldsKeepDefaultsAndIdIsDerived) {

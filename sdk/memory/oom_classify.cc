@@ -1,11 +1,8 @@
 // Out-of-memory classification (oom.h): by exception type first, then by
 // registered translators, then by message.
 //
-// The message rules recognise the failure wording of PyTorch, the CUDA
-// runtime, cuBLAS/cuDNN, TensorFlow/XLA/JAX, Python and the C++ runtime. They
-// look for phrases that only appear in failures ("out of memory", "can't
-// allocate memory", "OOM when allocating"), never for the word "memory"
-// alone, so that a message such as "memory usage is fine" stays kNone.
+// The message rules (ClassifyMessage) live in oom_message.cc with the parser
+// of the figures messages print.
 //
 // Thread-safety: the translator registry is guarded by a mutex; classification
 // copies the registry before calling translators, so a translator may itself
@@ -42,133 +39,6 @@
 
 namespace oomguard {
 namespace {
-
-// ---- text helpers ----
-
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
-
-bool Has(std::string_view lower_haystack, std::string_view lower_needle) {
-  return lower_haystack.find(lower_needle) != std::string_view::npos;
-}
-
-bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
-bool IsDigit(char c) { return c >= '0' && c <= '9'; }
-bool IsAlpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
-
-// Saturating conversion: a parsed size never overflows int64.
-int64_t ToBytes(double value) {
-  if (!(value > 0)) return 0;
-  if (value >= 9.2e18) return INT64_MAX;
-  return static_cast<int64_t>(std::llround(value));
-}
-
-// Parses "<number>[ ]<unit>" at `pos` of a lower-cased string. Units: b, byte(s),
-// kib/mib/gib/tib (binary) and kb/mb/gb/tb (decimal, as SI defines them), and
-// the bare k/m/g/t that XLA prints ("1.20G"), taken as binary. A number with
-// no unit is not a size (it could be a count or an index).
-std::optional<int64_t> ParseSizeAt(std::string_view s, size_t pos) {
-  while (pos < s.size() && IsSpace(s[pos])) ++pos;
-  size_t start = pos;
-  while (pos < s.size() && (IsDigit(s[pos]) || s[pos] == '.' || s[pos] == ',')) ++pos;
-  if (pos == start || !IsDigit(s[start])) return std::nullopt;
-  std::string number;
-  for (size_t i = start; i < pos; ++i) {
-    if (s[i] != ',') number.push_back(s[i]);  // "1,073,741,824 bytes"
-  }
-  const double value = std::strtod(number.c_str(), nullptr);
-  while (pos < s.size() && IsSpace(s[pos])) ++pos;
-  size_t unit_start = pos;
-  while (pos < s.size() && IsAlpha(s[pos])) ++pos;
-  const std::string_view unit = s.substr(unit_start, pos - unit_start);
-  struct UnitScale {
-    std::string_view name;
-    double scale;
-  };
-  static constexpr UnitScale kUnits[] = {
-      {"b", 1.0},
-      {"byte", 1.0},
-      {"bytes", 1.0},
-      {"kib", 1024.0},
-      {"mib", 1048576.0},
-      {"gib", 1073741824.0},
-      {"tib", 1099511627776.0},
-      {"kb", 1e3},
-      {"mb", 1e6},
-      {"gb", 1e9},
-      {"tb", 1e12},
-      {"k", 1024.0},
-      {"m", 1048576.0},
-      {"g", 1073741824.0},
-      {"t", 1099511627776.0},
-  };
-  for (const UnitScale& u : kUnits) {
-    if (unit == u.name) return ToBytes(value * u.scale);
-  }
-  return std::nullopt;
-}
-
-// "Tried to allocate 20.00 MiB", "you tried to allocate 123 bytes", "you are
-// trying to allocate 123456 bytes", "Failed to allocate 1.00GiB (...)",
-// "trying to allocate 4294967296 bytes": a size right after "allocate".
-std::optional<int64_t> ParseAllocateSize(std::string_view lower) {
-  static constexpr std::string_view kKey = "allocate";
-  for (size_t at = lower.find(kKey); at != std::string_view::npos; at = lower.find(kKey, at + 1)) {
-    if (auto bytes = ParseSizeAt(lower, at + kKey.size())) return bytes;
-  }
-  return std::nullopt;
-}
-
-int64_t DtypeBytes(std::string_view dtype) {
-  struct Dtype {
-    std::string_view name;
-    int64_t bytes;
-  };
-  static constexpr Dtype kDtypes[] = {
-      {"float", 4},    {"float32", 4}, {"double", 8}, {"float64", 8}, {"half", 2},      {"float16", 2},
-      {"bfloat16", 2}, {"int64", 8},   {"uint64", 8}, {"int32", 4},   {"uint32", 4},    {"int16", 2},
-      {"uint16", 2},   {"int8", 1},    {"uint8", 1},  {"bool", 1},    {"complex64", 8}, {"complex128", 16},
-  };
-  for (const Dtype& d : kDtypes) {
-    if (dtype == d.name) return d.bytes;
-  }
-  return 0;
-}
-
-// TensorFlow: "OOM when allocating tensor with shape[32,1024] and type float".
-std::optional<int64_t> ParseTensorFlowShape(std::string_view lower) {
-  size_t at = lower.find("shape[");
-  if (at == std::string_view::npos) return std::nullopt;
-  size_t pos = at + 6;
-  const size_t close = lower.find(']', pos);
-  if (close == std::string_view::npos) return std::nullopt;
-  double elements = 1;
-  bool any = false;
-  while (pos < close) {
-    while (pos < close && (IsSpace(lower[pos]) || lower[pos] == ',')) ++pos;
-    size_t start = pos;
-    while (pos < close && IsDigit(lower[pos])) ++pos;
-    if (pos == start) {
-      if (pos < close) return std::nullopt;  // "?" or a symbolic dimension
-      break;
-    }
-    elements *= std::strtod(std::string(lower.substr(start, pos - start)).c_str(), nullptr);
-    any = true;
-  }
-  if (!any) elements = 1;  // shape[] is a scalar
-  static constexpr std::string_view kType = "type ";
-  size_t type_at = lower.find(kType, close);
-  if (type_at == std::string_view::npos) return std::nullopt;
-  size_t tpos = type_at + kType.size();
-  size_t tend = tpos;
-  while (tend < lower.size() && (IsAlpha(lower[tend]) || IsDigit(lower[tend]))) ++tend;
-  const int64_t dtype_bytes = DtypeBytes(lower.substr(tpos, tend - tpos));
-  if (dtype_bytes == 0) return std::nullopt;
-  return ToBytes(elements * static_cast<double>(dtype_bytes));
-}
 
 // ---- type names ----
 
@@ -251,49 +121,6 @@ std::string_view OomKindName(OomKind kind) {
       return "workspace";
   }
   return "unknown";
-}
-
-OomInfo ClassifyMessage(std::string_view message) {
-  OomInfo info;
-  info.message = std::string(message);
-  const std::string m = Lower(message);
-
-  OomKind kind = OomKind::kNone;
-  const bool out_of_memory = Has(m, "out of memory") || Has(m, "out-of-memory");
-  const bool alloc_failed = out_of_memory || Has(m, "alloc_failed") || Has(m, "failed to allocate") ||
-                            Has(m, "allocation failed") || Has(m, "could not allocate") ||
-                            Has(m, "cannot allocate") || Has(m, "can't allocate") ||
-                            Has(m, "unable to allocate") || Has(m, "not enough memory");
-
-  if (Has(m, "cublas_status_alloc_failed") || Has(m, "cudnn_status_alloc_failed") ||
-      Has(m, "cudnn_status_internal_error_device_allocation_failed") ||
-      (Has(m, "workspace") && alloc_failed)) {
-    kind = OomKind::kWorkspace;
-  } else if (Has(m, "oom when allocating") ||
-             (Has(m, "resource_exhausted") && (out_of_memory || Has(m, "oom")))) {
-    // TensorFlow/XLA/JAX. TF names the allocator; a CPU one is host memory.
-    kind = (Has(m, "device:cpu") || Has(m, "allocator cpu")) ? OomKind::kHost : OomKind::kDevice;
-  } else if (Has(m, "cudaerrormemoryallocation") || Has(m, "outofmemoryerror")) {
-    kind = (Has(m, "defaultcpuallocator")) ? OomKind::kHost : OomKind::kDevice;
-  } else if ((Has(m, "defaultcpuallocator") && alloc_failed) || Has(m, "std::bad_alloc") ||
-             Has(m, "cannot allocate memory") || Has(m, "memoryerror") || Has(m, "bad_alloc")) {
-    kind = OomKind::kHost;
-  } else if (out_of_memory) {
-    kind = (Has(m, "cuda") || Has(m, "gpu") || Has(m, "device") || Has(m, "hip") || Has(m, "xpu") ||
-            Has(m, "mps"))
-               ? OomKind::kDevice
-               : OomKind::kHost;
-  }
-  if (kind == OomKind::kNone) return info;
-
-  info.kind = kind;
-  info.matched_by = "message";
-  if (auto bytes = ParseAllocateSize(m)) {
-    info.requested_bytes = *bytes;
-  } else if (auto tensor = ParseTensorFlowShape(m)) {
-    info.requested_bytes = *tensor;
-  }
-  return info;
 }
 
 OomInfo ClassifyException(std::exception_ptr e) {

@@ -81,7 +81,7 @@ def main():
             check(sum(g["count"] for g in groups) == 18, "groups cover every incident")
             check(len(s.json("/api/groups?pattern=gradual_growth")) >= 1, "groups take filters")
             pats = s.json("/api/patterns")
-            check(len(pats) == 10 and all(p["remedies"] for p in pats), "catalogue of 10")
+            check(len(pats) == 14 and all(p["remedies"] for p in pats), "catalogue of 14")
             check({p["name"]: p["count"] for p in pats}["gradual_growth"] == 6, "pattern counts")
             st = s.json("/api/stats")
             check(st["incidents"] == 18 and len(st["files"]) == 2, "stats over two files")

@@ -42,7 +42,7 @@ n=$("$OG" kb list --json --db "$T/host-*.db" --pattern fragmentation | $PY -c 'i
   || fail "stats"
 "$OG" kb groups --json --db "$T/host-*.db" | $PY -c 'import json,sys; g=json.load(sys.stdin); assert len(g)==10 and all(x["count"]==1 for x in g), g' \
   || fail "groups"
-"$OG" kb show --db "$T/host-*.db" p-frag | grep -q "reserved minus allocated" || fail "show p-frag"
+"$OG" kb show --db "$T/host-*.db" p-frag | grep -q "reserved but unallocated" || fail "show p-frag"
 "$OG" kb list --db "$T/host-a.db" | head -1 | grep -q "PATTERN" || fail "human list has no header"
 "$OG" kb patterns | grep -q foreign_memory || fail "patterns"
 

@@ -1,0 +1,375 @@
+// ParseOomLog (log_parser.h): OOM lines -> events -> incidents.
+//
+// A line is an OOM line when ClassifyMessage calls it one *and* it carries a
+// format marker of a real error record ("CUDA out of memory", "NCCL WARN",
+// "Out of memory: Killed process", a bare "Killed" after a progress bar...):
+// a sentence that merely says "out of memory" is a mention, used only when
+// the text has no error record at all (a report that describes its OOM in
+// words).
+#include "sdk/kb/log_parser.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <ctime>
+
+#include "oomguard/oom.h"
+#include "sdk/kb/text_scan.h"
+#include "sdk/memory/oom_message.h"
+
+namespace oomguard::kb {
+namespace {
+
+using text::Contains;
+using text::ContainsAny;
+using text::Lower;
+using text::Trim;
+
+constexpr size_t kMaxText = size_t{256} << 20;
+constexpr size_t kMaxContext = 16 * 1024;
+constexpr size_t kMaxMessage = 8 * 1024;
+
+struct Line {
+  std::string raw;       // as read (ANSI codes removed)
+  std::string stripped;  // launcher/logger prefixes removed, trimmed
+  std::string lower;
+  int rank = -1;
+  std::string host;
+};
+
+// A bare SIGKILL: the shell's "Killed", alone or after a progress bar
+// ("3/8 [00:02<00:03]Killed"), or bash's "line 28:  8156 Killed  python ...".
+bool BareKill(std::string_view l) {
+  std::string_view t = Trim(l);
+  if (t == "killed" || t == "**killed**") return true;
+  if (t.size() > 7 && t.substr(t.size() - 6) == "killed" && (t[t.size() - 7] == ']' || Contains(t, "it/s")))
+    return true;
+  size_t at = t.find(" killed ");
+  if (at == std::string_view::npos) return false;
+  size_t b = at;
+  while (b > 0 && std::isdigit(static_cast<unsigned char>(t[b - 1]))) --b;
+  return b < at && (b == 0 || t[b - 1] == ' ');
+}
+
+// The markers of an error record (lower case).
+bool FormatMarker(std::string_view l) {
+  return ContainsAny(l, {"cuda out of memory", "cuda error: out of memory", "tried to allocate", "npu out of memory",
+                         "xpu out of memory", "hip out of memory", "mps backend out of memory", "outofmemoryerror",
+                         "cuda runtime error", "thcudacheck", "cudaerrormemoryallocation", "cudamalloc",
+                         "oom when allocating", "resourceexhaustederror", "resource_exhausted", "resource exhausted",
+                         "ran out of memory trying", "_status_alloc_failed", "cublas handle", "nccl warn",
+                         "cuda calloc", "cuda failure", "defaultcpuallocator", "bad_alloc", "bad allocation",
+                         "memoryerror", "cannot allocate memory", "can't allocate memory", "out of memory: killed",
+                         "oom-kill", "oom_kill", "oomkilled", "killed by signal", "exit code 137", "exitcode: 137",
+                         "sigkill", ": out of memory", "error: out of memory", "not enough memory:"});
+}
+
+// A sentence about an OOM (used only when no error record exists).
+bool Mention(std::string_view l) {
+  if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
+                      "over memory", "`killed`", "memory error", "get killed", "gets killed", "got killed",
+                      "getting killed", "being killed", "been killed", "was killed", "is killed", "process killed",
+                      "killed by the system", "killed by system", "killed by linux", "oom killer"}))
+    return true;
+  for (size_t at = l.find("oom"); at != std::string_view::npos; at = l.find("oom", at + 1)) {
+    bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));
+    bool right = at + 3 >= l.size() || !std::isalpha(static_cast<unsigned char>(l[at + 3]));
+    if (left && right) return true;
+  }
+  return false;
+}
+
+bool IsProgress(std::string_view l) {
+  return (Contains(l, "%|") || ContainsAny(l, {"epoch", " step ", "step:", "step=", "iter ", "iter:", "iteration"})) &&
+         !ContainsAny(l, {"out of memory", "file \"", "tried to allocate", "killed"});
+}
+
+// The same failure printed twice (quoted in a sentence, then in its
+// traceback): the same text, or the same figures.
+bool SameFailure(std::string_view a, std::string_view b) {
+  auto core = [](std::string_view s) {
+    std::string out;
+    for (char c : s)
+      if (std::isalnum(static_cast<unsigned char>(c))) out.push_back(static_cast<char>(std::tolower(c)));
+    return out;
+  };
+  std::string ca = core(a), cb = core(b);
+  if (!ca.empty() && (Contains(ca, cb) || Contains(cb, ca))) return true;
+  internal::OomFigures fa = internal::ParseOomFigures(a), fb = internal::ParseOomFigures(b);
+  return fa.requested && fa.requested == fb.requested && fa.capacity == fb.capacity && fa.allocated == fb.allocated;
+}
+
+struct Event {
+  size_t first = 0, last = 0, anchor = 0;  // line indices
+  OomKind kind = OomKind::kNone;
+  int rank = -1;
+  std::string host;
+  int figures = -1;  // figures the anchor line's message holds
+  int record = -1;   // how much the anchor line looks like an error record (RecordScore)
+  bool mention = false;
+};
+
+// An error record rather than a sentence quoting one: it starts with an
+// exception or the failure itself, or sits right under a traceback.
+int RecordScore(const std::vector<Line>& lines, size_t i) {
+  const std::string& l = lines[i].lower;
+  int score = 0;
+  size_t colon = l.find(": ");
+  if (colon != std::string::npos && colon < 60 && l.find(' ') >= colon) score += 1;  // "RuntimeError: ..."
+  for (size_t k = i; k > 0 && k + 3 > i; --k)
+    if (Contains(lines[k - 1].lower, "file \"") || Contains(lines[k - 1].raw, "    ")) {
+      score += 1;
+      break;
+    }
+  return score;
+}
+
+int FigureCount(const internal::OomFigures& f) {
+  return (f.requested ? 1 : 0) + (f.capacity ? 1 : 0) + (f.free ? 1 : 0) + (f.allocated ? 1 : 0) +
+         (f.reserved ? 1 : 0) + (f.process_in_use ? 1 : 0) + static_cast<int>(f.other_processes.size());
+}
+
+// The OOM line plus the lines that continue it: a message wrapped by a
+// console, TensorFlow's "[[Node: ...]]" and hint, XLA's buffer statistics.
+// `floor`: the first line after the previous event.
+std::string MessageOf(const std::vector<Line>& lines, const Event& e, size_t floor) {
+  std::string msg = lines[e.anchor].stripped;
+  for (size_t i = e.anchor + 1; i < lines.size() && i <= e.anchor + 12 && msg.size() < kMaxMessage; ++i) {
+    const Line& l = lines[i];
+    if (l.stripped.empty() || IsProgress(l.lower) || ContainsAny(l.lower, {"traceback (most recent", "file \""}))
+      break;
+    bool continues = ContainsAny(l.lower, {"total capacity", "total capacty", "already allocated", "reserved", "free;",
+                                           "[[node", "[[{{node", "hint:", "bufferassignment", "allocation:",
+                                           "fragmentation:", "gpu ", "npu ", "including non-pytorch", "process ",
+                                           "memory management", "of the allocated"});
+    if (!continues) break;
+    msg += "\n" + l.stripped;
+  }
+  // TensorFlow prints its allocator's limits before the error.
+  for (size_t i = std::max(floor, e.first > 20 ? e.first - 20 : 0); i < e.anchor && msg.size() < kMaxMessage; ++i) {
+    const std::string& l = lines[i].lower;
+    if (ContainsAny(l, {"limit:", "inuse:"}) && !Contains(msg, lines[i].stripped)) msg += "\n" + lines[i].stripped;
+  }
+  if (msg.size() > kMaxMessage) msg.resize(kMaxMessage);
+  return msg;
+}
+
+std::string ExceptionType(std::string_view msg, const internal::OomFigures& fig) {
+  // "torch.cuda.OutOfMemoryError: ...", "RuntimeError: ...": the word before the first ": ".
+  size_t colon = msg.find(": ");
+  if (colon != std::string_view::npos && colon < 80) {
+    std::string_view head = msg.substr(0, colon);
+    size_t b = head.find_last_of(" \t(`'\"");
+    std::string_view name = b == std::string_view::npos ? head : head.substr(b + 1);
+    if (name.ends_with("Error") || name.ends_with("Exception")) return std::string(name);
+  }
+  const std::string l = Lower(msg);
+  if (Contains(l, "oomkilled")) return "Kubernetes OOMKilled";
+  if (ContainsAny(l, {"oom_kill event", "oom-kill event"})) return "Slurm oom_kill";
+  if (!fig.format.empty()) return fig.format;
+  if (ContainsAny(l, {"sigkill", "exit code 137", "killed"})) return "SIGKILL";
+  return "";
+}
+
+// "2024-04-29T14:55:41" / "2021-06-02 15:50:53" at the start of a line, as UTC.
+int64_t Timestamp(std::string_view raw) {
+  std::string_view t = Trim(raw);
+  if (t.size() > 0 && t[0] == '[') t.remove_prefix(1);
+  if (t.size() < 19) return 0;
+  int y, mo, d, h, mi, s;
+  char sep;
+  std::string head(t.substr(0, 19));
+  if (std::sscanf(head.c_str(), "%4d-%2d-%2d%c%2d:%2d:%2d", &y, &mo, &d, &sep, &h, &mi, &s) != 7) return 0;
+  if ((sep != ' ' && sep != 'T') || y < 1990 || mo < 1 || mo > 12 || d < 1 || d > 31) return 0;
+  std::tm tm{};
+  tm.tm_year = y - 1900;
+  tm.tm_mon = mo - 1;
+  tm.tm_mday = d;
+  tm.tm_hour = h;
+  tm.tm_min = mi;
+  tm.tm_sec = s;
+  return static_cast<int64_t>(timegm(&tm)) * 1000;
+}
+
+std::string Hex16(uint64_t h) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016" PRIx64, h);
+  return buf;
+}
+
+std::vector<Event> FindEvents(const std::vector<Line>& lines) {
+  std::vector<Event> events;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const Line& l = lines[i];
+    OomKind kind = OomKind::kNone;
+    if (BareKill(l.lower)) {
+      kind = OomKind::kHost;
+    } else if (FormatMarker(l.lower)) {
+      kind = ClassifyMessage(l.stripped).kind;
+    }
+    if (kind == OomKind::kNone) continue;
+    const int figures = FigureCount(internal::ParseOomFigures(l.stripped));
+    const int record = RecordScore(lines, i);
+    if (!events.empty()) {
+      Event& e = events.back();
+      bool progress_between = false, new_traceback = false;
+      for (size_t k = e.last + 1; k < i; ++k) {
+        progress_between |= IsProgress(lines[k].lower);
+        if (Contains(lines[k].lower, "traceback (most recent call last)")) {
+          bool chained = false;
+          for (size_t j = k > 4 ? k - 4 : 0; j < k; ++j)
+            chained |= ContainsAny(lines[j].lower, {"during handling of the above", "direct cause of the following"});
+          // A sentence quoting the error (a report's first line) does not
+          // own an event that the traceback below it would contradict.
+          new_traceback |= !chained && !SameFailure(lines[e.anchor].stripped, l.stripped) && e.record > 0;
+        }
+      }
+      bool same_rank = e.rank < 0 || l.rank < 0 || e.rank == l.rank;
+      bool same_family = (e.kind == OomKind::kHost) == (kind == OomKind::kHost);
+      if (same_rank && same_family && !progress_between && !new_traceback && i - e.last <= 60) {
+        e.last = i;
+        // The most informative line speaks for the event; a workspace
+        // failure is more specific than the device OOM it causes.
+        if (figures > e.figures || (figures == e.figures && record > e.record) ||
+            (kind == OomKind::kWorkspace && e.kind != OomKind::kWorkspace)) {
+          e.anchor = i;
+          e.figures = figures;
+          e.record = record;
+          if (kind == OomKind::kWorkspace || e.kind != OomKind::kWorkspace) e.kind = kind;
+        }
+        if (e.rank < 0) e.rank = l.rank;
+        if (e.host.empty()) e.host = l.host;
+        continue;
+      }
+    }
+    Event e;
+    e.first = e.last = e.anchor = i;
+    e.kind = kind;
+    e.rank = l.rank;
+    e.host = l.host;
+    e.figures = figures;
+    e.record = record;
+    events.push_back(e);
+  }
+  if (!events.empty()) return events;
+  // No error record: a description of an OOM is one event at its first mention.
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (!Mention(lines[i].lower)) continue;
+    Event e;
+    e.first = e.last = e.anchor = i;
+    e.mention = true;
+    e.rank = lines[i].rank;
+    std::string all;
+    for (const Line& l : lines) all += l.lower + "\n";
+    // A process said to be killed, or its resident/system memory, is host
+    // memory even in a GPU job, unless the device's own OOM is named.
+    const bool device_oom = ContainsAny(all, {"cuda out of memory", "cuda error: out of memory", "gpu out of memory",
+                                              "out of gpu memory", "out-of-gpu-memory", "vram", "显存", "cuda oom"});
+    bool host = ContainsAny(all, {"killed", " rss", "system memory", "cpu memory", "host memory", "内存"});
+    for (size_t at = all.find("ram"); at != std::string::npos && !host; at = all.find("ram", at + 1)) {
+      bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(all[at - 1]));
+      bool right = at + 3 >= all.size() || !std::isalpha(static_cast<unsigned char>(all[at + 3]));
+      host = left && right;  // "RAM", not "program"
+    }
+    const bool device = ContainsAny(all, {"cuda", "gpu", "npu"});
+    e.kind = device_oom || (device && !host) ? OomKind::kDevice : (host ? OomKind::kHost : OomKind::kDevice);
+    events.push_back(e);
+    break;
+  }
+  return events;
+}
+
+}  // namespace
+
+StatusOr<std::vector<Incident>> ParseOomLog(std::string_view text, const LogParseOptions& options) {
+  const std::string name = options.source_name.empty() ? "input" : options.source_name;
+  if (text.size() > kMaxText)
+    return Status::InvalidArgument(name + ": " + std::to_string(text.size() >> 20) +
+                                   " MiB is larger than the 256 MiB a log may have");
+  if (text.substr(0, 64 * 1024).find('\0') != std::string_view::npos)
+    return Status::InvalidArgument(name + ": not a text log (it holds NUL bytes)");
+  std::vector<std::string> raw;
+  text::SplitClean(text, &raw);
+  std::vector<Line> lines(raw.size());
+  for (size_t i = 0; i < raw.size(); ++i) {
+    Line& l = lines[i];
+    l.raw = std::move(raw[i]);
+    l.stripped = std::string(Trim(StripLinePrefix(l.raw, &l.rank, &l.host)));
+    l.lower = Lower(l.stripped);
+  }
+  std::vector<Event> events = FindEvents(lines);
+  if (events.size() > options.max_events)
+    return Status::InvalidArgument(name + ": " + std::to_string(events.size()) + " OOM events is more than the " +
+                                   std::to_string(options.max_events) + " a log may have");
+
+  std::vector<Incident> out;
+  std::optional<int64_t> previous_step;
+  for (size_t k = 0; k < events.size(); ++k) {
+    const Event& e = events[k];
+    const size_t lo_bound = k > 0 ? events[k - 1].last + 1 : 0;
+    const size_t before = static_cast<size_t>(std::max(0, options.context_lines_before));
+    size_t lo = std::max(lo_bound, e.anchor > before ? e.anchor - before : 0);
+    // A text with one OOM is a report or a short log: what follows the error
+    // (the traceback pasted below it, the description) belongs to it.
+    const size_t after = events.size() == 1 ? 100 : static_cast<size_t>(std::max(0, options.context_lines_after));
+    size_t hi = std::min(lines.size(), e.last + 1 + after);
+    if (k + 1 < events.size()) hi = std::min(hi, events[k + 1].first);
+    std::string context;
+    for (size_t i = lo; i < hi; ++i) context += lines[i].raw + "\n";
+    if (context.size() > kMaxContext) context = context.substr(context.size() - kMaxContext);
+
+    Incident inc;
+    inc.message = e.mention ? lines[e.anchor].stripped : MessageOf(lines, e, lo_bound);
+    inc.context = std::move(context);
+    inc.source = name + ":" + std::to_string(e.anchor + 1);
+    inc.run_id = options.run_id.empty() ? name : options.run_id;
+    inc.workload = options.workload;
+    inc.kind = std::string(OomKindName(e.kind));
+    const internal::OomFigures fig = internal::ParseOomFigures(inc.message);
+    inc.exception_type = ExceptionType(inc.message, fig);
+    inc.requested_bytes = fig.requested.value_or(0);
+    if (fig.capacity && fig.free) {
+      inc.memory.total = *fig.capacity;
+      inc.memory.free = *fig.free;
+    }
+    inc.memory.allocated = fig.allocated.value_or(0);
+    inc.memory.reserved = fig.reserved.value_or(0);
+    inc.host = e.host;
+    for (size_t i = e.anchor + 1; inc.host.empty() && i-- > lo;) inc.host = lines[i].host;
+    if (e.rank >= 0) inc.rank = e.rank;
+    else inc.unknown.push_back("rank");
+    const TextCues cues = AnalyzeText(inc.context, inc.message);
+    inc.phase = cues.phase.empty() ? "unknown" : cues.phase;
+    // Evaluation is where it ran; its forward pass is what it ran.
+    if (cues.eval && (cues.phase.empty() || cues.phase == "forward")) inc.phase = "eval";
+    if (cues.first_step) {
+      inc.step = 0;
+      inc.steps_ok_before = 0;
+    } else if (cues.step) {
+      inc.step = *cues.step;
+      // Within one log, clean steps count from the previous OOM.
+      int64_t done = cues.steps_done.value_or(*cues.step);
+      inc.steps_ok_before = previous_step && *previous_step <= done ? done - *previous_step : done;
+    } else {
+      inc.unknown.push_back("step");
+      inc.unknown.push_back("steps_ok_before");
+    }
+    if (cues.step) previous_step = cues.step;
+    inc.time_unix_ms = options.default_time_unix_ms;
+    for (size_t i = e.anchor + 1; i-- > lo;) {
+      if (int64_t t = Timestamp(lines[i].raw)) {
+        inc.time_unix_ms = t;
+        break;
+      }
+    }
+    // Same text at the same line: the same id, so a second import replaces.
+    std::string key = std::to_string(e.anchor) + "\n" + inc.message + "\n" + inc.context;
+    inc.id = Hex16(XXH3_64bits(key.data(), key.size()));
+    out.push_back(std::move(inc));
+  }
+  return out;
+}
+
+}  // namespace oomguard::kb

@@ -1,0 +1,428 @@
+// Out-of-memory messages as text: ClassifyMessage (oom.h) and the figures
+// parser (oom_message.h).
+//
+// The rules look for phrases that only appear in failures ("out of memory",
+// "can't allocate memory", "OOM when allocating", an OOM killer line), never
+// for the word "memory" alone, so that "memory usage is fine" stays kNone.
+// Figures are read next to the words each format prints them with; a figure
+// that is not printed stays unknown.
+#include "sdk/memory/oom_message.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "oomguard/oom.h"
+
+namespace oomguard {
+namespace internal {
+namespace {
+
+bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+bool IsDigit(char c) { return c >= '0' && c <= '9'; }
+bool IsAlpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+
+bool Has(std::string_view hay, std::string_view needle) { return hay.find(needle) != std::string_view::npos; }
+
+// Saturating conversion: a parsed size never overflows int64.
+int64_t ToBytes(double value) {
+  if (!(value > 0)) return 0;
+  if (value >= 9.2e18) return INT64_MAX;
+  return static_cast<int64_t>(std::llround(value));
+}
+
+// Lower-cased, every run of whitespace one space: messages wrapped over lines
+// (rich consoles wrap at 80 columns) read like one line.
+std::string Normalize(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  bool space = false;
+  for (char c : s) {
+    if (IsSpace(c)) {
+      space = true;
+      continue;
+    }
+    if (space && !out.empty()) out.push_back(' ');
+    space = false;
+    out.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  }
+  return out;
+}
+
+double UnitScale(std::string_view unit) {
+  struct UnitScale {
+    std::string_view name;
+    double scale;
+  };
+  static constexpr UnitScale kUnits[] = {
+      {"b", 1.0},        {"byte", 1.0},      {"bytes", 1.0},     {"kib", 1024.0},   {"mib", 1048576.0},
+      {"gib", 1073741824.0}, {"tib", 1099511627776.0}, {"pib", 1125899906842624.0},
+      {"eib", 1152921504606846976.0}, {"kb", 1e3}, {"mb", 1e6}, {"gb", 1e9}, {"tb", 1e12}, {"pb", 1e15},
+      {"eb", 1e18},
+      // XLA prints "1.20G"; a bare letter there means binary.
+      {"k", 1024.0}, {"m", 1048576.0}, {"g", 1073741824.0}, {"t", 1099511627776.0},
+  };
+  for (const UnitScale& u : kUnits) {
+    if (unit == u.name) return u.scale;
+  }
+  return 0;
+}
+
+// The size that ends right before `end` ("8.10 gib" in "8.10 gib already allocated").
+std::optional<int64_t> SizeBefore(std::string_view m, size_t end) {
+  size_t i = end;
+  while (i > 0 && IsSpace(m[i - 1])) --i;
+  size_t unit_end = i;
+  while (i > 0 && IsAlpha(m[i - 1])) --i;
+  if (i == unit_end) return std::nullopt;
+  while (i > 0 && IsSpace(m[i - 1])) --i;
+  size_t num_end = i;
+  while (i > 0 && (IsDigit(m[i - 1]) || m[i - 1] == '.' || m[i - 1] == ',')) --i;
+  if (i == num_end) return std::nullopt;
+  return ParseSizeAt(m, i);
+}
+
+// The size right before the first occurrence of `phrase` that has one.
+std::optional<int64_t> SizeBeforePhrase(std::string_view m, std::string_view phrase) {
+  for (size_t at = m.find(phrase); at != std::string_view::npos; at = m.find(phrase, at + 1)) {
+    if (auto v = SizeBefore(m, at)) return v;
+  }
+  return std::nullopt;
+}
+
+// The size right after the first occurrence of `phrase` that has one.
+std::optional<int64_t> SizeAfterPhrase(std::string_view m, std::string_view phrase) {
+  for (size_t at = m.find(phrase); at != std::string_view::npos; at = m.find(phrase, at + 1)) {
+    if (auto v = ParseSizeAt(m, at + phrase.size())) return v;
+  }
+  return std::nullopt;
+}
+
+// A plain integer (TF's BFC stats print bytes without a unit).
+std::optional<int64_t> IntegerAfter(std::string_view m, std::string_view phrase) {
+  size_t at = m.find(phrase);
+  if (at == std::string_view::npos) return std::nullopt;
+  size_t pos = at + phrase.size();
+  while (pos < m.size() && IsSpace(m[pos])) ++pos;
+  size_t start = pos;
+  while (pos < m.size() && IsDigit(m[pos])) ++pos;
+  if (pos == start) return std::nullopt;
+  return ToBytes(std::strtod(std::string(m.substr(start, pos - start)).c_str(), nullptr));
+}
+
+// "Tried to allocate 20.00 MiB", "you tried to allocate 123 bytes", "Failed to
+// allocate 1.00GiB", "Out of memory allocating 2002 bytes", "trying to allocate
+// more than 1EB": the size right after "allocat(e|ing)".
+std::optional<int64_t> ParseAllocateSize(std::string_view m, bool* lower_bound) {
+  static constexpr std::string_view kKey = "allocat";
+  for (size_t at = m.find(kKey); at != std::string_view::npos; at = m.find(kKey, at + 1)) {
+    size_t pos = at + kKey.size();
+    while (pos < m.size() && IsAlpha(m[pos])) ++pos;
+    while (pos < m.size() && IsSpace(m[pos])) ++pos;
+    bool more = m.substr(pos, 9) == "more than";
+    if (more) pos += 9;
+    if (auto bytes = ParseSizeAt(m, pos)) {
+      if (lower_bound != nullptr) *lower_bound = more;
+      return bytes;
+    }
+  }
+  return std::nullopt;
+}
+
+int64_t DtypeBytes(std::string_view dtype) {
+  struct Dtype {
+    std::string_view name;
+    int64_t bytes;
+  };
+  static constexpr Dtype kDtypes[] = {
+      {"float", 4},    {"float32", 4}, {"double", 8}, {"float64", 8}, {"half", 2},      {"float16", 2},
+      {"bfloat16", 2}, {"int64", 8},   {"uint64", 8}, {"int32", 4},   {"uint32", 4},    {"int16", 2},
+      {"uint16", 2},   {"int8", 1},    {"uint8", 1},  {"bool", 1},    {"complex64", 8}, {"complex128", 16},
+  };
+  for (const Dtype& d : kDtypes) {
+    if (dtype == d.name) return d.bytes;
+  }
+  return 0;
+}
+
+// TensorFlow: "OOM when allocating tensor with shape[32,1024] and type float".
+// Without a known dtype the element count alone is not a size.
+std::optional<int64_t> ParseTensorFlowShape(std::string_view m) {
+  size_t at = m.find("shape[");
+  if (at == std::string_view::npos) at = m.find("shape [");
+  if (at == std::string_view::npos) return std::nullopt;
+  size_t pos = m.find('[', at) + 1;
+  const size_t close = m.find(']', pos);
+  if (close == std::string_view::npos) return std::nullopt;
+  double elements = 1;
+  while (pos < close) {
+    while (pos < close && (IsSpace(m[pos]) || m[pos] == ',')) ++pos;
+    size_t start = pos;
+    while (pos < close && IsDigit(m[pos])) ++pos;
+    if (pos == start) {
+      if (pos < close) return std::nullopt;  // "?" or a symbolic dimension
+      break;
+    }
+    elements *= std::strtod(std::string(m.substr(start, pos - start)).c_str(), nullptr);
+  }
+  static constexpr std::string_view kType = "type ";
+  size_t type_at = m.find(kType, close);
+  if (type_at == std::string_view::npos) return std::nullopt;
+  size_t tpos = type_at + kType.size();
+  size_t tend = tpos;
+  while (tend < m.size() && (IsAlpha(m[tend]) || IsDigit(m[tend]))) ++tend;
+  const int64_t dtype_bytes = DtypeBytes(m.substr(tpos, tend - tpos));
+  if (dtype_bytes == 0) return std::nullopt;
+  return ToBytes(elements * static_cast<double>(dtype_bytes));
+}
+
+// "GPU 2;", "NPU 3 has", "device:GPU:0": the device type and index printed.
+void ParseDevice(std::string_view m, OomFigures* f) {
+  static constexpr std::string_view kTypes[] = {"gpu", "npu", "xpu", "hip", "mps", "tpu", "cpu"};
+  if (size_t at = m.find("device:"); at != std::string_view::npos) {
+    size_t pos = at + 7;
+    for (std::string_view t : kTypes) {
+      if (m.substr(pos, t.size()) == t) {
+        f->device = t == "gpu" ? "cuda" : std::string(t);
+        pos += t.size();
+        if (pos < m.size() && m[pos] == ':') ++pos;
+        if (pos < m.size() && IsDigit(m[pos])) f->device_index = m[pos] - '0';
+        return;
+      }
+    }
+  }
+  for (std::string_view t : {std::string_view("gpu "), std::string_view("npu "), std::string_view("xpu ")}) {
+    for (size_t at = m.find(t); at != std::string_view::npos; at = m.find(t, at + 1)) {
+      size_t pos = at + t.size();
+      if (pos < m.size() && IsDigit(m[pos]) && (at == 0 || !IsAlpha(m[at - 1]))) {
+        f->device_index = static_cast<int>(std::strtol(std::string(m.substr(pos, 4)).c_str(), nullptr, 10));
+        if (f->device.empty()) f->device = t == "gpu " ? "cuda" : std::string(t.substr(0, 3));
+        return;
+      }
+    }
+  }
+}
+
+void ParsePyTorch(std::string_view m, OomFigures* f) {
+  // >= 2.1: "GPU 0 has a total capacity of X of which Y is free." Some
+  // releases print "capacty".
+  for (std::string_view cap : {std::string_view("total capacity of "), std::string_view("total capacty of ")}) {
+    if (auto v = SizeAfterPhrase(m, cap)) {
+      f->capacity = v;
+      f->format = "pytorch";
+      if (size_t at = m.find("of which", m.find(cap)); at != std::string_view::npos)
+        f->free = ParseSizeAt(m, at + 8);
+    }
+  }
+  if (f->format == "pytorch") {
+    f->process_in_use = SizeAfterPhrase(m, "this process has ");
+    for (size_t at = m.find("process "); at != std::string_view::npos; at = m.find("process ", at + 1)) {
+      size_t pos = at + 8;
+      size_t start = pos;
+      while (pos < m.size() && IsDigit(m[pos])) ++pos;
+      if (pos == start || m.substr(pos, 5) != " has ") continue;
+      if (auto bytes = ParseSizeAt(m, pos + 5)) {
+        f->other_processes.push_back(
+            {std::strtoll(std::string(m.substr(start, pos - start)).c_str(), nullptr, 10), *bytes});
+      }
+    }
+    f->allocated = SizeAfterPhrase(m, "of the allocated memory ");
+    if (auto unalloc = SizeBeforePhrase(m, "is reserved by pytorch but unallocated"); unalloc && f->allocated)
+      f->reserved = *f->allocated + *unalloc;
+    return;
+  }
+  // 1.4 - 2.0 (and torch_npu today): "(GPU 0; 15.78 GiB total capacity; 8.10
+  // GiB already allocated; 1.05 GiB free; 8.20 GiB reserved in total by PyTorch)".
+  auto total = SizeBeforePhrase(m, "total capacity");
+  if (!total) total = SizeBeforePhrase(m, "total capacty");
+  if (!total) return;
+  f->capacity = total;
+  f->allocated = SizeBeforePhrase(m, "already allocated");
+  f->free = SizeBeforePhrase(m, " free");
+  f->reserved = SizeBeforePhrase(m, "reserved in total");
+  f->format = "pytorch-1.x";
+  if (!f->reserved) {
+    // <= 1.3 printed "X cached": the allocator's cached *free* blocks
+    // (cached minus allocated), so reserved is their sum.
+    if (auto cached = SizeBeforePhrase(m, " cached"); cached && f->allocated) {
+      f->reserved = *f->allocated + *cached;
+      f->format = "pytorch-cached";
+    }
+  }
+}
+
+void ParseOthers(std::string_view m, OomFigures* f) {
+  if (Has(m, "oom when allocating") || Has(m, "bfc_allocator") || Has(m, "_bfc")) {
+    if (f->format.empty()) f->format = Has(m, "oom when allocating") ? "tensorflow" : "tensorflow-bfc";
+    // BFC allocator stats: "Limit: 10625279591 InUse: 7350513920" (bytes).
+    if (auto limit = IntegerAfter(m, "limit:")) f->capacity = limit;
+    if (auto in_use = IntegerAfter(m, "inuse:")) f->allocated = in_use;
+  }
+  if (Has(m, "bufferassignment") || Has(m, "resource_exhausted") || Has(m, "xlaruntimeerror")) {
+    if (f->format.empty()) f->format = "xla";
+    if (auto total = SizeAfterPhrase(m, "total allocation:")) f->program_total = total;
+  }
+  // NCCL's own lines, not a sentence that names NCCL ("does an NCCL timeout
+  // lead to 'CUDA out of memory'?").
+  if (Has(m, "nccl warn") || Has(m, "nccl error") || Has(m, "nccl info") || Has(m, "ncclunhandled") ||
+      Has(m, "cuda calloc") || Has(m, "cuda malloc")) {
+    if (f->format.empty()) f->format = "nccl";
+    if (f->device.empty()) f->device = "cuda";
+    if (!f->requested) {
+      if (auto v = SizeAfterPhrase(m, "cuda calloc ")) f->requested = v;
+      else if (auto w = SizeAfterPhrase(m, "cuda malloc ")) f->requested = w;
+    }
+  }
+  if (Has(m, "defaultcpuallocator") || Has(m, "alloc_cpu")) {
+    if (f->format.empty()) f->format = "cpu-allocator";
+    f->device = "cpu";
+  }
+  if (Has(m, "mps backend out of memory")) {
+    f->format = "mps";
+    f->device = "mps";
+    f->allocated = SizeAfterPhrase(m, "mps allocated:");
+    f->capacity = SizeAfterPhrase(m, "max allowed:");
+    if (auto other = SizeAfterPhrase(m, "other allocations:"); other && f->allocated) {
+      f->process_in_use = *f->allocated + *other;
+      // The MPS allocator's pool is what it allocated; what remains of the
+      // allowed size is free to it.
+      f->reserved = f->allocated;
+      if (f->capacity) f->free = std::max<int64_t>(0, *f->capacity - *f->process_in_use);
+    }
+  }
+  // Linux OOM killer: "Killed process 25315 (python3) total-vm:53312244kB,
+  // anon-rss:31451456kB". The kernel's kB are KiB.
+  if (size_t at = m.find("anon-rss:"); at != std::string_view::npos && Has(m, "killed process")) {
+    f->format = "oom-killer";
+    f->device = "cpu";
+    size_t pos = at + 9;
+    std::string digits;
+    while (pos < m.size() && (IsDigit(m[pos]) || m[pos] == ',')) {
+      if (m[pos] != ',') digits.push_back(m[pos]);
+      ++pos;
+    }
+    if (!digits.empty()) f->host_rss = ToBytes(std::strtod(digits.c_str(), nullptr) * 1024.0);
+  }
+}
+
+}  // namespace
+
+std::string LowerAscii(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+// Units: b, byte(s), kib/mib/gib/tib/pib/eib (binary) and kb/mb/gb/tb/pb/eb
+// (decimal, as SI defines them), and the bare k/m/g/t that XLA prints
+// ("1.20G"), taken as binary. A number with no unit is not a size (it could be
+// a count or an index).
+std::optional<int64_t> ParseSizeAt(std::string_view s, size_t pos) {
+  while (pos < s.size() && IsSpace(s[pos])) ++pos;
+  size_t start = pos;
+  while (pos < s.size() && (IsDigit(s[pos]) || s[pos] == '.' || s[pos] == ',')) ++pos;
+  if (pos == start || !IsDigit(s[start])) return std::nullopt;
+  std::string number;
+  for (size_t i = start; i < pos; ++i) {
+    if (s[i] != ',') number.push_back(s[i]);  // "1,073,741,824 bytes"
+  }
+  const double value = std::strtod(number.c_str(), nullptr);
+  while (pos < s.size() && IsSpace(s[pos])) ++pos;
+  size_t unit_start = pos;
+  while (pos < s.size() && IsAlpha(s[pos])) ++pos;
+  const double scale = UnitScale(LowerAscii(s.substr(unit_start, pos - unit_start)));
+  if (scale == 0) return std::nullopt;
+  return ToBytes(value * scale);
+}
+
+int64_t OomFigures::other_processes_total() const {
+  int64_t sum = 0;
+  for (const ProcessMemory& p : other_processes) sum += p.bytes;
+  return sum;
+}
+
+OomFigures ParseOomFigures(std::string_view message) {
+  OomFigures f;
+  const std::string m = Normalize(message.substr(0, 64 * 1024));
+  bool lower_bound = false;
+  if (auto bytes = ParseAllocateSize(m, &lower_bound)) {
+    f.requested = bytes;
+    f.requested_is_lower_bound = lower_bound;
+  } else if (auto tensor = ParseTensorFlowShape(m)) {
+    f.requested = tensor;
+  }
+  for (std::string_view d : {"cuda", "npu", "xpu", "hip", "mps"}) {
+    if (Has(m, std::string(d) + " out of memory") || Has(m, std::string(d) + " error: out of memory")) {
+      f.device = d;
+      break;
+    }
+  }
+  ParseDevice(m, &f);
+  ParsePyTorch(m, &f);
+  ParseOthers(m, &f);
+  // PyTorch's "Tried to allocate X" without the capacity clause ("more than
+  // 1EB", messages cut short) is still PyTorch's.
+  if (f.format.empty() && f.requested && Has(m, "tried to allocate")) f.format = "pytorch-request";
+  return f;
+}
+
+}  // namespace internal
+
+OomInfo ClassifyMessage(std::string_view message) {
+  using internal::Has;
+  OomInfo info;
+  info.message = std::string(message);
+  const std::string m = internal::Normalize(message.substr(0, 64 * 1024));
+
+  OomKind kind = OomKind::kNone;
+  const bool out_of_memory = Has(m, "out of memory") || Has(m, "out-of-memory");
+  const bool alloc_failed = out_of_memory || Has(m, "alloc_failed") || Has(m, "failed to allocate") ||
+                            Has(m, "allocation failed") || Has(m, "could not allocate") ||
+                            Has(m, "cannot allocate") || Has(m, "can't allocate") ||
+                            Has(m, "unable to allocate") || Has(m, "not enough memory");
+  const bool device_words = Has(m, "cuda") || Has(m, "gpu") || Has(m, "device") || Has(m, "hip") ||
+                            Has(m, "xpu") || Has(m, "mps") || Has(m, "npu") || Has(m, "mlu") ||
+                            Has(m, "hpu") || Has(m, "ascend") || Has(m, "vram");
+  // Host-side kills: the kernel's OOM killer, cgroups (Slurm, Kubernetes),
+  // and the DataLoader's report of a worker killed by one.
+  const bool host_kill = Has(m, "oom-kill") || Has(m, "oom_kill") || Has(m, "oomkilled") ||
+                         Has(m, "killed by signal: killed") || Has(m, "invoked oom-killer") ||
+                         Has(m, "exit code 137") || Has(m, "exit code: 137") || Has(m, "exitcode: 137") ||
+                         Has(m, "sigkill") || (Has(m, "bus error") && Has(m, "shared memory"));
+
+  if (Has(m, "cublas_status_alloc_failed") || Has(m, "cudnn_status_alloc_failed") ||
+      Has(m, "failed to create cublas handle") || Has(m, "create cublas handle failed") ||
+      Has(m, "cudnn_status_internal_error_device_allocation_failed") ||
+      (Has(m, "workspace") && alloc_failed)) {
+    kind = OomKind::kWorkspace;
+  } else if (host_kill || Has(m, "out of memory: killed process")) {
+    kind = OomKind::kHost;
+  } else if (Has(m, "oom when allocating") || Has(m, "ran out of memory trying to allocate") ||
+             Has(m, "resourceexhaustederror") ||
+             ((Has(m, "resource_exhausted") || Has(m, "resource exhausted")) && (out_of_memory || Has(m, "oom")))) {
+    // TensorFlow/XLA/JAX. TF names the allocator; a CPU one is host memory.
+    kind = (Has(m, "device:cpu") || Has(m, "allocator cpu")) ? OomKind::kHost : OomKind::kDevice;
+  } else if (Has(m, "cudaerrormemoryallocation") || Has(m, "outofmemoryerror") || Has(m, "cuda calloc") ||
+             Has(m, "cuda malloc")) {
+    kind = (Has(m, "defaultcpuallocator")) ? OomKind::kHost : OomKind::kDevice;
+  } else if ((Has(m, "defaultcpuallocator") && alloc_failed) || Has(m, "std::bad_alloc") ||
+             Has(m, "cannot allocate memory") || Has(m, "can't allocate memory") || Has(m, "memoryerror") ||
+             Has(m, "bad_alloc") || Has(m, "bad allocation")) {
+    kind = OomKind::kHost;
+  } else if (out_of_memory) {
+    kind = device_words ? OomKind::kDevice : OomKind::kHost;
+  }
+  if (kind == OomKind::kNone) return info;
+
+  info.kind = kind;
+  info.matched_by = "message";
+  if (auto bytes = internal::ParseAllocateSize(m, nullptr)) {
+    info.requested_bytes = *bytes;
+  } else if (auto tensor = internal::ParseTensorFlowShape(m)) {
+    info.requested_bytes = *tensor;
+  }
+  return info;
+}
+
+}  // namespace oomguard

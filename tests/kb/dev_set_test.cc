@@ -1,0 +1,61 @@
+// The classifier on real OOM reports (tests/kb/testdata/reports/): the floor
+// the project holds it to. A case it gets wrong may only be wrong with
+// confidence below 0.8, and at least 85% must be right.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "tests/kb/dev_set.h"
+
+namespace oomguard {
+namespace {
+
+const char* kDir = OOMGUARD_KB_TESTDATA "/reports";
+
+TEST(DevSetTest, EveryCaseIsARealReportWithALabelAndAReason) {
+  std::string error;
+  std::vector<devset::Case> cases = devset::Load(kDir, &error);
+  ASSERT_TRUE(error.empty()) << error;
+  ASSERT_GE(cases.size(), 60u);
+  std::set<std::string> patterns = {"unknown"};
+  for (const auto& p : PatternCatalogue()) patterns.insert(p.name);
+  std::set<std::string> labelled;
+  for (const auto& c : cases) {
+    EXPECT_EQ(c.source.rfind("https://", 0), 0u) << c.file << ": source must be an address";
+    EXPECT_TRUE(patterns.count(c.label)) << c.file << ": label '" << c.label << "' is not a pattern";
+    EXPECT_GE(c.why.size(), 20u) << c.file << ": say why in a sentence";
+    EXPECT_FALSE(c.batch.empty()) << c.file;
+    EXPECT_GE(c.text.size(), 30u) << c.file;
+    labelled.insert(c.label);
+  }
+  // Every pattern of the catalogue has real reports behind it.
+  for (const auto& p : PatternCatalogue()) EXPECT_TRUE(labelled.count(p.name)) << "no report labelled " << p.name;
+}
+
+TEST(DevSetTest, AccuracyFloorAndNoConfidentMistakes) {
+  std::string error;
+  std::vector<devset::Case> cases = devset::Load(kDir, &error);
+  ASSERT_TRUE(error.empty()) << error;
+  size_t right = 0;
+  std::map<std::string, int> misses;
+  for (const auto& c : cases) {
+    devset::Verdict v = devset::Diagnose(c);
+    EXPECT_GE(v.events, 1u) << c.file << ": no OOM found in the report";
+    if (v.pattern == c.label) {
+      ++right;
+      continue;
+    }
+    ++misses[c.label + " -> " + v.pattern];
+    EXPECT_LT(v.confidence, 0.8) << c.file << ": wrong (" << v.pattern << " for " << c.label
+                                 << ") with confidence " << v.confidence << ": " << v.evidence;
+  }
+  const double accuracy = static_cast<double>(right) / static_cast<double>(cases.size());
+  std::string summary;
+  for (const auto& [k, n] : misses) summary += "\n  " + k + " x" + std::to_string(n);
+  EXPECT_GE(accuracy, 0.85) << right << "/" << cases.size() << " right; misses:" << summary;
+  std::printf("dev set: %zu/%zu right (%.1f%%)%s\n", right, cases.size(), 100.0 * accuracy, summary.c_str());
+}
+
+}  // namespace
+}  // namespace oomguard

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# `oomguard diagnose` and `oomguard kb import-log` on raw logs: every OOM of a
+# job log found and explained, import idempotent, bad input named and nothing
+# half-written.
+# Usage: diagnose_cli_test.sh OOMGUARD_BINARY TESTDATA_DIR
+set -u
+OG="$1"
+LOGS="$2/logs"
+PY=/usr/bin/python3
+T="$(mktemp -d)"
+trap 'rm -rf "$T"' EXIT
+fails=0
+fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+# 1. A job log with a PyTorch traceback, an OOM-killer line and an NCCL failure:
+#    three events, each with pattern, evidence and remedies.
+"$OG" diagnose "$LOGS/multi_oom.log" > "$T/human.txt" || fail "diagnose exited $?"
+grep -q "multi_oom.log: 3 OOM events" "$T/human.txt" || fail "event count: $(head -1 "$T/human.txt")"
+[ "$(grep -c '^   pattern ' "$T/human.txt")" = 3 ] || fail "three patterns expected"
+[ "$(grep -c '^   evidence ' "$T/human.txt")" = 3 ] || fail "three evidence lines expected"
+[ "$(grep -c '^   remedies 1\.' "$T/human.txt")" = 3 ] || fail "remedies for each event expected"
+"$OG" diagnose --json "$LOGS/multi_oom.log" > "$T/events.jsonl" || fail "diagnose --json exited $?"
+$PY - "$T/events.jsonl" <<'PYEOF' || fail "diagnose --json content"
+import json, sys
+ev = [json.loads(l) for l in open(sys.argv[1])]
+assert [e["pattern"] for e in ev] == ["fragmentation", "host_memory", "foreign_memory"], [e["pattern"] for e in ev]
+assert [e["source"].rsplit(":", 1)[1] for e in ev] == ["15", "17", "22"], [e["source"] for e in ev]
+assert [e["kind"] for e in ev] == ["device", "host", "device"], ev
+assert ev[0]["rank"] == 1 and ev[0]["step"] == 1200 and ev[0]["phase"] == "backward", ev[0]
+assert "rank" not in ev[1], ev[1]  # the OOM killer names no rank: unknown, not 0
+assert ev[2]["rank"] == 3 and ev[2]["host"] == "ng30903", ev[2]
+for e in ev:
+    assert e["evidence"] and len(e["remedies"]) >= 3 and len(e["id"]) == 16, e
+PYEOF
+
+# 2. import-log: stored with their source; a second import adds nothing.
+"$OG" kb import-log --db "$T/kb.db" "$LOGS/multi_oom.log" "$LOGS/tf_bfc.log" "$LOGS/slurm_killed.log" > "$T/imp1.txt" \
+  || fail "import-log exited $?"
+grep -q "5 OOM event(s) in 3 file(s): 5 added" "$T/imp1.txt" || fail "first import: $(tail -1 "$T/imp1.txt")"
+"$OG" kb import-log --db "$T/kb.db" "$LOGS/multi_oom.log" "$LOGS/tf_bfc.log" "$LOGS/slurm_killed.log" > "$T/imp2.txt" \
+  || fail "second import-log exited $?"
+grep -q "5 OOM event(s) in 3 file(s): 0 added" "$T/imp2.txt" || fail "second import: $(tail -1 "$T/imp2.txt")"
+n=$("$OG" kb export --db "$T/kb.db" | wc -l)
+[ "$n" = 5 ] || fail "after two imports the knowledge base holds $n incidents, want 5"
+"$OG" kb import-log --json --db "$T/kb.db" "$LOGS/multi_oom.log" | $PY -c '
+import json, sys
+r = json.load(sys.stdin)
+assert r["events"] == 3 and r["added"] == 0, r' || fail "import-log --json"
+"$OG" kb export --db "$T/kb.db" | $PY -c '
+import json, sys
+items = [json.loads(l) for l in sys.stdin]
+src = sorted(i["source"].rsplit("/", 1)[1] for i in items)
+assert src == ["multi_oom.log:15", "multi_oom.log:17", "multi_oom.log:22", "slurm_killed.log:6", "tf_bfc.log:9"], src
+assert all(i["context"] and i["pattern"] and i["evidence"] for i in items)
+assert {i["run_id"].rsplit("/", 1)[1] for i in items} == {"multi_oom.log", "tf_bfc.log", "slurm_killed.log"}' \
+  || fail "exported incidents lack source, context or pattern"
+id=$("$OG" kb export --db "$T/kb.db" | head -1 | $PY -c 'import json,sys; print(json.load(sys.stdin)["id"])')
+"$OG" kb show --db "$T/kb.db" "$id" | grep -q "^source " || fail "kb show does not print the source"
+
+# 3. Bad input: named, and nothing of a multi-file import is written.
+head -c 4096 /dev/urandom > "$T/weights.bin"
+printf '\0' >> "$T/weights.bin"
+"$OG" kb import-log --db "$T/bad.db" "$LOGS/multi_oom.log" "$T/weights.bin" 2> "$T/err" && fail "binary file accepted"
+grep -q "weights.bin: not a text log" "$T/err" || fail "binary error: $(cat "$T/err")"
+[ -e "$T/bad.db" ] && fail "a failed import-log created the knowledge base"
+"$OG" diagnose "$T/missing.log" > /dev/null 2> "$T/err"; [ $? = 2 ] || fail "missing file should exit 2"
+grep -q "missing.log" "$T/err" || fail "missing file not named: $(cat "$T/err")"
+"$OG" kb import-log --db "$T/kb-*.db" "$LOGS/multi_oom.log" 2> "$T/err" && fail "wildcard --db accepted"
+grep -q "without wildcards" "$T/err" || fail "wildcard error: $(cat "$T/err")"
+"$OG" diagnose "$T/empty.log" > /dev/null 2>&1; [ $? = 2 ] || fail "missing empty.log should exit 2"
+printf 'step 1 loss 2.0\nstep 2 loss 1.9\n' > "$T/clean.log"
+"$OG" diagnose "$T/clean.log" | grep -q "clean.log: 0 OOM events" || fail "a clean log should report 0 events"
+
+if [ $fails -eq 0 ]; then echo "diagnose/import-log CLI: all checks passed"; fi
+[ $fails -eq 0 ]
