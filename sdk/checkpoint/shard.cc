@@ -13,6 +13,7 @@
 #include <deque>
 #include <chrono>
 #include <future>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "sdk/checkpoint/codec.h"
@@ -110,6 +111,11 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "step", o.step));
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "rank", o.rank));
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "world_size", o.world_size));
+    // The inventory: a reader that only saw the datasets present could not
+    // tell a shard with a tensor deleted from a complete one.
+    nlohmann::json inventory = nlohmann::json::array();
+    for (const ShardTensor& T : tensors) inventory.push_back(T.path);
+    OOMGUARD_RETURN_IF_ERROR(WriteStringAttr(file.get(), kInventoryAttr, inventory.dump()));
     for (size_t t = 0; t < tensors.size(); ++t) {
       const ShardTensor& T = tensors[t];
       const size_t es = DTypeSize(T.dtype);

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <limits>
+#include <new>
 
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
@@ -26,6 +28,8 @@ namespace {
 // In-flight decoded chunks per worker: enough to keep every worker busy while
 // the calling thread hashes the oldest, small enough to bound memory.
 constexpr int kWindowPerThread = 4;
+// Decoded bytes of check-only requests in flight at once.
+constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
 
 // Waits for every task still in `q` when it goes out of scope, so that no
 // task outlives the buffers it writes, however the scope is left.
@@ -58,17 +62,19 @@ struct ShardReader::Impl {
   hsize_t base = 0;
 };
 
+hid_t ShardReader::hdf5_file() const { return impl_->file.get(); }
+uint64_t ShardReader::base_address() const { return impl_->base; }
+
 ShardReader::~ShardReader() {
   Hdf5Lock lock;
   impl_.reset();
 }
 
 StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string& path) {
-  if (FILE* f = std::fopen(path.c_str(), "rb")) {
-    std::fclose(f);
-  } else {
-    return Status::NotFound(path + " does not exist");
-  }
+  // stat, not open: opening a FIFO would block until someone writes to it.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return Status::NotFound(path + " does not exist");
+  if (!S_ISREG(st.st_mode)) return Status::DataLoss(path + " is not a regular file");
   std::unique_ptr<ShardReader> r(new ShardReader());
   r->impl_ = std::make_unique<Impl>();
   r->path_ = path;
@@ -129,9 +135,14 @@ StatusOr<TensorInfo> ShardReader::Info(const std::string& dataset) {
   if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
   info.shape.assign(dims.begin(), dims.end());
   H5Handle type(H5Dget_type(d.get()));
-  int64_t elems = 1;
-  for (auto x : dims) elems *= static_cast<int64_t>(x);
-  info.bytes = elems * static_cast<int64_t>(H5Tget_size(type.get()));
+  // -1 when the file's dimensions overflow (inspect shows what is there;
+  // CheckedShard refuses it).
+  uint64_t bytes = H5Tget_size(type.get());
+  bool overflow = false;
+  for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(bytes, x, &bytes);
+  info.bytes = overflow || bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())
+                   ? -1
+                   : static_cast<int64_t>(bytes);
   info.stored_bytes = static_cast<int64_t>(H5Dget_storage_size(d.get()));
   H5Handle dcpl(H5Dget_create_plist(d.get()));
   if (H5Pget_layout(dcpl.get()) == H5D_CHUNKED) {
@@ -157,13 +168,6 @@ StatusOr<TensorInfo> ShardReader::Info(const std::string& dataset) {
       info.filters.push_back("filter " + std::to_string(id));
   }
   return info;
-}
-
-Status ShardReader::ReadAll(const std::string& dataset, std::vector<uint8_t>* out, ThreadPool* pool) {
-  auto info = Info(dataset);
-  if (!info.ok()) return info.status();
-  out->assign(static_cast<size_t>(info->bytes), 0);
-  return ReadInto(dataset, false, DType::kUInt8, {}, out->data(), info->bytes, pool);
 }
 
 namespace {
@@ -210,6 +214,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   auto where = [&](size_t r) { return path_ + ": tensor " + requests[r].dataset; };
   std::vector<std::string> stored_hash(requests.size());
   std::vector<bool> done_by_hdf5(requests.size(), false);
+  std::vector<uint64_t> hdf5_hash(requests.size(), 0);
   std::vector<ReadChunk> chunks;
   // Phase 1, under the lock: check every dataset against its request and
   // collect the file address of every chunk.
@@ -227,7 +232,8 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
                                 std::string(DTypeName(q.dtype)) + "'");
       H5Handle space(H5Dget_space(d.get()));
       int nd = H5Sget_simple_extent_ndims(space.get());
-      std::vector<hsize_t> dims(static_cast<size_t>(std::max(nd, 0)));
+      if (nd < 0 || nd > H5S_MAX_RANK) return Status::DataLoss(where(r) + " has an unreadable shape");
+      std::vector<hsize_t> dims(static_cast<size_t>(nd));
       if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
       std::vector<int64_t> shape(dims.begin(), dims.end());
       if (q.check && shape != q.shape)
@@ -235,18 +241,34 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
                                 ShapeString(q.shape));
       H5Handle type(H5Dget_type(d.get()));
       const size_t es = H5Tget_size(type.get());
-      int64_t elems = 1;
-      for (int64_t x : shape) elems *= x;
-      if (elems * static_cast<int64_t>(es) != q.bytes)
-        return Status::DataLoss(where(r) + " holds " + std::to_string(elems * static_cast<int64_t>(es)) +
+      // Overflow-checked: the file's dimensions are not to be trusted.
+      uint64_t total = es;
+      bool overflow = es == 0;
+      for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(total, x, &total);
+      if (overflow || total > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
+          static_cast<int64_t>(total) != q.bytes)
+        return Status::DataLoss(where(r) + " holds " + (overflow ? std::string("more than 2^64") : std::to_string(total)) +
                                 " bytes, expected " + std::to_string(q.bytes));
       H5Handle dcpl(H5Dget_create_plist(d.get()));
       ChunkLayout L;
       if (q.bytes == 0) continue;
       if (!FastLayout(dcpl.get(), shape, es, &L)) {
-        // Another writer's layout or filters: let HDF5 decode it.
-        if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, q.out) < 0)
+        // Another writer's layout or filters: let HDF5 decode it (for a check
+        // alone, into a buffer of its own that is hashed and dropped).
+        std::vector<uint8_t> scratch;
+        uint8_t* dst = q.out;
+        if (dst == nullptr) {
+          try {
+            scratch.resize(static_cast<size_t>(q.bytes));
+          } catch (const std::bad_alloc&) {
+            return Status::ResourceExhausted(where(r) + ": no host memory for the " + std::to_string(q.bytes) +
+                                             " bytes HDF5 needs to decode it");
+          }
+          dst = scratch.data();
+        }
+        if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
           return Status::DataLoss(where(r) + ": HDF5 could not read it (corrupt chunk or missing filter)");
+        if (q.out == nullptr) hdf5_hash[r] = XXH3_64bits(dst, static_cast<size_t>(q.bytes));
         done_by_hdf5[r] = true;
         continue;
       }
@@ -267,10 +289,10 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
 
   // Phase 2: decode out of the mapping in the pool, hash in order here.
   if (!chunks.empty() && impl_->map == nullptr) {
-    int fd = ::open(path_.c_str(), O_RDONLY);
+    int fd = ::open(path_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
     struct stat st {};
-    if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
       void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
       if (p != MAP_FAILED) {
         impl_->map = p;
@@ -298,24 +320,47 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
                                 ")");
   };
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
+  // Chunks of check-only requests decode into recycled buffers, at most
+  // kCheckWindowBytes of them in flight (at least one chunk), so checking a
+  // shard needs memory for a few chunks, not for its tensors.
+  std::vector<std::vector<uint8_t>> free_buffers;
+  std::deque<std::vector<uint8_t>> inflight_buffers;  // one per check-only chunk in flight, in order
+  int64_t inflight_check_bytes = 0;
   std::deque<std::future<std::string>> inflight;
-  WaitForAll<std::string> wait_all{&inflight};  // tasks write into the caller's buffers
+  WaitForAll<std::string> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
   size_t next = 0, drained = 0;
   while (drained < chunks.size()) {
     while (next < chunks.size() && inflight.size() < window && status.ok()) {
-      const ReadChunk c = chunks[next++];
-      if (c.addr + impl_->base + c.size > impl_->map_bytes) {
+      const ReadChunk c = chunks[next];
+      const bool check_only = requests[c.req].out == nullptr;
+      if (check_only && inflight_check_bytes > 0 && inflight_check_bytes + c.full > kCheckWindowBytes) break;
+      ++next;
+      const uint64_t start = c.addr + impl_->base;
+      if (start < c.addr || start > impl_->map_bytes || c.size > impl_->map_bytes - start) {
         status = Status::DataLoss(where(c.req) + ": chunk " + std::to_string(c.index) +
                                   " lies outside the file (corrupt chunk index)");
         break;
       }
-      const uint8_t* frame = base + impl_->base + c.addr;
-      uint8_t* dst = requests[c.req].out + c.begin;
-      inflight.push_back(pool->Submit([frame, c, dst]() -> std::string {
+      const uint8_t* frame = base + start;
+      uint8_t* dst = nullptr;
+      if (check_only) {
+        std::vector<uint8_t> buf;
+        if (!free_buffers.empty()) {
+          buf = std::move(free_buffers.back());
+          free_buffers.pop_back();
+        }
+        buf.resize(static_cast<size_t>(c.full));
+        dst = buf.data();  // stays valid: moving a vector keeps its storage
+        inflight_buffers.push_back(std::move(buf));
+        inflight_check_bytes += c.full;
+      } else {
+        dst = requests[c.req].out + c.begin;
+      }
+      inflight.push_back(pool->Submit([frame, c, dst, check_only]() -> std::string {
         thread_local std::vector<uint8_t> scratch, padded;
         std::string err;
-        if (c.len == c.full) {
-          err = DecodeChunk(frame, c.size, c.elem_size, dst, static_cast<size_t>(c.len), &scratch);
+        if (c.len == c.full || check_only) {
+          err = DecodeChunk(frame, c.size, c.elem_size, dst, static_cast<size_t>(c.full), &scratch);
         } else {
           padded.resize(static_cast<size_t>(c.full));
           err = DecodeChunk(frame, c.size, c.elem_size, padded.data(), static_cast<size_t>(c.full), &scratch);
@@ -328,6 +373,20 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
     std::string err = inflight.front().get();
     inflight.pop_front();
     const ReadChunk& c = chunks[drained++];
+    const bool check_only = requests[c.req].out == nullptr;
+    std::vector<uint8_t> check_buf;
+    if (check_only) {
+      check_buf = std::move(inflight_buffers.front());
+      inflight_buffers.pop_front();
+      inflight_check_bytes -= c.full;
+    }
+    struct Recycle {
+      std::vector<std::vector<uint8_t>>* pool;
+      std::vector<uint8_t>* buf;
+      ~Recycle() {
+        if (!buf->empty()) pool->push_back(std::move(*buf));
+      }
+    } recycle{&free_buffers, &check_buf};
     if (!err.empty()) {
       if (status.ok()) status = Status::DataLoss(where(c.req) + ": " + err);
       continue;
@@ -338,7 +397,8 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
       h = XXH3_createState();
       XXH3_64bits_reset(h);
     }
-    XXH3_64bits_update(h, requests[c.req].out + c.begin, static_cast<size_t>(c.len));
+    const uint8_t* decoded = check_only ? check_buf.data() : requests[c.req].out + c.begin;
+    XXH3_64bits_update(h, decoded, static_cast<size_t>(c.len));
     const bool last_of_tensor = drained == chunks.size() || chunks[drained].req != c.req;
     if (last_of_tensor) check_hash(c.req, XXH3_64bits_digest(h));
   }
@@ -348,9 +408,14 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   }
   if (!status.ok()) return status;
   // Tensors HDF5 decoded, and empty ones.
-  for (size_t r = 0; r < requests.size(); ++r)
-    if (done_by_hdf5[r] || requests[r].bytes == 0)
-      check_hash(r, XXH3_64bits(requests[r].out, static_cast<size_t>(requests[r].bytes)));
+  for (size_t r = 0; r < requests.size(); ++r) {
+    if (requests[r].bytes == 0) {
+      check_hash(r, XXH3_64bits(nullptr, 0));
+    } else if (done_by_hdf5[r]) {
+      check_hash(r, requests[r].out == nullptr ? hdf5_hash[r]
+                                                : XXH3_64bits(requests[r].out, static_cast<size_t>(requests[r].bytes)));
+    }
+  }
   return status;
 }
 
