@@ -114,7 +114,8 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     // The inventory: a reader that only saw the datasets present could not
     // tell a shard with a tensor deleted from a complete one.
     nlohmann::json inventory = nlohmann::json::array();
-    for (const ShardTensor& T : tensors) inventory.push_back(T.path);
+    for (const ShardTensor& T : tensors)
+      inventory.push_back({{"path", T.path}, {"dtype", DTypeName(T.dtype)}, {"shape", T.shape}});
     OOMGUARD_RETURN_IF_ERROR(WriteStringAttr(file.get(), kInventoryAttr, inventory.dump()));
     for (size_t t = 0; t < tensors.size(); ++t) {
       const ShardTensor& T = tensors[t];

@@ -30,9 +30,12 @@
 
 namespace oomguard::ckpt {
 
-// Root attribute listing every tensor of a shard: a JSON array of dataset
-// paths without the leading '/', in the order written. Shards written before
-// it existed lack it; readers then take the datasets present as the inventory.
+// Root attribute listing every tensor of a shard, in the order written: a
+// JSON array of {"path": "model/fc1.weight", "dtype": "float32", "shape":
+// [256, 32]}. A reader that only saw the datasets present could not tell a
+// shard with a tensor deleted, or a dtype attribute or shape changed, from
+// the one written. Shards written before it existed lack it; readers then
+// take the datasets present as the inventory.
 inline constexpr const char* kInventoryAttr = "tensors";
 
 struct ShardTensor {

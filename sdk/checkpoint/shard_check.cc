@@ -46,6 +46,12 @@ bool IsLowerHex16(const std::string& s) {
          });
 }
 
+std::string ShapeString(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
 bool MulOverflows(uint64_t a, uint64_t b, uint64_t* out) { return __builtin_mul_overflow(a, b, out); }
 
 // What the walk over the file found, or the first thing it refused.
@@ -260,34 +266,55 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   if (!walk.error.empty()) return Status::DataLoss(file + ": " + walk.error);
 
   // The inventory: what the writer wrote, against what the file holds.
-  std::vector<std::string> inventory;
+  struct Listed {
+    std::string dataset;
+    std::optional<DType> dtype;            // nullopt: a shard without an inventory
+    std::optional<std::vector<int64_t>> shape;
+  };
+  std::vector<Listed> inventory;
   if (H5Aexists(f, kInventoryAttr) > 0) {
+    const Status unreadable = Status::DataLoss(file + ": the tensor inventory attribute is unreadable");
     auto text = ReadStringAttr(f, kInventoryAttr, kMaxInventoryBytes);
     nlohmann::json j;
-    if (text && JsonNestingDepth(*text, 2) <= 1)
-      j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_array()) return Status::DataLoss(file + ": the tensor inventory attribute is unreadable");
-    for (const auto& name : j) {
-      if (!name.is_string()) return Status::DataLoss(file + ": the tensor inventory attribute is unreadable");
-      inventory.push_back("/" + name.get<std::string>());
+    if (text && JsonNestingDepth(*text, 3) <= 3) j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_array()) return unreadable;
+    for (const auto& t : j) {
+      if (!t.is_object() || !t.contains("path") || !t["path"].is_string() || !t.contains("dtype") ||
+          !t["dtype"].is_string() || !t.contains("shape") || !t["shape"].is_array())
+        return unreadable;
+      Listed l{"/" + t["path"].get<std::string>(), ParseDType(t["dtype"].get<std::string>()), std::vector<int64_t>()};
+      if (!l.dtype) return unreadable;
+      for (const auto& d : t["shape"]) {
+        if (!d.is_number_integer() || d.get<int64_t>() < 0) return unreadable;
+        l.shape->push_back(d.get<int64_t>());
+      }
+      inventory.push_back(std::move(l));
     }
   } else {
-    inventory = walk.datasets;  // a shard written before the inventory existed
-    std::sort(inventory.begin(), inventory.end());
+    std::vector<std::string> found = walk.datasets;  // a shard written before the inventory existed
+    std::sort(found.begin(), found.end());
+    for (auto& ds : found) inventory.push_back({std::move(ds), std::nullopt, std::nullopt});
   }
   const std::set<std::string> present(walk.datasets.begin(), walk.datasets.end());
-  const std::set<std::string> listed(inventory.begin(), inventory.end());
-  if (listed.size() != inventory.size()) return Status::DataLoss(file + ": the tensor inventory lists a tensor twice");
-  for (const std::string& ds : inventory)
-    if (!present.count(ds))
-      return Status::DataLoss(file + ": tensor " + Printable(ds) + " is missing (the shard's inventory lists it)");
+  std::set<std::string> listed;
+  for (const Listed& l : inventory)
+    if (!listed.insert(l.dataset).second)
+      return Status::DataLoss(file + ": the tensor inventory lists " + Printable(l.dataset) + " twice");
+  for (const Listed& l : inventory)
+    if (!present.count(l.dataset))
+      return Status::DataLoss(file + ": tensor " + Printable(l.dataset) + " is missing (the shard's inventory lists it)");
   for (const std::string& ds : walk.datasets)
     if (!listed.count(ds))
       return Status::DataLoss(file + ": holds " + Printable(ds) + ", which its tensor inventory does not list");
 
-  for (const std::string& ds : inventory) {
-    auto e = CheckDataset(f, ds, static_cast<uint64_t>(st.st_size), r.base_address(), file);
+  for (const Listed& l : inventory) {
+    auto e = CheckDataset(f, l.dataset, static_cast<uint64_t>(st.st_size), r.base_address(), file);
     if (!e.ok()) return e.status();
+    if ((l.dtype && *l.dtype != e->dtype) || (l.shape && *l.shape != e->shape))
+      return Status::DataLoss(file + ": tensor " + Printable(l.dataset) + " has dtype " +
+                              std::string(DTypeName(e->dtype)) + " and shape " + ShapeString(e->shape) +
+                              ", its inventory says " + std::string(DTypeName(*l.dtype)) + " and " +
+                              ShapeString(*l.shape));
     if (__builtin_add_overflow(c->total_bytes_, e->bytes, &c->total_bytes_))
       return Status::DataLoss(file + ": its tensors together declare more than 2^63 bytes");
     c->entries_.push_back(std::move(e).value());

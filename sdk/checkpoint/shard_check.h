@@ -21,8 +21,8 @@
 //     would invent fill values), more chunks than the file has bytes, stored
 //     bytes beyond the file, or more decoded bytes than any of the allowed
 //     filters can expand the stored ones to (kMaxExpansion);
-//   * datasets other than the ones the shard's inventory attribute lists, or
-//     a listed one missing.
+//   * datasets other than the ones the shard's inventory attribute lists, a
+//     listed one missing, or one whose dtype or shape differs from the listed.
 // So nothing is allocated from a size the file does not back, and nothing
 // outside the checkpoint directory is read. Then Read/ReadEverything decode
 // and check every tensor's xxh3 while the whole file is hashed on a thread of
