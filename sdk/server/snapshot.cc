@@ -62,8 +62,10 @@ std::string SnapshotSource::Signature() const {
         sig += "-;";
         continue;
       }
-      sig += std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
-             std::to_string(st.st_mtim.tv_nsec) + ";";
+      // The inode too: `mv new.db kb.db` (rsync, scp) puts another file
+      // under the name, possibly with the same size and time.
+      sig += std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" + std::to_string(st.st_size) +
+             ":" + std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + ";";
     }
   }
   return sig;
@@ -79,7 +81,13 @@ void SnapshotSource::Poll() {
       lock.lock();
       continue;
     }
-    auto next = LoadIndex(&files_);
+    // Open the files again: a replaced file is another file, and a reader
+    // never sees what changed under it (kb::KnowledgeBaseSet reads
+    // read-only, without the locks a writer would wait for).
+    auto reopened = kb::KnowledgeBaseSet::Open(paths_);
+    StatusOr<std::shared_ptr<const IncidentIndex>> next =
+        reopened.ok() ? LoadIndex(&*reopened) : StatusOr<std::shared_ptr<const IncidentIndex>>(reopened.status());
+    if (next.ok()) files_ = std::move(reopened).value();
     lock.lock();
     if (next.ok()) {
       current_ = std::move(next).value();

@@ -1,9 +1,11 @@
 // SnapshotSource: keeps an IncidentIndex of the knowledge-base files current.
 //
-// The files are opened once (never created, never written). A poller thread
-// looks at each file's size and modification time (and its -wal companion,
-// where SQLite appends in WAL mode) every poll interval and, when anything
-// changed, reads every file again and swaps in a new index. Requests keep the
+// The files are opened read-only (never created, never written). A poller
+// thread looks at each file's inode, size and modification time (and its
+// -wal companion, where SQLite appends in WAL mode) every poll interval and,
+// when anything changed, opens every file again (a file replaced by
+// `mv new.db kb.db`, as rsync and scp do, is a new inode) and swaps in a new
+// index. Requests keep the
 // snapshot they started with (shared_ptr), so a reload never tears a page; a
 // failed reload keeps the previous snapshot and remembers the error.
 //
@@ -47,7 +49,7 @@ class SnapshotSource {
 
  private:
   SnapshotSource(kb::KnowledgeBaseSet files, std::shared_ptr<const IncidentIndex> first, int poll_ms);
-  // Sizes and mtimes of every file and its -wal, as one comparable string.
+  // Inodes, sizes and mtimes of every file and its -wal, as one comparable string.
   std::string Signature() const;
   void Poll();
 

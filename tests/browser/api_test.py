@@ -164,6 +164,17 @@ def main():
                 time.sleep(0.1)
             check(s.json("/api/stats")["incidents"] == 28, "reload after the file changed")
 
+            # A file replaced atomically (mv new.db kb.db, as rsync and scp do) is
+            # another inode: the server notices and reads the new file (issue 15, item 8).
+            replacement = os.path.join(tmp, "replacement.db")
+            fx.import_jsonl(og, replacement, fx.XSS_JSONL)
+            os.replace(replacement, dbs[-1])
+            deadline = time.time() + 5
+            while time.time() < deadline and s.json("/api/stats")["incidents"] != 18:
+                time.sleep(0.1)
+            check(s.json("/api/stats")["incidents"] == 18,
+                  "reload after the file was replaced: %d incidents" % s.json("/api/stats")["incidents"])
+
             rc = s.stop()
             check(rc == 0, "SIGTERM stops the server with exit code 0 (got %r)" % rc)
 
