@@ -30,7 +30,7 @@ std::string Shape(const std::vector<int64_t>& s) {
 }
 
 int Fail(const Status& s) {
-  std::fprintf(stderr, "oomguard ckpt: %s\n", s.ToString().c_str());
+  std::fprintf(stderr, "oomguard ckpt: %s\n", TerminalSafe(s.ToString()).c_str());
   return 1;
 }
 
@@ -100,7 +100,7 @@ int Verify(const CkptArgs& a) {
     } else if (s.ok()) {
       std::printf("step %" PRId64 ": ok\n", step);
     } else {
-      std::printf("step %" PRId64 ": BAD: %s\n", step, s.message().c_str());
+      std::printf("step %" PRId64 ": BAD: %s\n", step, TerminalSafe(s.message()).c_str());
     }
   }
   if (a.json) {
@@ -136,8 +136,8 @@ int Inspect(const CkptArgs& a) {
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
-  std::printf("%s: format %s, step %" PRId64 ", rank %d of %d, %s\n", info->file.c_str(),
-              info->format.c_str(), info->step, info->rank, info->world_size,
+  std::printf("%s: format %s, step %" PRId64 ", rank %d of %d, %s\n", TerminalSafe(info->file).c_str(),
+              TerminalSafe(info->format).c_str(), info->step, info->rank, info->world_size,
               FormatBytes(info->file_bytes).c_str());
   Table t({"TENSOR", "DTYPE", "SHAPE", "SIZE", "STORED", "RATIO", "FILTERS", "XXH3"});
   int64_t raw = 0, stored = 0;

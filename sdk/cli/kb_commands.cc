@@ -114,7 +114,8 @@ void CmdShow(const KbArgs& a) {
     Print(IncidentJson(i));
     return;
   }
-  auto kv = [](const char* k, const std::string& v) { std::printf("%-16s %s\n", k, v.c_str()); };
+  // Fields may come from an imported file: nothing reaches the terminal raw.
+  auto kv = [](const char* k, const std::string& v) { std::printf("%-16s %s\n", k, TerminalSafe(v).c_str()); };
   kv("id", i.id);
   kv("time (UTC)", FormatTime(i.time_unix_ms));
   kv("run", i.run_id);
@@ -148,7 +149,8 @@ void CmdShow(const KbArgs& a) {
   kv("evidence", i.evidence);
   kv("fingerprint", i.fingerprint);
   std::printf("remedies:\n");
-  for (size_t k = 0; k < i.remedies.size(); ++k) std::printf("  %zu. %s\n", k + 1, i.remedies[k].c_str());
+  for (size_t k = 0; k < i.remedies.size(); ++k)
+    std::printf("  %zu. %s\n", k + 1, TerminalSafe(i.remedies[k]).c_str());
 }
 
 void CmdStats(const KbArgs& a) {
@@ -269,7 +271,8 @@ void CmdImport(const KbArgs& a) {
   if (a.json) {
     Print({{"db", a.dbs[0]}, {"imported", incs.size()}});
   } else {
-    std::printf("imported %zu incident(s) from %s into %s\n", incs.size(), a.file.c_str(), a.dbs[0].c_str());
+    std::printf("imported %zu incident(s) from %s into %s\n", incs.size(), TerminalSafe(a.file).c_str(),
+                TerminalSafe(a.dbs[0]).c_str());
   }
 }
 
@@ -302,10 +305,10 @@ void Run(const char* name, void (*fn)(const KbArgs&), const KbArgs& a, CommandRe
     fn(a);
     result->exit_code = 0;
   } catch (const Failure& f) {
-    std::fprintf(stderr, "oomguard kb %s: %s\n", name, f.message.c_str());
+    std::fprintf(stderr, "oomguard kb %s: %s\n", name, TerminalSafe(f.message).c_str());
     result->exit_code = 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "oomguard kb %s: %s\n", name, e.what());
+    std::fprintf(stderr, "oomguard kb %s: %s\n", name, TerminalSafe(e.what()).c_str());
     result->exit_code = 1;
   }
   std::fflush(stdout);
