@@ -57,7 +57,8 @@ CLI::Validator FiniteNumber(double lo, double hi, bool above_lo) {
       [=](std::string& text) -> std::string {
         char* end = nullptr;
         const double v = std::strtod(text.c_str(), &end);
-        if (end == text.c_str() || *end != '\0' || !std::isfinite(v)) return "must be a finite number, got '" + text + "'";
+        if (end == text.c_str() || *end != '\0' || !std::isfinite(v))
+          return "must be a finite number, got '" + text + "'";
         if ((above_lo ? !(v > lo) : !(v >= lo)) || v > hi) {
           char range[96];
           std::snprintf(range, sizeof(range), "must be %s %g and at most %g", above_lo ? ">" : ">=", lo, hi);

@@ -757,15 +757,18 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
     const Entry& e = entries_[i];
     const std::string ds = "/" + e.path;
     const ckpt::ShardEntry* found = shard.Find(ds);
-    if (found == nullptr) return shard.Finish(Status::DataLoss(shard.path() + ": tensor " + ds + " is missing"));
+    if (found == nullptr)
+      return shard.Finish(Status::DataLoss(shard.path() + ": tensor " + ds + " is missing"));
     if (e.is_object) {
       if (found->dtype != DType::kUInt8 || found->shape.size() != 1)
-        return shard.Finish(Status::DataLoss(shard.path() + ": object " + ds + " is not a 1-D uint8 dataset"));
+        return shard.Finish(
+            Status::DataLoss(shard.path() + ": object " + ds + " is not a 1-D uint8 dataset"));
       try {
         objects[i].resize(static_cast<size_t>(found->bytes));  // bounded by the file (CheckedShard)
       } catch (const std::bad_alloc&) {
         return shard.Finish(Status::ResourceExhausted(shard.path() + ": object " + ds + " needs " +
-                                                      std::to_string(found->bytes) + " bytes of host memory"));
+                                                      std::to_string(found->bytes) +
+                                                      " bytes of host memory"));
       }
       batch.push_back({ds, true, DType::kUInt8, found->shape, objects[i].data(), found->bytes});
     } else if (!e.on_cuda) {

@@ -47,8 +47,10 @@ int JsonNestingDepth(std::string_view text, int stop_at) {
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (in_string) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_string = false;
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
     if (c == '"') {
@@ -96,8 +98,7 @@ bool IsPlainFileName(const std::string& f) {
 // (nlohmann would otherwise truncate 1e300 or true into an integer).
 int64_t IntField(const nlohmann::json& j, const char* key, int64_t lo, int64_t hi, const std::string& where) {
   const nlohmann::json& v = j.at(key);
-  if (!v.is_number_integer())
-    throw std::invalid_argument(where + key + " is not an integer");
+  if (!v.is_number_integer()) throw std::invalid_argument(where + key + " is not an integer");
   if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi) : v.get<int64_t>() > hi)
     throw std::invalid_argument(where + key + " is larger than " + std::to_string(hi));
   const int64_t x = v.get<int64_t>();
@@ -144,7 +145,8 @@ StatusOr<Manifest> ParseManifest(const std::string& text) {
       sh.bytes = IntField(s, "bytes", 0, std::numeric_limits<int64_t>::max(), where);
       sh.xxh3 = StringField(s, "xxh3", where);
       if (!IsPlainFileName(sh.file))
-        return Status::DataLoss("manifest names a shard outside its directory: '" + sh.file.substr(0, 255) + "'");
+        return Status::DataLoss("manifest names a shard outside its directory: '" + sh.file.substr(0, 255) +
+                                "'");
       if (!IsLowerHex16(sh.xxh3))
         return Status::DataLoss("manifest " + where + "xxh3 is not 16 lowercase hex digits");
       if (seen[static_cast<size_t>(sh.rank)])
@@ -165,7 +167,8 @@ StatusOr<std::string> ReadRegularFile(const std::string& path, int64_t max_bytes
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return Status::NotFound(path + " does not exist");
-    if (err == ELOOP) return Status::DataLoss(path + " is a symbolic link; a checkpoint's files must be regular files");
+    if (err == ELOOP)
+      return Status::DataLoss(path + " is a symbolic link; a checkpoint's files must be regular files");
     return Status::DataLoss("open " + path + ": " + std::strerror(err));
   }
   struct Closer {
@@ -252,7 +255,8 @@ Status HashFile(const std::string& path, uint64_t* hash, int64_t* bytes) {
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
-    if (err == ELOOP) return Status::DataLoss(path + " is a symbolic link; a checkpoint's files must be regular files");
+    if (err == ELOOP)
+      return Status::DataLoss(path + " is a symbolic link; a checkpoint's files must be regular files");
     return Status::NotFound("open " + path + ": " + std::strerror(err));
   }
   struct stat st {};

@@ -8,10 +8,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <chrono>
 #include <future>
 #include <nlohmann/json.hpp>
 #include <thread>

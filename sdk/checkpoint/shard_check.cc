@@ -18,8 +18,9 @@ namespace {
 constexpr int64_t kMaxLinks = int64_t{1} << 20;
 // The inventory attribute: about 40 bytes per tensor.
 constexpr size_t kMaxInventoryBytes = size_t{16} << 20;
-// HDF5 cannot store a larger chunk.
-constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 32;
+// The writer's largest chunk (CheckpointOptions.chunk_bytes is at most
+// 1 GiB); a reader allocates a chunk's decoded size, so no more is accepted.
+constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 30;
 
 // A name from the file as it may appear in a message: control bytes (a
 // terminal escape in a hostile dataset name) are shown as \xNN, and very
@@ -81,8 +82,9 @@ herr_t VisitLink(hid_t group, const char* name, const H5L_info_t* info, void* op
       unsigned flags = 0;
       if (info->type == H5L_TYPE_SOFT)
         what += " to " + Printable(val.data());
-      else if (info->type == H5L_TYPE_EXTERNAL && H5Lunpack_elink_val(val.data(), n, &flags, &file, &obj) >= 0 &&
-               file != nullptr && obj != nullptr)
+      else if (info->type == H5L_TYPE_EXTERNAL &&
+               H5Lunpack_elink_val(val.data(), n, &flags, &file, &obj) >= 0 && file != nullptr &&
+               obj != nullptr)
         what += " to " + Printable(obj) + " in the file '" + Printable(file) + "'";
     }
   }
@@ -98,21 +100,25 @@ herr_t VisitObject(hid_t, const char* name, const H5O_info_t* info, void* op) {
     w->datasets.push_back(std::string("/") + name);
     return 0;
   }
-  w->error = "/" + Printable(name) + " is an HDF5 object of another kind (a committed datatype?), not a tensor";
+  w->error =
+      "/" + Printable(name) + " is an HDF5 object of another kind (a committed datatype?), not a tensor";
   return 1;
 }
 
 // Checks one dataset as the header describes. REQUIRES: Hdf5Lock held.
 StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64_t file_bytes, uint64_t base,
                                   const std::string& where) {
-  auto bad = [&](const std::string& why) { return Status::DataLoss(where + ": tensor " + Printable(dataset) + " " + why); };
+  auto bad = [&](const std::string& why) {
+    return Status::DataLoss(where + ": tensor " + Printable(dataset) + " " + why);
+  };
   H5Handle d(H5Dopen2(file, dataset.c_str(), H5P_DEFAULT));
   if (!d.valid()) return bad("cannot be opened (corrupt header)");
   H5Handle dcpl(H5Dget_create_plist(d.get()));
   if (!dcpl.valid()) return bad("has an unreadable creation property list");
   const H5D_layout_t layout = H5Pget_layout(dcpl.get());
   if (layout == H5D_VIRTUAL)
-    return bad("is a virtual dataset (its data would come from other files); a checkpoint holds its tensors itself");
+    return bad(
+        "is a virtual dataset (its data would come from other files); a checkpoint holds its tensors itself");
   const int externals = H5Pget_external_count(dcpl.get());
   if (externals != 0) {
     char name[256] = {0};
@@ -130,8 +136,10 @@ StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64
   for (int i = 0; i < nfilters; ++i) {
     unsigned flags = 0, cd[8] = {0}, config = 0;
     size_t ncd = 8;
-    const H5Z_filter_t id = H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &ncd, cd, 0, nullptr, &config);
-    if (id != H5Z_FILTER_SHUFFLE && id != kZstdFilter && id != H5Z_FILTER_DEFLATE && id != H5Z_FILTER_FLETCHER32)
+    const H5Z_filter_t id =
+        H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &ncd, cd, 0, nullptr, &config);
+    if (id != H5Z_FILTER_SHUFFLE && id != kZstdFilter && id != H5Z_FILTER_DEFLATE &&
+        id != H5Z_FILTER_FLETCHER32)
       return bad("uses HDF5 filter " + std::to_string(id) + ", which no checkpoint writer uses");
   }
 
@@ -159,7 +167,8 @@ StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64
   const int nd = H5Sget_simple_extent_ndims(space.get());
   if (nd < 0 || nd > H5S_MAX_RANK) return bad("has an unreadable shape");
   std::vector<hsize_t> dims(static_cast<size_t>(nd));
-  if (nd > 0 && H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr) < 0) return bad("has an unreadable shape");
+  if (nd > 0 && H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr) < 0)
+    return bad("has an unreadable shape");
   uint64_t bytes = es;
   for (hsize_t x : dims) {
     if (x > static_cast<hsize_t>(std::numeric_limits<int64_t>::max()) || MulOverflows(bytes, x, &bytes))
@@ -189,21 +198,24 @@ StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64
     for (int i = 0; i < nd; ++i) {
       const hsize_t c = cd[static_cast<size_t>(i)];
       if (c == 0 || MulOverflows(chunk_bytes, c, &chunk_bytes) || chunk_bytes > kMaxChunkBytes)
-        return bad("has chunks larger than HDF5 stores");
+        return bad("has chunks larger than 1 GiB, the largest a checkpoint writes");
       const uint64_t per_dim = dims[static_cast<size_t>(i)] / c + (dims[static_cast<size_t>(i)] % c != 0);
       if (MulOverflows(chunks, per_dim, &chunks)) return bad("has more chunks than the file has bytes");
     }
     // Every stored chunk takes at least one byte of the file.
-    if (chunks > file_bytes) return bad("has " + std::to_string(chunks) + " chunks, more than the file has bytes");
+    if (chunks > file_bytes)
+      return bad("has " + std::to_string(chunks) + " chunks, more than the file has bytes");
     hsize_t present = 0;
     if (H5Dget_num_chunks(d.get(), space.get(), &present) < 0) return bad("has an unreadable chunk index");
     if (present != chunks)
       return bad("has " + std::to_string(present) + " of its " + std::to_string(chunks) +
                  " chunks (HDF5 would invent fill values for the rest)");
     const hsize_t stored = chunks > 0 ? H5Dget_storage_size(d.get()) : 0;
-    if (stored > file_bytes) return bad("stores " + std::to_string(stored) + " bytes, more than the file holds");
+    if (stored > file_bytes)
+      return bad("stores " + std::to_string(stored) + " bytes, more than the file holds");
     uint64_t padded = 0;
-    if (MulOverflows(chunks, chunk_bytes, &padded) || (padded > 0 && (stored == 0 || padded / stored > kMaxExpansion)))
+    if (MulOverflows(chunks, chunk_bytes, &padded) ||
+        (padded > 0 && (stored == 0 || padded / stored > kMaxExpansion)))
       return bad(declared + " from " + std::to_string(stored) + " stored, more than its filters can expand");
   }
   return e;
@@ -221,7 +233,8 @@ StatusOr<Manifest> ReadStepManifest(const std::string& step_dir, int64_t step) {
 
 CheckedShard::~CheckedShard() = default;
 
-StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& step_dir, const Manifest& manifest,
+StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& step_dir,
+                                                           const Manifest& manifest,
                                                            const ManifestShard& shard, bool hash_file) {
   std::unique_ptr<CheckedShard> c(new CheckedShard());
   c->path_ = step_dir + "/" + shard.file;
@@ -230,7 +243,8 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   if (::lstat(file.c_str(), &st) != 0)
     return Status::DataLoss(file + " (rank " + std::to_string(shard.rank) + ") is missing");
   if (S_ISLNK(st.st_mode))
-    return Status::DataLoss(file + " is a symbolic link; a checkpoint's shards are regular files in its directory");
+    return Status::DataLoss(file +
+                            " is a symbolic link; a checkpoint's shards are regular files in its directory");
   if (!S_ISREG(st.st_mode)) return Status::DataLoss(file + " is not a regular file");
   if (st.st_size != shard.bytes)
     return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
@@ -251,7 +265,8 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
     return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
                             std::to_string(r.rank()) + " world size " + std::to_string(r.world_size()) +
                             ", the manifest step " + std::to_string(manifest.step) + " rank " +
-                            std::to_string(shard.rank) + " world size " + std::to_string(manifest.world_size));
+                            std::to_string(shard.rank) + " world size " +
+                            std::to_string(manifest.world_size));
 
   Hdf5Lock lock;
   const hid_t f = r.hdf5_file();
@@ -260,15 +275,15 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   // or external link would otherwise just look like a missing tensor.
   if (H5Lvisit(f, H5_INDEX_NAME, H5_ITER_INC, VisitLink, &walk) < 0 && walk.error.empty())
     walk.error = "cannot list its links (corrupt file)";
-  if (walk.error.empty() && H5Ovisit2(f, H5_INDEX_NAME, H5_ITER_INC, VisitObject, &walk, H5O_INFO_BASIC) < 0 &&
-      walk.error.empty())
+  if (walk.error.empty() &&
+      H5Ovisit2(f, H5_INDEX_NAME, H5_ITER_INC, VisitObject, &walk, H5O_INFO_BASIC) < 0 && walk.error.empty())
     walk.error = "cannot list its datasets (corrupt file)";
   if (!walk.error.empty()) return Status::DataLoss(file + ": " + walk.error);
 
   // The inventory: what the writer wrote, against what the file holds.
   struct Listed {
     std::string dataset;
-    std::optional<DType> dtype;            // nullopt: a shard without an inventory
+    std::optional<DType> dtype;  // nullopt: a shard without an inventory
     std::optional<std::vector<int64_t>> shape;
   };
   std::vector<Listed> inventory;
@@ -276,13 +291,15 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
     const Status unreadable = Status::DataLoss(file + ": the tensor inventory attribute is unreadable");
     auto text = ReadStringAttr(f, kInventoryAttr, kMaxInventoryBytes);
     nlohmann::json j;
-    if (text && JsonNestingDepth(*text, 3) <= 3) j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (text && JsonNestingDepth(*text, 3) <= 3)
+      j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (!j.is_array()) return unreadable;
     for (const auto& t : j) {
       if (!t.is_object() || !t.contains("path") || !t["path"].is_string() || !t.contains("dtype") ||
           !t["dtype"].is_string() || !t.contains("shape") || !t["shape"].is_array())
         return unreadable;
-      Listed l{"/" + t["path"].get<std::string>(), ParseDType(t["dtype"].get<std::string>()), std::vector<int64_t>()};
+      Listed l{"/" + t["path"].get<std::string>(), ParseDType(t["dtype"].get<std::string>()),
+               std::vector<int64_t>()};
       if (!l.dtype) return unreadable;
       for (const auto& d : t["shape"]) {
         if (!d.is_number_integer() || d.get<int64_t>() < 0) return unreadable;
@@ -302,10 +319,12 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
       return Status::DataLoss(file + ": the tensor inventory lists " + Printable(l.dataset) + " twice");
   for (const Listed& l : inventory)
     if (!present.count(l.dataset))
-      return Status::DataLoss(file + ": tensor " + Printable(l.dataset) + " is missing (the shard's inventory lists it)");
+      return Status::DataLoss(file + ": tensor " + Printable(l.dataset) +
+                              " is missing (the shard's inventory lists it)");
   for (const std::string& ds : walk.datasets)
     if (!listed.count(ds))
-      return Status::DataLoss(file + ": holds " + Printable(ds) + ", which its tensor inventory does not list");
+      return Status::DataLoss(file + ": holds " + Printable(ds) +
+                              ", which its tensor inventory does not list");
 
   for (const Listed& l : inventory) {
     auto e = CheckDataset(f, l.dataset, static_cast<uint64_t>(st.st_size), r.base_address(), file);

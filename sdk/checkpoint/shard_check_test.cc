@@ -53,7 +53,8 @@ class ShardCheckTest : public ::testing::Test {
                                values_[static_cast<size_t>(t)].data())
                       .ok());
     EXPECT_TRUE(c->AddObject(
-                     "train/counter", [this] { return std::vector<uint8_t>(8, static_cast<uint8_t>(counter_)); },
+                     "train/counter",
+                     [this] { return std::vector<uint8_t>(8, static_cast<uint8_t>(counter_)); },
                      [this](std::span<const uint8_t> b) {
                        counter_ = b.empty() ? -1 : b[0];
                        return Status::Ok();
@@ -82,7 +83,8 @@ class ShardCheckTest : public ::testing::Test {
     ASSERT_TRUE(ckpt::HashFile(Shard(step), &h, &n).ok());
     m.shards[0].bytes = n;
     m.shards[0].xxh3 = ckpt::Hex64(h);
-    ASSERT_TRUE(ckpt::WriteFileDurably(StepDir(step) + "/MANIFEST.json", ckpt::ManifestToJson(m), false).ok());
+    ASSERT_TRUE(
+        ckpt::WriteFileDurably(StepDir(step) + "/MANIFEST.json", ckpt::ManifestToJson(m), false).ok());
   }
   // Runs `fn` on a thread and fails the test (instead of hanging it) when it
   // does not return within 10 s; `unblock` then frees it.
@@ -219,10 +221,13 @@ TEST(ManifestParseTest, RefusesHostileFields) {
   refused(bad, "step");
   auto text = [&](const std::string& s) { return ckpt::ParseManifest(s).status(); };
   const std::string ok = ckpt::ManifestToJson(m);
-  EXPECT_NE(text(std::string(ok).replace(ok.find("\"step\": 7"), 9, "\"step\": 7.5")).message().find("not an integer"),
+  EXPECT_NE(text(std::string(ok).replace(ok.find("\"step\": 7"), 9, "\"step\": 7.5"))
+                .message()
+                .find("not an integer"),
             std::string::npos);
-  EXPECT_NE(text(std::string(ok).replace(ok.find("\"step\": 7"), 9, "\"step\": 1e300")).message().find("integer"),
-            std::string::npos);
+  EXPECT_NE(
+      text(std::string(ok).replace(ok.find("\"step\": 7"), 9, "\"step\": 1e300")).message().find("integer"),
+      std::string::npos);
   EXPECT_NE(text(std::string(ok).replace(ok.find("\"world_size\": 2"), 15, "\"world_size\": 99999999"))
                 .message()
                 .find("larger"),
@@ -266,7 +271,8 @@ TEST_F(ShardCheckTest, DatasetTheInventoryDoesNotListIsRefused) {
     ckpt::Hdf5Lock lock;
     ckpt::H5Handle f(H5Fopen(Shard(1).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
     ckpt::H5Handle space(H5Screate(H5S_SCALAR));
-    ckpt::H5Handle d(H5Dcreate2(f.get(), "/extra", H5T_STD_U8LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+    ckpt::H5Handle d(
+        H5Dcreate2(f.get(), "/extra", H5T_STD_U8LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
     ASSERT_TRUE(d.valid());
   }
   FixManifest(1);

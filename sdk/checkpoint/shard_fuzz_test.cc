@@ -72,7 +72,8 @@ class ShardFuzzTest : public ::testing::Test {
 
   ShardFuzzTest() {
     static std::atomic<int> n{0};
-    root_ = (fs::temp_directory_path() / ("oomguard-fuzz-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
+    root_ = (fs::temp_directory_path() /
+             ("oomguard-fuzz-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
                 .string();
     fs::remove_all(root_);
     dir_ = root_ + "/ckpt";
@@ -113,7 +114,8 @@ class ShardFuzzTest : public ::testing::Test {
   void Fill(int64_t step) {
     for (size_t i = 0; i < w_.size(); ++i) w_[i] = static_cast<float>(step) + 0.001f * static_cast<float>(i);
     for (size_t i = 0; i < b_.size(); ++i) b_[i] = static_cast<double>(step) * 1e6 + static_cast<double>(i);
-    for (size_t i = 0; i < h_.size(); ++i) h_[i] = static_cast<uint16_t>(step * 100 + static_cast<int64_t>(i));
+    for (size_t i = 0; i < h_.size(); ++i)
+      h_[i] = static_cast<uint16_t>(step * 100 + static_cast<int64_t>(i));
     scalar_ = step * 7;
     object_.assign(300 + static_cast<size_t>(step), static_cast<uint8_t>(step));
   }
@@ -173,8 +175,8 @@ class ShardFuzzTest : public ::testing::Test {
   // One HDF5 object edit, chosen by `kind`, of the shard of step `s`.
   // Returns what it did, for failure messages.
   std::string EditObjects(int64_t s, int kind, std::mt19937_64& rng) {
-    static const char* kDatasets[] = {"/model/w", "/model/b", "/model/h", "/train/scalar", "/train/empty",
-                                      "/optimizer/state"};
+    static const char* kDatasets[] = {"/model/w",      "/model/b",     "/model/h",
+                                      "/train/scalar", "/train/empty", "/optimizer/state"};
     const std::string ds = kDatasets[rng() % 6];
     const std::string other = kDatasets[rng() % 6];
     ckpt::Hdf5Lock lock;
@@ -183,8 +185,9 @@ class ShardFuzzTest : public ::testing::Test {
     const hid_t fid = f.get();
     auto replace_with = [&](hid_t type, const std::vector<hsize_t>& dims, hid_t dcpl) {
       H5Ldelete(fid, ds.c_str(), H5P_DEFAULT);
-      ckpt::H5Handle space(dims.empty() ? H5Screate(H5S_SCALAR)
-                                        : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
+      ckpt::H5Handle space(dims.empty()
+                               ? H5Screate(H5S_SCALAR)
+                               : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
       ckpt::H5Handle d(H5Dcreate2(fid, ds.c_str(), type, space.get(), H5P_DEFAULT, dcpl, H5P_DEFAULT));
       (void)ckpt::WriteStringAttr(d.get(), "dtype", "float32");
       (void)ckpt::WriteStringAttr(d.get(), "xxh3", "0123456789abcdef");
@@ -211,7 +214,8 @@ class ShardFuzzTest : public ::testing::Test {
         return "replaced " + ds + " by a soft link to " + other;
       case 4:
         H5Ldelete(fid, ds.c_str(), H5P_DEFAULT);
-        H5Lcreate_external((outside_ + "/other.h5").c_str(), "/data", fid, ds.c_str(), H5P_DEFAULT, H5P_DEFAULT);
+        H5Lcreate_external((outside_ + "/other.h5").c_str(), "/data", fid, ds.c_str(), H5P_DEFAULT,
+                           H5P_DEFAULT);
         return "replaced " + ds + " by an external link";
       case 5: {
         ckpt::H5Handle dcpl(H5Pcreate(H5P_DATASET_CREATE));
@@ -252,9 +256,9 @@ class ShardFuzzTest : public ::testing::Test {
       }
       default:
         H5Adelete(fid, ckpt::kInventoryAttr);
-        (void)ckpt::WriteStringAttr(fid, ckpt::kInventoryAttr,
-                                    rng() % 2 ? R"([{"path": "model/w", "dtype": "float32", "shape": [40, 100]}])"
-                                              : "not json");
+        (void)ckpt::WriteStringAttr(
+            fid, ckpt::kInventoryAttr,
+            rng() % 2 ? R"([{"path": "model/w", "dtype": "float32", "shape": [40, 100]}])" : "not json");
         return "rewrote the inventory";
     }
   }
@@ -308,7 +312,8 @@ TEST_F(ShardFuzzTest, DamagedShardsNeverCrashHangOrLoadWrongValues) {
         what += " truncated step " + std::to_string(s) + " to " + std::to_string(bytes.size()) + ";";
         by_kind["truncation"]++;
       } else if (kind == 3) {  // appended bytes
-        for (int i = 0, k = 1 + static_cast<int>(rng() % 64); i < k; ++i) bytes.push_back(static_cast<char>(rng()));
+        for (int i = 0, k = 1 + static_cast<int>(rng() % 64); i < k; ++i)
+          bytes.push_back(static_cast<char>(rng()));
         WriteAll(Shard(s), bytes);
         what += " appended to step " + std::to_string(s) + ";";
         by_kind["appended bytes"]++;
@@ -363,8 +368,9 @@ TEST(ManifestFuzzTest, MutatedManifestsNeverCrashAndAcceptOnlyConsistentOnes) {
   m.created_unix = 1700000000;
   for (int r = 0; r < 3; ++r) m.shards.push_back({r, ckpt::ShardFileName(r), 1000 + r, "0123456789abcdef"});
   const std::string valid = ckpt::ManifestToJson(m);
-  static const char* kInserts[] = {"[", "{", "\"", "\\", "-", "1e999", "18446744073709551616", "0.5", "null",
-                                   "true", ",", ":", "\"rank\": 1", "\"file\": \"../x\"", "\xff", "\x01"};
+  static const char* kInserts[] = {"[",    "{",    "\"",   "\\", "-", "1e999",       "18446744073709551616",
+                                   "0.5",  "null", "true", ",",  ":", "\"rank\": 1", "\"file\": \"../x\"",
+                                   "\xff", "\x01"};
   std::mt19937_64 rng(7);
   int accepted = 0;
   for (int n = 0; n < kManifestCases; ++n) {

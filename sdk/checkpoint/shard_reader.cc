@@ -247,7 +247,8 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
       for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(total, x, &total);
       if (overflow || total > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
           static_cast<int64_t>(total) != q.bytes)
-        return Status::DataLoss(where(r) + " holds " + (overflow ? std::string("more than 2^64") : std::to_string(total)) +
+        return Status::DataLoss(where(r) + " holds " +
+                                (overflow ? std::string("more than 2^64") : std::to_string(total)) +
                                 " bytes, expected " + std::to_string(q.bytes));
       H5Handle dcpl(H5Dget_create_plist(d.get()));
       ChunkLayout L;
@@ -261,8 +262,8 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
           try {
             scratch.resize(static_cast<size_t>(q.bytes));
           } catch (const std::bad_alloc&) {
-            return Status::ResourceExhausted(where(r) + ": no host memory for the " + std::to_string(q.bytes) +
-                                             " bytes HDF5 needs to decode it");
+            return Status::ResourceExhausted(where(r) + ": no host memory for the " +
+                                             std::to_string(q.bytes) + " bytes HDF5 needs to decode it");
           }
           dst = scratch.data();
         }
@@ -412,8 +413,8 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
     if (requests[r].bytes == 0) {
       check_hash(r, XXH3_64bits(nullptr, 0));
     } else if (done_by_hdf5[r]) {
-      check_hash(r, requests[r].out == nullptr ? hdf5_hash[r]
-                                                : XXH3_64bits(requests[r].out, static_cast<size_t>(requests[r].bytes)));
+      const ReadRequest& q = requests[r];
+      check_hash(r, q.out == nullptr ? hdf5_hash[r] : XXH3_64bits(q.out, static_cast<size_t>(q.bytes)));
     }
   }
   return status;

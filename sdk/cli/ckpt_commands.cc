@@ -105,13 +105,12 @@ int Verify(const CkptArgs& a) {
   }
   if (a.json) {
     std::printf("%s\n", ordered_json{{"ok", bad == 0}, {"checkpoints", results}, {"incomplete", incomplete}}
-                             .dump(-1, ' ', false, ordered_json::error_handler_t::replace)
-                             .c_str());
+                            .dump(-1, ' ', false, ordered_json::error_handler_t::replace)
+                            .c_str());
   } else {
     for (int64_t step : incomplete)
       std::printf("step %" PRId64 ": incomplete (no MANIFEST.json), not a checkpoint\n", step);
-    if (bad > 0)
-      std::printf("%d of %zu checkpoint(s) did not verify\n", bad, steps.size());
+    if (bad > 0) std::printf("%d of %zu checkpoint(s) did not verify\n", bad, steps.size());
   }
   return bad == 0 ? 0 : 1;
 }

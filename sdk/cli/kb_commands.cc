@@ -115,7 +115,9 @@ void CmdShow(const KbArgs& a) {
     return;
   }
   // Fields may come from an imported file: nothing reaches the terminal raw.
-  auto kv = [](const char* k, const std::string& v) { std::printf("%-16s %s\n", k, TerminalSafe(v).c_str()); };
+  auto kv = [](const char* k, const std::string& v) {
+    std::printf("%-16s %s\n", k, TerminalSafe(v).c_str());
+  };
   kv("id", i.id);
   kv("time (UTC)", FormatTime(i.time_unix_ms));
   kv("run", i.run_id);

@@ -1,8 +1,8 @@
 #include "sdk/cli/table.h"
 
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <ctime>
 
 namespace oomguard::cli {

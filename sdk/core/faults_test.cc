@@ -189,7 +189,8 @@ TEST(FaultParseTest, BadRulesNameTheRuleAndTheProblem) {
       {"delay@step=3", "delay@step=3", "delay needs ms=N"},
       {"delay@ms=-4", "delay@ms=-4", "ms: '-4' is negative"},
       // A delay has an upper bound (issue 15): 1e17 ms would overflow the sleep's nanoseconds.
-      {"delay@ms=99999999999999999", "delay@ms=99999999999999999", "is out of range (at most 3600000, one hour)"},
+      {"delay@ms=99999999999999999", "delay@ms=99999999999999999",
+       "is out of range (at most 3600000, one hour)"},
       {"delay@ms=3600001", "delay@ms=3600001", "at most 3600000"},
       {"oom@ms=5", "oom@ms=5", "ms is only valid for delay"},
       {"kill@ms=5", "kill@ms=5", "ms is only valid for delay"},

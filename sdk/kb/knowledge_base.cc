@@ -288,7 +288,8 @@ StatusOr<std::unique_ptr<KnowledgeBase>> KnowledgeBase::Open(const std::string& 
   if (options.read_only) {
     auto reader = kb::Store::OpenReadOnly(path, options.busy_timeout_ms);
     if (!reader.ok()) return reader.status();
-    return std::unique_ptr<KnowledgeBase>(new KnowledgeBaseImpl(path, options, nullptr, std::move(reader).value()));
+    return std::unique_ptr<KnowledgeBase>(
+        new KnowledgeBaseImpl(path, options, nullptr, std::move(reader).value()));
   }
   auto writer = kb::Store::Open(path, options.busy_timeout_ms, options.create_if_missing);
   if (!writer.ok()) return writer.status();

@@ -290,7 +290,8 @@ TEST_F(KnowledgeBaseTest, ReaderNeverCreatesOrChangesAFile) {
     o.read_only = read_only;
     auto other = KnowledgeBase::Open(path_, o);
     EXPECT_EQ(other.status().code(), StatusCode::kFailedPrecondition);
-    EXPECT_NE(other.status().message().find("not an oomguard knowledge base"), std::string::npos) << other.status();
+    EXPECT_NE(other.status().message().find("not an oomguard knowledge base"), std::string::npos)
+        << other.status();
   }
   EXPECT_EQ(fs::file_size(path_), size);
   EXPECT_FALSE(fs::exists(path_ + "-wal"));

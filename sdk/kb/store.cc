@@ -171,17 +171,21 @@ Status Store::ReadVersion(int* version) {
     if (!tables.empty())
       return Status::FailedPrecondition("knowledge base " + path_ +
                                         " is an SQLite database but not an oomguard knowledge base (it holds "
-                                        "tables such as " + tables + " and no schema_version); it is left as it is");
+                                        "tables such as " +
+                                        tables + " and no schema_version); it is left as it is");
     return Status::Ok();
   }
   if (rc != SQLITE_ROW) return Error(rc, "read schema");
   Stmt v(db_, "SELECT version FROM schema_version");
   if (v.prepare_rc() != SQLITE_OK) return Error(v.prepare_rc(), "read schema version");
   rc = v.Step();
-  if (rc == SQLITE_ROW) *version = static_cast<int>(v.Int(0));
-  else if (rc != SQLITE_DONE) return Error(rc, "read schema version");
+  if (rc == SQLITE_ROW)
+    *version = static_cast<int>(v.Int(0));
+  else if (rc != SQLITE_DONE)
+    return Error(rc, "read schema version");
   if (*version > kSchemaVersion)
-    return Status::FailedPrecondition("knowledge base " + path_ + ": schema version " + std::to_string(*version) +
+    return Status::FailedPrecondition("knowledge base " + path_ + ": schema version " +
+                                      std::to_string(*version) +
                                       " is newer than this oomguard understands (" +
                                       std::to_string(kSchemaVersion) + "); upgrade oomguard");
   return Status::Ok();

@@ -97,10 +97,10 @@ class Store {
   std::string path_;
   sqlite3* db_;
   bool read_only_ = false;
-  bool immutable_ = false;           // read-only, opened with immutable=1 (no -wal existed)
+  bool immutable_ = false;  // read-only, opened with immutable=1 (no -wal existed)
   int busy_timeout_ms_ = 0;
-  int version_ = kSchemaVersion;     // of the file; a reader may see an older one
-  std::string signature_;            // read-only: the file as it was when connected
+  int version_ = kSchemaVersion;  // of the file; a reader may see an older one
+  std::string signature_;         // read-only: the file as it was when connected
 };
 
 }  // namespace oomguard::kb

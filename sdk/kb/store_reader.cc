@@ -26,8 +26,8 @@ bool FileExists(const std::string& path) {
 std::string FileSignature(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return "-";
-  return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" + std::to_string(st.st_size) + ":" +
-         std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) +
+  return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" + std::to_string(st.st_size) +
+         ":" + std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) +
          (FileExists(path + "-wal") ? ":wal" : "");
 }
 
@@ -63,7 +63,8 @@ std::string NotSqliteReason(const std::string& path) {
 
 StatusOr<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path, int busy_timeout_ms) {
   if (path.empty()) return Status::InvalidArgument("knowledge base path is empty");
-  if (busy_timeout_ms < 0) return Status::InvalidArgument("KnowledgeBaseOptions.busy_timeout_ms must be >= 0");
+  if (busy_timeout_ms < 0)
+    return Status::InvalidArgument("KnowledgeBaseOptions.busy_timeout_ms must be >= 0");
   std::unique_ptr<Store> store(new Store(path, nullptr));
   store->read_only_ = true;
   store->busy_timeout_ms_ = busy_timeout_ms;
@@ -89,24 +90,28 @@ Status Store::ConnectReadOnly() {
     return Status::DataLoss(where + " " + why + " (the file is not an oomguard knowledge base)");
   const bool wal = FileExists(path_ + "-wal");
   if (wal && !FileExists(path_ + "-shm"))
-    return Status::FailedPrecondition(where + " has a -wal file but no -shm beside it (copied without it?); a "
-                                      "reader does not create files. Copy the -shm too, or let its owner open it "
-                                      "once with a command that writes (`oomguard kb import --db " + path_ +
-                                      " /dev/null`)");
+    return Status::FailedPrecondition(
+        where +
+        " has a -wal file but no -shm beside it (copied without it?); a "
+        "reader does not create files. Copy the -shm too, or let its owner open it "
+        "once with a command that writes (`oomguard kb import --db " +
+        path_ + " /dev/null`)");
   // Without a -wal every committed incident is in the file itself: read it
   // as an immutable file, which needs no -wal or -shm. With one, SQLite's
   // read-only WAL reader uses the files that are there.
   immutable_ = !wal;
   signature_ = FileSignature(path_);
   const std::string uri = FileUri(path_) + (immutable_ ? "?mode=ro&immutable=1" : "?mode=ro");
-  int rc = sqlite3_open_v2(uri.c_str(), &db_, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX, nullptr);
+  int rc = sqlite3_open_v2(uri.c_str(), &db_, SQLITE_OPEN_READONLY | SQLITE_OPEN_URI | SQLITE_OPEN_NOMUTEX,
+                           nullptr);
   if (rc != SQLITE_OK) return Error(rc, "open for reading");
   sqlite3_busy_timeout(db_, busy_timeout_ms_);
   sqlite3_extended_result_codes(db_, 1);
   int version = 0;
   OOMGUARD_RETURN_IF_ERROR(ReadVersion(&version));
   if (version == 0)
-    return Status::FailedPrecondition(where + " is an SQLite database but not an oomguard knowledge base (it has "
+    return Status::FailedPrecondition(where +
+                                      " is an SQLite database but not an oomguard knowledge base (it has "
                                       "no schema_version table)");
   version_ = version;
   return Status::Ok();

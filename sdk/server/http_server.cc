@@ -1,12 +1,12 @@
 #include "sdk/server/http_server.h"
 
 #include <algorithm>
-#include <cctype>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cctype>
 #include <chrono>
 #include <list>
 #include <optional>
@@ -135,11 +135,12 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
     parser_->body_limit(0);
     if (buffer_.size() > 0) return ReadHeader();  // a pipelined request is already here
     stream_.expires_after(std::chrono::seconds(server_->options_.idle_timeout_s));
-    stream_.async_read_some(buffer_.prepare(1024), [self = shared_from_this()](beast::error_code ec, size_t n) {
-      self->buffer_.commit(n);
-      if (ec || self->closing_) return self->Close();
-      self->ReadHeader();
-    });
+    stream_.async_read_some(buffer_.prepare(1024),
+                            [self = shared_from_this()](beast::error_code ec, size_t n) {
+                              self->buffer_.commit(n);
+                              if (ec || self->closing_) return self->Close();
+                              self->ReadHeader();
+                            });
   }
 
   void ReadHeader() {
@@ -167,7 +168,8 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
     // vouch for a second).
     const size_t hosts = req.count(http::field::host);
     if (hosts > 1) return Send(Plain(400, "more than one Host header"), true);
-    if (hosts == 0 && req.version() >= 11) return Send(Plain(400, "an HTTP/1.1 request needs a Host header"), true);
+    if (hosts == 0 && req.version() >= 11)
+      return Send(Plain(400, "an HTTP/1.1 request needs a Host header"), true);
     if (hosts == 1 &&
         !server_->HostAllowed(std::string_view(req[http::field::host].data(), req[http::field::host].size())))
       return Send(Plain(421, "this server answers only to localhost (Host header rejected)"), true);

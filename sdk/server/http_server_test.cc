@@ -107,7 +107,8 @@ TEST(HttpServer, TricklingHeaderIsCutOffByTheHeaderTimeout) {
   Served s(o);
   int slow = Connect(s.port());
   const auto t0 = Clock::now();
-  const std::string head = "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+  const std::string head =
+      "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
   bool closed = false;
   for (char c : head) {
     Send(slow, std::string(1, c));

@@ -86,7 +86,8 @@ void SnapshotSource::Poll() {
     // read-only, without the locks a writer would wait for).
     auto reopened = kb::KnowledgeBaseSet::Open(paths_);
     StatusOr<std::shared_ptr<const IncidentIndex>> next =
-        reopened.ok() ? LoadIndex(&*reopened) : StatusOr<std::shared_ptr<const IncidentIndex>>(reopened.status());
+        reopened.ok() ? LoadIndex(&*reopened)
+                      : StatusOr<std::shared_ptr<const IncidentIndex>>(reopened.status());
     if (next.ok()) files_ = std::move(reopened).value();
     lock.lock();
     if (next.ok()) {
