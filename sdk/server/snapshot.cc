@@ -24,13 +24,12 @@ StatusOr<std::unique_ptr<SnapshotSource>> SnapshotSource::Open(const std::vector
   if (!files.ok()) return files.status();
   auto first = LoadIndex(&*files);
   if (!first.ok()) return first.status();
-  return std::unique_ptr<SnapshotSource>(
-      new SnapshotSource(std::move(files).value(), std::move(first).value(), poll_ms));
+  return std::unique_ptr<SnapshotSource>(new SnapshotSource(files->paths(), std::move(first).value(), poll_ms));
 }
 
-SnapshotSource::SnapshotSource(kb::KnowledgeBaseSet files, std::shared_ptr<const IncidentIndex> first,
+SnapshotSource::SnapshotSource(std::vector<std::string> paths, std::shared_ptr<const IncidentIndex> first,
                                int poll_ms)
-    : files_(std::move(files)), paths_(files_.paths()), poll_ms_(poll_ms), current_(std::move(first)) {
+    : paths_(std::move(paths)), poll_ms_(poll_ms), current_(std::move(first)) {
   if (poll_ms_ > 0) poller_ = std::thread([this] { Poll(); });
 }
 
@@ -81,14 +80,13 @@ void SnapshotSource::Poll() {
       lock.lock();
       continue;
     }
-    // Open the files again: a replaced file is another file, and a reader
-    // never sees what changed under it (kb::KnowledgeBaseSet reads
-    // read-only, without the locks a writer would wait for).
-    auto reopened = kb::KnowledgeBaseSet::Open(paths_);
-    StatusOr<std::shared_ptr<const IncidentIndex>> next =
-        reopened.ok() ? LoadIndex(&*reopened)
-                      : StatusOr<std::shared_ptr<const IncidentIndex>>(reopened.status());
-    if (next.ok()) files_ = std::move(reopened).value();
+    // Open the files again (a replaced file is another file) and close them
+    // once read, so that no connection of ours outlives the reload.
+    auto next = [this]() -> StatusOr<std::shared_ptr<const IncidentIndex>> {
+      auto files = kb::KnowledgeBaseSet::Open(paths_);
+      if (!files.ok()) return files.status();
+      return LoadIndex(&*files);
+    }();
     lock.lock();
     if (next.ok()) {
       current_ = std::move(next).value();

@@ -196,6 +196,13 @@ def main():
             # another inode: the server notices and reads the new file (issue 15, item 8).
             replacement = os.path.join(tmp, "replacement.db")
             fx.import_jsonl(og, replacement, fx.XSS_JSONL)
+            # As with any SQLite file, replace it only with no -wal beside it: a
+            # -wal left there belongs to the old file. The writer above removes
+            # its -wal on close, unless a reload of the server read at that very
+            # moment; then a writer that opens and closes it removes it.
+            if os.path.exists(dbs[-1] + "-wal"):
+                fx.import_jsonl(og, dbs[-1], os.devnull)
+            check(not os.path.exists(dbs[-1] + "-wal"), "no -wal is left beside the served file")
             os.replace(replacement, dbs[-1])
             deadline = time.time() + 5
             while time.time() < deadline and s.json("/api/stats")["incidents"] != 18:
