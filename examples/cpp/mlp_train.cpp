@@ -10,12 +10,15 @@
 // splits the step into smaller micro-batches (same global batch, same
 // gradient) and retries; the final parameters equal an unlimited run's.
 // Exit codes: 0 done, 1 training failed, 2 bad arguments, 3 --check-against
-// mismatch, 75 a peer rank stopped answering (restart every rank with --resume).
+// mismatch, 4 done but the knowledge base lost incidents (incident_ops_lost in
+// the JSON line), 75 a peer rank stopped answering (restart every rank with
+// --resume).
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -48,10 +51,40 @@ uint64_t ParameterHash(const std::vector<double>& params) {
   return h;
 }
 
+// A JSON number; null for NaN and infinities (a diverged loss), which JSON cannot spell.
 std::string Json(double v) {
+  if (!std::isfinite(v)) return "null";
   char buf[40];
   std::snprintf(buf, sizeof(buf), "%.17g", v);
   return buf;
+}
+
+// A finite number in (lo, hi] when `above_lo`, else [lo, hi]. CLI11's
+// PositiveNumber and Range let NaN through (every comparison with it is false).
+CLI::Validator FiniteNumber(double lo, double hi, bool above_lo) {
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0' || !std::isfinite(v))
+          return "must be a finite number, got '" + text + "'";
+        if ((above_lo ? !(v > lo) : !(v >= lo)) || v > hi) {
+          char range[96];
+          std::snprintf(range, sizeof(range), "must be %s %g and at most %g", above_lo ? ">" : ">=", lo, hi);
+          return range + std::string(", got '") + text + "'";
+        }
+        return "";
+      },
+      "NUMBER");
+}
+
+// MiB as bytes, for a simulated device; an error when a positive budget is
+// below one byte (it would become 0, which means unlimited).
+std::string BudgetError(const std::string& what, double mib) {
+  if (!(mib > 0 && mib * 1048576.0 < 1.0)) return "";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g MiB", mib);
+  return "mlp_train: " + what + ": " + buf + " is less than one byte (0 means unlimited)\n";
 }
 
 }  // namespace
@@ -77,7 +110,7 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", cfg.hidden, "hidden units per layer")->check(CLI::Range(1, 8192));
   app.add_option("--seed", cfg.seed, "data and initialisation seed");
   app.add_option("--optimizer", cfg.optimizer, "adam or sgd")->check(CLI::IsMember({"adam", "sgd"}));
-  app.add_option("--lr", cfg.lr, "learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--lr", cfg.lr, "learning rate")->check(FiniteNumber(0, 1e9, /*above_lo=*/true));
   app.add_flag("--lazy-optimizer-state", cfg.lazy_optimizer_state,
                "allocate Adam moments at the first optimizer step");
   app.add_option("--leak-bytes-per-step", cfg.leak_bytes_per_step,
@@ -85,7 +118,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--workload", cfg.workload, "workload signature (default: derived from the model)");
   app.add_option("--device-budget-mib", budget_mib, "simulated device capacity in MiB (0: unlimited)")
-      ->check(CLI::Range(0.0, 1e9));
+      ->check(FiniteNumber(0, 1e9, /*above_lo=*/false));
   app.add_option("--faults", faults, "fault rules, as OOMGUARD_FAULTS (e.g. oom@step=3,site=backward)");
   app.add_option("--ckpt-dir", cfg.ckpt_dir, "write checkpoints (oomguard-ckpt/1) to this directory");
   app.add_option("--ckpt-every", cfg.ckpt_every, "save a checkpoint after every N steps (0: only after a recovered OOM)")
@@ -117,6 +150,10 @@ int main(int argc, char** argv) {
     int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
   }
+  if (std::string e = BudgetError("--device-budget-mib", budget_mib); !e.empty()) {
+    std::fputs(e.c_str(), stderr);
+    return 2;
+  }
   if (cfg.micro_batch > 0 && cfg.micro_batch < cfg.min_micro_batch) {
     std::fprintf(stderr, "mlp_train: --micro-batch (%" PRId64 ") must be >= --min-micro-batch (%" PRId64 ")\n",
                  cfg.micro_batch, cfg.min_micro_batch);
@@ -140,9 +177,20 @@ int main(int argc, char** argv) {
     const size_t eq = rb.find('=');
     char* end = nullptr;
     const long r = eq == std::string::npos ? -1 : std::strtol(rb.c_str(), &end, 10);
-    const double mib = eq == std::string::npos ? -1 : std::strtod(rb.c_str() + eq + 1, nullptr);
-    if (eq == std::string::npos || end != rb.c_str() + eq || r < 0 || r > 1 << 20 || !(mib >= 0)) {
+    if (eq == std::string::npos || eq == 0 || end != rb.c_str() + eq || r < 0 || r > 1 << 20) {
       std::fprintf(stderr, "mlp_train: --rank-budget-mib '%s': expected R=X (rank, MiB), e.g. 1=2.5\n", rb.c_str());
+      return 2;
+    }
+    const std::string value = rb.substr(eq + 1);
+    char* vend = nullptr;
+    const double mib = std::strtod(value.c_str(), &vend);
+    if (value.empty() || *vend != '\0' || !std::isfinite(mib) || mib < 0 || mib > 1e9) {
+      std::fprintf(stderr, "mlp_train: --rank-budget-mib '%s': '%s' is not a number of MiB in [0, 1e9]\n", rb.c_str(),
+                   value.c_str());
+      return 2;
+    }
+    if (std::string e = BudgetError("--rank-budget-mib '" + rb + "'", mib); !e.empty()) {
+      std::fputs(e.c_str(), stderr);
       return 2;
     }
     budget_of[static_cast<int>(r)] = mib;
@@ -280,10 +328,19 @@ int main(int argc, char** argv) {
     results[0] = mlp::Train(cfg, devices[0].get(), h);
   }
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Incidents the knowledge base did not store: part of the result (the JSON
+  // line and exit code 4), not only a log line.
+  int64_t incidents_lost = 0;
   if (kb) {
     oomguard::Status f = kb->Flush();
     if (!f.ok()) std::fprintf(stderr, "mlp_train: --kb: %s\n", f.ToString().c_str());
+    incidents_lost = kb->sink_stats().lost();
+  } else if (!kb_path.empty()) {
+    for (const auto& r : results) incidents_lost += r.ooms;  // none of them was recorded
   }
+  if (incidents_lost > 0)
+    std::fprintf(stderr, "mlp_train: --kb %s: %" PRId64 " incident operation(s) were not recorded\n",
+                 kb_path.c_str(), incidents_lost);
   const mlp::TrainResult& res = results[0];
   if (talk && res.resumed_from_step >= 0)
     std::printf("resumed from the checkpoint of step %" PRId64 " in %s\n", res.resumed_from_step,
@@ -342,7 +399,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "mlp_train: ranks disagree on the final parameters\n");
     return 1;
   }
-  if (first_rank != 0) return 0;  // rank 0 writes files and the JSON line
+  if (first_rank != 0) return incidents_lost > 0 ? 4 : 0;  // rank 0 writes files and the JSON line
 
   double rel = -1;
   if (int rc = mlp::DumpAndCheckParameters("mlp_train", res.params, dump_params, check_against,
@@ -382,16 +439,17 @@ int main(int argc, char** argv) {
                 "\"max_rel_diff\":%s,\"checkpoints_written\":%" PRId64 ",\"resumed_from_step\":%s,"
                 "\"rollbacks\":%" PRId64 ",\"redone\":%" PRId64 ",\"last_checkpoint\":%s,"
                 "\"ckpt_stall_ms_median\":%s,\"ckpt_stall_ms_max\":%s,"
-                "\"world_size\":%d,\"dist\":\"%s\",\"token_weighted\":%s,\"ranks\":[%s]}\n",
+                "\"world_size\":%d,\"dist\":\"%s\",\"token_weighted\":%s,\"ranks\":[%s],"
+                "\"incident_ops_lost\":%" PRId64 "}\n",
                 res.steps_done, cfg.global_batch, res.initial_micro_batch, res.final_micro_batch, ooms,
                 Json(res.loss_first).c_str(), Json(res.loss_last).c_str(), Json(wall_s).c_str(),
                 Json(budget_mib).c_str(), cfg.hidden, rel < 0 ? "null" : Json(rel).c_str(), res.checkpoints_written,
                 res.resumed_from_step < 0 ? "null" : std::to_string(res.resumed_from_step).c_str(), res.rollbacks,
                 redone, res.last_checkpoint < 0 ? "null" : std::to_string(res.last_checkpoint).c_str(),
                 Json(stall_median).c_str(), Json(stall_max).c_str(), world, dist.c_str(),
-                cfg.token_weighted ? "true" : "false", ranks_json.c_str());
+                cfg.token_weighted ? "true" : "false", ranks_json.c_str(), incidents_lost);
   }
   std::fflush(stdout);
   if (rel > 1e-10) return 3;
-  return 0;
+  return incidents_lost > 0 ? 4 : 0;
 }

@@ -11,13 +11,16 @@ ends with the same parameters as a run without OOMs (with float64, within
         --steps 20 --global-batch 512 --budget-mib 24 --dtype float64 --json
 
 Data for step k is a pure function of (seed, k), so a rolled-back or resumed
-run sees the same batches.
+run sees the same batches. Exit codes: 0 done, 1 training failed, 2 bad
+arguments, 4 done but the knowledge base lost incidents (``incident_ops_lost``
+in the JSON line).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -66,11 +69,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write all parameters in state_dict order as raw little-endian float64")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     args = p.parse_args(argv)
+    # float() accepts "nan" and "inf", and every comparison with NaN is false:
+    # check finiteness before ranges.
+    for flag, value in (("--lr", args.lr), ("--budget-mib", args.budget_mib)):
+        if not math.isfinite(value):
+            p.error(f"{flag} must be a finite number, got {value}")
     if args.steps < 1 or args.global_batch < 1 or args.micro_batch < 0 or args.budget_mib < 0:
         p.error("--steps and --global-batch must be >= 1; --micro-batch and --budget-mib >= 0")
+    if args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if 0 < args.budget_mib * (1 << 20) < 1:
+        p.error(f"--budget-mib {args.budget_mib} is less than one byte (0 means no budget)")
+    if args.ckpt_every < 1:
+        p.error(f"--ckpt-every must be >= 1, got {args.ckpt_every}")
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
     return args
+
+
+def json_number(x):
+    """A float for JSON: None (null) for NaN and infinities (a diverged loss), which JSON cannot spell."""
+    return x if x is not None and math.isfinite(x) else None
 
 
 def main(argv=None) -> int:
@@ -126,8 +145,17 @@ def main(argv=None) -> int:
     wall_s = time.monotonic() - t0
     if ckpt is not None:
         ckpt.wait()
+    # Incidents the knowledge base did not store are part of the result (the
+    # JSON line and exit code 4), not only a log line.
+    lost = 0
     if kb is not None:
-        kb.flush()
+        try:
+            kb.flush()
+        except oomguard.OomguardError as e:
+            print(f"train_torch: --kb: {e}", file=sys.stderr)
+        lost = kb.sink_stats.lost
+        if lost:
+            print(f"train_torch: --kb {args.kb}: {lost} incident operation(s) were not recorded", file=sys.stderr)
     if args.dump_params:
         ogt.flat_parameters(model).numpy().astype("<f8").tofile(args.dump_params)
     if args.json:
@@ -137,11 +165,12 @@ def main(argv=None) -> int:
             "initial_micro_batch": min(initial, args.global_batch) if initial > 0 else args.global_batch,
             "final_micro_batch": min(guard.micro_limit, args.global_batch),
             "ooms": guard.total_ooms,
-            "loss_first": loss_first,
-            "loss_last": loss_last,
+            "loss_first": json_number(loss_first),
+            "loss_last": json_number(loss_last),
             "wall_s": round(wall_s, 3),
-        }))
-    return 0
+            "incident_ops_lost": lost,
+        }, allow_nan=False))
+    return 4 if lost else 0
 
 
 if __name__ == "__main__":

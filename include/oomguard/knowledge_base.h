@@ -103,6 +103,10 @@ struct KnowledgeBaseOptions {
   bool create_if_missing = true;
   // Classify incidents that arrive without a pattern before storing them (on the writer thread).
   bool classify = true;
+  // Open for reading only: never create, migrate or write the file, and leave no -wal/-shm file
+  // beside it (a user who may only read the file can browse it). A file that is not an oomguard
+  // knowledge base is refused. The sink's operations and Insert fail (counted as lost).
+  bool read_only = false;
 };
 
 // Counters of the background writer since Open.
@@ -112,6 +116,10 @@ struct SinkStats {
   int64_t written = 0;       // operations committed to the file
   int64_t write_errors = 0;  // operations lost because a write failed
   std::string last_error;    // the last write failure ("" when none)
+
+  // Operations that never reached the file: a run whose count is not 0 lost
+  // incidents, and should say so in its result (call after Flush()).
+  int64_t lost() const { return dropped + write_errors; }
 };
 
 // Filters of Query; empty / zero fields do not filter.
@@ -163,10 +171,13 @@ class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
   // The schema version this build writes (older files are migrated on Open).
   static int SchemaVersion();
 
-  // Opens (and creates, migrates) the store at `path`. Errors:
-  //   kNotFound          the file does not exist and create_if_missing is false
+  // Opens (and creates, migrates) the store at `path`; with options.read_only
+  // opens it for reading only. Errors:
+  //   kNotFound          the file does not exist and create_if_missing is false (or read_only)
   //   kDataLoss          the file is not an SQLite database (corrupt)
-  //   kFailedPrecondition the schema is newer than this build understands
+  //   kFailedPrecondition the schema is newer than this build understands; the file is an SQLite
+  //                      database but not a knowledge base; read_only and the file is empty;
+  //                      not read_only and the file, or its -wal/-shm, is not writable by this user
   //   kUnavailable       another process held the lock past busy_timeout_ms
   //   kInvalidArgument   bad options or path
   // Every message names the path.
@@ -181,6 +192,8 @@ class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
 
   // Waits until everything queued before the call is written. Returns the first
   // write failure since the previous Flush (the operations are lost), or OK.
+  // Operations dropped by a full queue are not failures here: sink_stats().lost()
+  // counts both.
   virtual Status Flush() = 0;
 
   // The largest micro-batch known to run clean for `workload`, or nullopt.

@@ -31,6 +31,7 @@
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/thread_pool.h"
 #include "sdk/core/ids.h"
 
@@ -747,9 +748,8 @@ void CheckpointerImpl::ApplyRetention(int64_t newest_committed) {
 
 Status CheckpointerImpl::LoadStep(int64_t step) {
   const std::string dir = StepDir(step);
-  auto m = ckpt::ReadManifest(dir);
+  auto m = ckpt::ReadStepManifest(dir, step);
   if (!m.ok()) return m.status();
-  if (m->step != step) return Status::DataLoss(dir + "/MANIFEST.json names step " + std::to_string(m->step));
   if (m->world_size != o_.world_size)
     return Status::DataLoss(dir + "/MANIFEST.json names world size " + std::to_string(m->world_size) +
                             ", this run has " + std::to_string(o_.world_size) +
@@ -759,27 +759,11 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
     if (s.rank == o_.rank) sh = &s;
   if (sh == nullptr)
     return Status::DataLoss(dir + "/MANIFEST.json has no shard for rank " + std::to_string(o_.rank));
-  const std::string file = dir + "/" + sh->file;
-  struct stat st {};
-  if (::stat(file.c_str(), &st) != 0) return Status::DataLoss(file + " is missing");
-  if (st.st_size != sh->bytes)
-    return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
-                            std::to_string(sh->bytes) + " (truncated or rewritten)");
-  // The whole-file hash runs on its own thread while the pool decodes: it
-  // reads the same pages, so the two passes share one trip through memory
-  // (or one read from disk when the file is not cached).
-  std::optional<ckpt::FileHashCheck> file_check;
-  if (o_.verify_file_checksum) file_check.emplace(file, sh->xxh3);
-  auto file_verdict = [&]() -> Status { return file_check ? file_check->Verdict() : Status::Ok(); };
-  auto reader = ckpt::ShardReader::Open(file);
-  if (!reader.ok()) {
-    Status fs_status = file_verdict();
-    return fs_status.ok() ? reader.status() : fs_status;
-  }
-  auto& r = **reader;
-  if (r.step() != step || r.rank() != o_.rank || r.world_size() != o_.world_size)
-    return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
-                            std::to_string(r.rank()) + " world size " + std::to_string(r.world_size()));
+  // The checker VerifyCheckpoint uses too (shard_check.h): the shard's
+  // structure and sizes are checked before anything is allocated or read.
+  auto checked = ckpt::CheckedShard::Open(dir, *m, *sh, o_.verify_file_checksum);
+  if (!checked.ok()) return checked.status();
+  ckpt::CheckedShard& shard = **checked;
   // Host tensors and objects in one pipeline; a CUDA tensor goes through a
   // host buffer of its own size, one at a time. Objects' load() runs last,
   // only when every byte of the shard has verified.
@@ -788,31 +772,40 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     const std::string ds = "/" + e.path;
+    const ckpt::ShardEntry* found = shard.Find(ds);
+    if (found == nullptr)
+      return shard.Finish(Status::DataLoss(shard.path() + ": tensor " + ds + " is missing"));
     if (e.is_object) {
-      auto info = r.Info(ds);
-      if (!info.ok()) return info.status();
-      objects[i].resize(static_cast<size_t>(info->bytes));
-      batch.push_back({ds, false, DType::kUInt8, {}, objects[i].data(), info->bytes});
+      if (found->dtype != DType::kUInt8 || found->shape.size() != 1)
+        return shard.Finish(
+            Status::DataLoss(shard.path() + ": object " + ds + " is not a 1-D uint8 dataset"));
+      try {
+        objects[i].resize(static_cast<size_t>(found->bytes));  // bounded by the file (CheckedShard)
+      } catch (const std::bad_alloc&) {
+        return shard.Finish(Status::ResourceExhausted(shard.path() + ": object " + ds + " needs " +
+                                                      std::to_string(found->bytes) +
+                                                      " bytes of host memory"));
+      }
+      batch.push_back({ds, true, DType::kUInt8, found->shape, objects[i].data(), found->bytes});
     } else if (!e.on_cuda) {
       batch.push_back({ds, true, e.dtype, e.shape, static_cast<uint8_t*>(e.data), e.bytes});
     }
   }
-  Status read_status = r.ReadMany(batch, pool_.get());
+  Status read_status = shard.Read(batch, pool_.get());
   for (size_t i = 0; i < entries_.size() && read_status.ok(); ++i) {
     const Entry& e = entries_[i];
     if (!e.on_cuda) continue;
     std::vector<uint8_t> host(static_cast<size_t>(e.bytes));
-    read_status = r.ReadInto("/" + e.path, true, e.dtype, e.shape, host.data(), e.bytes, pool_.get());
+    read_status = shard.Read({{"/" + e.path, true, e.dtype, e.shape, host.data(), e.bytes}}, pool_.get());
     if (read_status.ok() && e.bytes > 0) {
       read_status = BeginDeviceCopies();
       if (read_status.ok()) read_status = copier_->ToDevice(e.data, host.data(), host.size());
       if (read_status.ok()) read_status = copier_->Sync();
     }
   }
-  // A tensor's own error names the tensor; prefer it over the file's.
-  Status fs_status = file_verdict();
-  if (!read_status.ok()) return read_status;
-  if (!fs_status.ok()) return fs_status;
+  // A tensor's own error names the tensor; Finish prefers it over the file's.
+  OOMGUARD_RETURN_IF_ERROR(shard.Finish(read_status));
+  const std::string file = shard.path();
   for (size_t i = 0; i < entries_.size(); ++i) {
     if (!entries_[i].is_object) continue;
     Status s = entries_[i].load(objects[i]);

@@ -118,22 +118,41 @@ Status WriteInt64Attr(hid_t obj, const char* name, int64_t value) {
   return Status::Ok();
 }
 
-std::optional<std::string> ReadStringAttr(hid_t obj, const char* name) {
-  if (H5Aexists(obj, name) <= 0) return std::nullopt;
+namespace {
+
+// Opens attribute `name` of `obj` when it holds exactly one element: a file
+// from elsewhere may make any attribute an array, and H5Aread writes every
+// element into the caller's buffer.
+H5Handle OpenSingleAttr(hid_t obj, const char* name) {
+  if (H5Aexists(obj, name) <= 0) return H5Handle();
   H5Handle attr(H5Aopen(obj, name, H5P_DEFAULT));
+  if (!attr.valid()) return H5Handle();
+  H5Handle space(H5Aget_space(attr.get()));
+  if (!space.valid() || H5Sget_simple_extent_npoints(space.get()) != 1) return H5Handle();
+  return attr;
+}
+
+}  // namespace
+
+std::optional<std::string> ReadStringAttr(hid_t obj, const char* name, size_t max_bytes) {
+  H5Handle attr = OpenSingleAttr(obj, name);
   if (!attr.valid()) return std::nullopt;
   H5Handle type(H5Aget_type(attr.get()));
   if (H5Tget_class(type.get()) != H5T_STRING) return std::nullopt;
   if (H5Tis_variable_str(type.get()) > 0) {
+    // The stored size bounds what HDF5 allocates for the string.
+    if (H5Aget_storage_size(attr.get()) > max_bytes + 64) return std::nullopt;
     H5Handle mem(H5Tcopy(H5T_C_S1));
     H5Tset_size(mem.get(), H5T_VARIABLE);
     char* s = nullptr;
     if (H5Aread(attr.get(), mem.get(), &s) < 0 || s == nullptr) return std::nullopt;
-    std::string out(s);
+    std::string out(s, strnlen(s, max_bytes + 1));
     H5free_memory(s);
+    if (out.size() > max_bytes) return std::nullopt;
     return out;
   }
   size_t n = H5Tget_size(type.get());
+  if (n == 0 || n > max_bytes) return std::nullopt;
   std::string buf(n, '\0');
   if (H5Aread(attr.get(), type.get(), buf.data()) < 0) return std::nullopt;
   buf.resize(std::strlen(buf.c_str()));
@@ -141,10 +160,12 @@ std::optional<std::string> ReadStringAttr(hid_t obj, const char* name) {
 }
 
 std::optional<int64_t> ReadInt64Attr(hid_t obj, const char* name) {
-  if (H5Aexists(obj, name) <= 0) return std::nullopt;
-  H5Handle attr(H5Aopen(obj, name, H5P_DEFAULT));
+  H5Handle attr = OpenSingleAttr(obj, name);
+  if (!attr.valid()) return std::nullopt;
+  H5Handle type(H5Aget_type(attr.get()));
+  if (H5Tget_class(type.get()) != H5T_INTEGER) return std::nullopt;
   int64_t v = 0;
-  if (!attr.valid() || H5Aread(attr.get(), H5T_NATIVE_INT64, &v) < 0) return std::nullopt;
+  if (H5Aread(attr.get(), H5T_NATIVE_INT64, &v) < 0) return std::nullopt;
   return v;
 }
 

@@ -64,10 +64,13 @@ Status EnsureZstdRegistered();
 // The HDF5 file type of a dtype (a copy the caller owns).
 H5Handle FileType(DType t);
 
-// Attribute helpers. REQUIRES: lock held.
+// Attribute helpers. REQUIRES: lock held. The readers return nullopt unless
+// the attribute holds exactly one value of the right class (a string of at
+// most max_bytes; an integer), so a file from elsewhere cannot make them
+// allocate or write more than that.
 Status WriteStringAttr(hid_t obj, const char* name, const std::string& value);
 Status WriteInt64Attr(hid_t obj, const char* name, int64_t value);
-std::optional<std::string> ReadStringAttr(hid_t obj, const char* name);
+std::optional<std::string> ReadStringAttr(hid_t obj, const char* name, size_t max_bytes = 4096);
 std::optional<int64_t> ReadInt64Attr(hid_t obj, const char* name);
 
 // How a tensor is cut into chunks that are contiguous runs of its row-major

@@ -3,7 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <deque>
+#include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <thread>
@@ -12,6 +12,7 @@
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/thread_pool.h"
 
 namespace oomguard {
@@ -58,74 +59,26 @@ Status VerifyCheckpoint(const std::string& dir, int64_t step, int expected_world
   const std::string sdir = dir + "/" + ckpt::StepDirName(step);
   std::error_code ec;
   if (!fs::is_directory(sdir, ec)) return Status::NotFound(sdir + " does not exist");
-  auto m = ckpt::ReadManifest(sdir);
+  auto m = ckpt::ReadStepManifest(sdir, step);
   if (!m.ok()) {
     if (m.status().code() == StatusCode::kNotFound)
       return Status::DataLoss(sdir + " has no MANIFEST.json (an incomplete checkpoint)");
     return m.status();
   }
-  if (m->step != step) return Status::DataLoss(sdir + "/MANIFEST.json names step " + std::to_string(m->step));
   if (expected_world_size > 0 && m->world_size != expected_world_size)
     return Status::DataLoss(sdir + "/MANIFEST.json names world size " + std::to_string(m->world_size) +
                             ", expected " + std::to_string(expected_world_size));
   int64_t total = 0, done = 0;
-  for (const auto& s : m->shards) total += s.bytes;
+  for (const auto& s : m->shards) total = s.bytes > INT64_MAX - total ? INT64_MAX : total + s.bytes;
   ckpt::ThreadPool pool(std::max(1, std::min(8, static_cast<int>(std::thread::hardware_concurrency()))));
-  // Decode targets, reused from batch to batch and shard to shard.
-  struct Scratch {
-    std::unique_ptr<uint8_t[]> data;
-    int64_t capacity = 0;
-  };
-  std::deque<Scratch> buffers;
-  // Datasets are decoded (and their xxh3 checked) in batches of up to
-  // kVerifyBatchBytes, each batch one pipeline over the pool.
-  constexpr int64_t kVerifyBatchBytes = int64_t{256} << 20;
   for (const auto& s : m->shards) {
-    const std::string file = sdir + "/" + s.file;
-    struct stat st {};
-    if (::stat(file.c_str(), &st) != 0)
-      return Status::DataLoss(file + " (rank " + std::to_string(s.rank) + ") is missing");
-    if (st.st_size != s.bytes)
-      return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
-                              std::to_string(s.bytes) + " (truncated or rewritten)");
-    // As in a load: the whole-file hash runs beside the decoding, and a
-    // tensor's own error (it names the tensor) comes before the file's.
-    ckpt::FileHashCheck file_check(file, s.xxh3);
-    auto reader = ckpt::ShardReader::Open(file);
-    if (!reader.ok()) {
-      Status fs_status = file_check.Verdict();
-      return fs_status.ok() ? reader.status() : fs_status;
-    }
-    auto& r = **reader;
-    if (r.step() != step || r.rank() != s.rank || r.world_size() != m->world_size)
-      return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
-                              std::to_string(r.rank()) + " world size " + std::to_string(r.world_size()));
-    auto paths = r.DatasetPaths();
-    if (!paths.ok()) return paths.status();
-    std::vector<ckpt::ShardReader::ReadRequest> batch;
-    int64_t batch_bytes = 0;
-    auto decode_batch = [&]() -> Status {
-      Status st = r.ReadMany(batch, &pool);
-      batch.clear();
-      batch_bytes = 0;
-      return st;
-    };
-    for (const auto& p : *paths) {
-      auto info = r.Info(p);
-      if (!info.ok()) return info.status();
-      if (buffers.size() <= batch.size()) buffers.emplace_back();
-      Scratch& b = buffers[batch.size()];
-      if (b.capacity < info->bytes) {
-        b.data.reset(new uint8_t[static_cast<size_t>(info->bytes)]);  // decoding overwrites it all
-        b.capacity = info->bytes;
-      }
-      batch.push_back({p, false, DType::kUInt8, {}, b.data.get(), info->bytes});
-      batch_bytes += info->bytes;
-      if (batch_bytes >= kVerifyBatchBytes) OOMGUARD_RETURN_IF_ERROR(decode_batch());
-    }
-    if (!batch.empty()) OOMGUARD_RETURN_IF_ERROR(decode_batch());
-    OOMGUARD_RETURN_IF_ERROR(file_check.Verdict());
-    done += s.bytes;
+    // The loader's checker (shard_check.h), so that verify accepts exactly
+    // what a load accepts. Every tensor is decoded and its xxh3 checked
+    // through a few recycled chunk buffers while the whole file is hashed.
+    auto shard = ckpt::CheckedShard::Open(sdir, *m, s, /*hash_file=*/true);
+    if (!shard.ok()) return shard.status();
+    OOMGUARD_RETURN_IF_ERROR((*shard)->Finish((*shard)->ReadEverything(&pool)));
+    done = s.bytes > INT64_MAX - done ? INT64_MAX : done + s.bytes;
     if (progress) progress(done, total);
   }
   return Status::Ok();

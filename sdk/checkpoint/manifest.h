@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -21,6 +22,10 @@
 namespace oomguard::ckpt {
 
 inline constexpr const char* kManifestName = "MANIFEST.json";
+// A manifest is a few hundred bytes per rank; anything larger is not one.
+inline constexpr int64_t kMaxManifestBytes = int64_t{8} << 20;
+// The most ranks a manifest may list (bounds what a hostile manifest makes a reader allocate).
+inline constexpr int kMaxWorldSize = 1 << 20;
 
 std::string StepDirName(int64_t step);  // "step-00000100"
 std::string ShardFileName(int rank);    // "rank-00000.h5"
@@ -42,11 +47,27 @@ struct Manifest {
   std::vector<ManifestShard> shards;
 };
 
+// Deepest nesting of arrays and objects in JSON `text` (strings skipped),
+// counting no further than stop_at + 1. A manifest nests three deep; JSON
+// parsers and DOMs recurse per level, so a hostile "[[[[..." is refused
+// before it is parsed.
+int JsonNestingDepth(std::string_view text, int stop_at);
+
 std::string ManifestToJson(const Manifest& m);
-// kDataLoss naming what is malformed.
+// kDataLoss naming what is malformed: not JSON, a missing field or one of the
+// wrong type, an integer out of range, world_size outside [1, kMaxWorldSize],
+// a shard count other than world_size, a rank listed twice or outside
+// [0, world_size), a shard file name that is not one plain path component, an
+// xxh3 that is not 16 lowercase hex digits.
 StatusOr<Manifest> ParseManifest(const std::string& text);
-// Reads <step_dir>/MANIFEST.json. kNotFound when absent.
+// Reads <step_dir>/MANIFEST.json. kNotFound when absent; kDataLoss when it is
+// not a regular file (a symlink, FIFO, device or directory), is larger than
+// kMaxManifestBytes, or does not parse.
 StatusOr<Manifest> ReadManifest(const std::string& step_dir);
+// Reads a whole regular file of at most max_bytes. Never follows a symlink,
+// never blocks on a FIFO, never reads more than max_bytes + 1 bytes.
+// kNotFound when absent, kDataLoss otherwise (naming the path and why).
+StatusOr<std::string> ReadRegularFile(const std::string& path, int64_t max_bytes);
 
 // Writes `data` to `path` durably (tmp, fsync, rename, directory fsync).
 Status WriteFileDurably(const std::string& path, const std::string& data, bool fsync);
@@ -54,6 +75,8 @@ Status WriteFileDurably(const std::string& path, const std::string& data, bool f
 Status FsyncPath(const std::string& path, bool directory);
 // XXH3_64bits of a whole file, and its size. Hashes a read-only mapping of
 // the file (read() where mapping fails); the file must not shrink meanwhile.
+// Only a regular file is hashed (never through a symlink, never a FIFO or a
+// device, which could block or never end): kDataLoss otherwise.
 Status HashFile(const std::string& path, uint64_t* hash, int64_t* bytes);
 
 // Hashes a whole file on a thread of its own, from construction on, and

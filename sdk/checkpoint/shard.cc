@@ -8,11 +8,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <chrono>
 #include <future>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "sdk/checkpoint/codec.h"
@@ -48,12 +49,6 @@ bool IsFloatingPoint(DType t) {
 
 std::vector<hsize_t> Dims(const std::vector<int64_t>& shape) {
   return std::vector<hsize_t>(shape.begin(), shape.end());
-}
-
-std::string ShapeString(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 // Creates the groups on the way to `path` ("a/b/c": groups a and a/b).
@@ -116,6 +111,12 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "step", o.step));
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "rank", o.rank));
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "world_size", o.world_size));
+    // The inventory: a reader that only saw the datasets present could not
+    // tell a shard with a tensor deleted from a complete one.
+    nlohmann::json inventory = nlohmann::json::array();
+    for (const ShardTensor& T : tensors)
+      inventory.push_back({{"path", T.path}, {"dtype", DTypeName(T.dtype)}, {"shape", T.shape}});
+    OOMGUARD_RETURN_IF_ERROR(WriteStringAttr(file.get(), kInventoryAttr, inventory.dump()));
     for (size_t t = 0; t < tensors.size(); ++t) {
       const ShardTensor& T = tensors[t];
       const size_t es = DTypeSize(T.dtype);
@@ -309,316 +310,6 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     OOMGUARD_RETURN_IF_ERROR(FsyncPath(dir, true));
   }
   return res;
-}
-
-// ---------------------------------------------------------------- reader
-
-struct ShardReader::Impl {
-  ~Impl() {
-    if (map != nullptr) ::munmap(map, map_bytes);
-  }
-  H5Handle file;
-  // A read-only mapping of the whole file, made on the first fast read.
-  void* map = nullptr;
-  size_t map_bytes = 0;
-  // HDF5 addresses count from the end of the user block.
-  hsize_t base = 0;
-};
-
-ShardReader::~ShardReader() {
-  Hdf5Lock lock;
-  impl_.reset();
-}
-
-StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string& path) {
-  if (FILE* f = std::fopen(path.c_str(), "rb")) {
-    std::fclose(f);
-  } else {
-    return Status::NotFound(path + " does not exist");
-  }
-  std::unique_ptr<ShardReader> r(new ShardReader());
-  r->impl_ = std::make_unique<Impl>();
-  r->path_ = path;
-  Hdf5Lock lock;
-  OOMGUARD_RETURN_IF_ERROR(EnsureZstdRegistered());
-  H5Handle fapl(H5Pcreate(H5P_FILE_ACCESS));
-  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
-  r->impl_->file = H5Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()));
-  if (!r->impl_->file.valid())
-    return Status::DataLoss(path + ": not a readable HDF5 file (truncated or corrupt)");
-  hid_t f = r->impl_->file.get();
-  {
-    H5Handle fcpl(H5Fget_create_plist(f));
-    hsize_t ub = 0;
-    if (fcpl.valid() && H5Pget_userblock(fcpl.get(), &ub) >= 0) r->impl_->base = ub;
-  }
-  auto format = ReadStringAttr(f, "format");
-  auto step = ReadInt64Attr(f, "step");
-  auto rank = ReadInt64Attr(f, "rank");
-  auto ws = ReadInt64Attr(f, "world_size");
-  if (!format || !step || !rank || !ws)
-    return Status::DataLoss(path + ": missing root attribute format/step/rank/world_size");
-  if (*format != kCheckpointFormat)
-    return Status::DataLoss(path + ": format '" + *format + "', expected '" + std::string(kCheckpointFormat) +
-                            "'");
-  r->format_ = *format;
-  r->step_ = *step;
-  r->rank_ = static_cast<int>(*rank);
-  r->world_size_ = static_cast<int>(*ws);
-  return r;
-}
-
-StatusOr<std::vector<std::string>> ShardReader::DatasetPaths() {
-  Hdf5Lock lock;
-  std::vector<std::string> out;
-  auto visit = [](hid_t, const char* name, const H5O_info_t* info, void* op) -> herr_t {
-    if (info->type == H5O_TYPE_DATASET)
-      static_cast<std::vector<std::string>*>(op)->push_back(std::string("/") + name);
-    return 0;
-  };
-  if (H5Ovisit(impl_->file.get(), H5_INDEX_NAME, H5_ITER_INC, visit, &out) < 0)
-    return Status::DataLoss(path_ + ": cannot list datasets (corrupt file)");
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-StatusOr<TensorInfo> ShardReader::Info(const std::string& dataset) {
-  Hdf5Lock lock;
-  TensorInfo info;
-  info.path = dataset;
-  H5Handle d(H5Dopen2(impl_->file.get(), dataset.c_str(), H5P_DEFAULT));
-  if (!d.valid()) return Status::DataLoss(path_ + ": cannot open tensor " + dataset);
-  info.dtype = ReadStringAttr(d.get(), "dtype").value_or("");
-  info.xxh3 = ReadStringAttr(d.get(), "xxh3").value_or("");
-  H5Handle space(H5Dget_space(d.get()));
-  int nd = H5Sget_simple_extent_ndims(space.get());
-  std::vector<hsize_t> dims(static_cast<size_t>(std::max(nd, 0)));
-  if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-  info.shape.assign(dims.begin(), dims.end());
-  H5Handle type(H5Dget_type(d.get()));
-  int64_t elems = 1;
-  for (auto x : dims) elems *= static_cast<int64_t>(x);
-  info.bytes = elems * static_cast<int64_t>(H5Tget_size(type.get()));
-  info.stored_bytes = static_cast<int64_t>(H5Dget_storage_size(d.get()));
-  H5Handle dcpl(H5Dget_create_plist(d.get()));
-  if (H5Pget_layout(dcpl.get()) == H5D_CHUNKED) {
-    std::vector<hsize_t> cd(static_cast<size_t>(std::max(nd, 1)));
-    H5Pget_chunk(dcpl.get(), static_cast<int>(cd.size()), cd.data());
-    info.chunk.assign(cd.begin(), cd.end());
-  }
-  int nf = H5Pget_nfilters(dcpl.get());
-  for (int i = 0; i < nf; ++i) {
-    unsigned flags = 0, cd_values[8] = {0};
-    size_t cd_n = 8;
-    char name[64] = {0};
-    unsigned config = 0;
-    H5Z_filter_t id = H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &cd_n, cd_values,
-                                     sizeof(name), name, &config);
-    if (id == H5Z_FILTER_SHUFFLE)
-      info.filters.push_back("shuffle");
-    else if (id == kZstdFilter)
-      info.filters.push_back("zstd(level=" + std::to_string(cd_n > 0 ? cd_values[0] : 0) + ")");
-    else if (id == H5Z_FILTER_DEFLATE)
-      info.filters.push_back("gzip");
-    else
-      info.filters.push_back("filter " + std::to_string(id));
-  }
-  return info;
-}
-
-Status ShardReader::ReadAll(const std::string& dataset, std::vector<uint8_t>* out, ThreadPool* pool) {
-  auto info = Info(dataset);
-  if (!info.ok()) return info.status();
-  out->assign(static_cast<size_t>(info->bytes), 0);
-  return ReadInto(dataset, false, DType::kUInt8, {}, out->data(), info->bytes, pool);
-}
-
-namespace {
-
-// One chunk of a fast read: where its frame lies in the file and where its
-// bytes go.
-struct ReadChunk {
-  size_t req;
-  int64_t index, begin, len, full;
-  size_t elem_size;
-  haddr_t addr;
-  hsize_t size;
-};
-
-// Recomputes the writer's chunk layout from a dataset's stored chunk dims, or
-// returns false when the dataset is not shuffle + zstd in contiguous runs
-// (another writer's file: HDF5 decodes it instead).
-bool FastLayout(hid_t dcpl, const std::vector<int64_t>& shape, size_t es, ChunkLayout* L) {
-  if (H5Pget_layout(dcpl) != H5D_CHUNKED || H5Pget_nfilters(dcpl) != 2) return false;
-  unsigned flags = 0, cdv[4] = {0}, config = 0;
-  size_t n = 4;
-  H5Z_filter_t f0 = H5Pget_filter2(dcpl, 0, &flags, &n, cdv, 0, nullptr, &config);
-  n = 4;
-  H5Z_filter_t f1 = H5Pget_filter2(dcpl, 1, &flags, &n, cdv, 0, nullptr, &config);
-  std::vector<hsize_t> cd(shape.size());
-  if (cd.empty() || H5Pget_chunk(dcpl, static_cast<int>(cd.size()), cd.data()) < 0) return false;
-  int k = 0;
-  if (f0 != H5Z_FILTER_SHUFFLE || f1 != kZstdFilter || !IsContiguousLayout(shape, cd, &k)) return false;
-  L->k = k;
-  L->chunk_dims = cd;
-  int64_t row = static_cast<int64_t>(es);
-  for (size_t i = static_cast<size_t>(k) + 1; i < cd.size(); ++i) row *= shape[i];
-  L->chunk_bytes = row * static_cast<int64_t>(cd[static_cast<size_t>(k)]);
-  int64_t outer = 1;
-  for (int i = 0; i < k; ++i) outer *= shape[static_cast<size_t>(i)];
-  const int64_t r = static_cast<int64_t>(cd[static_cast<size_t>(k)]);
-  L->count = outer * ((shape[static_cast<size_t>(k)] + r - 1) / r);
-  return true;
-}
-
-}  // namespace
-
-Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
-  auto where = [&](size_t r) { return path_ + ": tensor " + requests[r].dataset; };
-  std::vector<std::string> stored_hash(requests.size());
-  std::vector<bool> done_by_hdf5(requests.size(), false);
-  std::vector<ReadChunk> chunks;
-  // Phase 1, under the lock: check every dataset against its request and
-  // collect the file address of every chunk.
-  {
-    Hdf5Lock lock;
-    for (size_t r = 0; r < requests.size(); ++r) {
-      const ReadRequest& q = requests[r];
-      H5Handle d(H5Dopen2(impl_->file.get(), q.dataset.c_str(), H5P_DEFAULT));
-      if (!d.valid()) return Status::DataLoss(where(r) + " is missing");
-      auto dt = ReadStringAttr(d.get(), "dtype");
-      stored_hash[r] = ReadStringAttr(d.get(), "xxh3").value_or("");
-      if (stored_hash[r].empty()) return Status::DataLoss(where(r) + " has no xxh3 attribute");
-      if (q.check && dt.value_or("") != DTypeName(q.dtype))
-        return Status::DataLoss(where(r) + " has dtype '" + dt.value_or("?") + "', expected '" +
-                                std::string(DTypeName(q.dtype)) + "'");
-      H5Handle space(H5Dget_space(d.get()));
-      int nd = H5Sget_simple_extent_ndims(space.get());
-      std::vector<hsize_t> dims(static_cast<size_t>(std::max(nd, 0)));
-      if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-      std::vector<int64_t> shape(dims.begin(), dims.end());
-      if (q.check && shape != q.shape)
-        return Status::DataLoss(where(r) + " has shape " + ShapeString(shape) + ", expected " +
-                                ShapeString(q.shape));
-      H5Handle type(H5Dget_type(d.get()));
-      const size_t es = H5Tget_size(type.get());
-      int64_t elems = 1;
-      for (int64_t x : shape) elems *= x;
-      if (elems * static_cast<int64_t>(es) != q.bytes)
-        return Status::DataLoss(where(r) + " holds " + std::to_string(elems * static_cast<int64_t>(es)) +
-                                " bytes, expected " + std::to_string(q.bytes));
-      H5Handle dcpl(H5Dget_create_plist(d.get()));
-      ChunkLayout L;
-      if (q.bytes == 0) continue;
-      if (!FastLayout(dcpl.get(), shape, es, &L)) {
-        // Another writer's layout or filters: let HDF5 decode it.
-        if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, q.out) < 0)
-          return Status::DataLoss(where(r) + ": HDF5 could not read it (corrupt chunk or missing filter)");
-        done_by_hdf5[r] = true;
-        continue;
-      }
-      std::vector<hsize_t> offset;
-      for (int64_t i = 0; i < L.count; ++i) {
-        ReadChunk c{r, i, 0, 0, L.chunk_bytes, es, HADDR_UNDEF, 0};
-        ChunkPosition(shape, L, i, &offset, &c.begin, &c.len);
-        unsigned mask = 0;
-        if (H5Dget_chunk_info_by_coord(d.get(), offset.data(), &mask, &c.addr, &c.size) < 0 ||
-            c.addr == HADDR_UNDEF || c.size == 0)
-          return Status::DataLoss(where(r) + ": chunk " + std::to_string(i) + " is missing");
-        if (mask != 0)
-          return Status::DataLoss(where(r) + ": chunk " + std::to_string(i) + " was stored with filters skipped");
-        chunks.push_back(c);
-      }
-    }
-  }
-
-  // Phase 2: decode out of the mapping in the pool, hash in order here.
-  if (!chunks.empty() && impl_->map == nullptr) {
-    int fd = ::open(path_.c_str(), O_RDONLY);
-    if (fd < 0) return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd, &st) == 0 && st.st_size > 0) {
-      void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) {
-        impl_->map = p;
-        impl_->map_bytes = static_cast<size_t>(st.st_size);
-        (void)::madvise(p, impl_->map_bytes, MADV_SEQUENTIAL);
-      }
-    }
-    ::close(fd);
-    if (impl_->map == nullptr) return Status::DataLoss(path_ + ": cannot map the file");
-  }
-  const auto* base = static_cast<const uint8_t*>(impl_->map);
-  std::vector<XXH3_state_t*> hashes(requests.size(), nullptr);
-  struct HashFree {
-    std::vector<XXH3_state_t*>* v;
-    ~HashFree() {
-      for (auto* h : *v)
-        if (h != nullptr) XXH3_freeState(h);
-    }
-  } hash_free{&hashes};
-  Status status;
-  auto check_hash = [&](size_t r, uint64_t h) {
-    const std::string got = Hex64(h);
-    if (got != stored_hash[r] && status.ok())
-      status = Status::DataLoss(where(r) + ": xxh3 mismatch (stored " + stored_hash[r] + ", computed " + got +
-                                ")");
-  };
-  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
-  std::deque<std::future<std::string>> inflight;
-  WaitForAll<std::string> wait_all{&inflight};  // tasks write into the caller's buffers
-  size_t next = 0, drained = 0;
-  while (drained < chunks.size()) {
-    while (next < chunks.size() && inflight.size() < window && status.ok()) {
-      const ReadChunk c = chunks[next++];
-      if (c.addr + impl_->base + c.size > impl_->map_bytes) {
-        status = Status::DataLoss(where(c.req) + ": chunk " + std::to_string(c.index) +
-                                  " lies outside the file (corrupt chunk index)");
-        break;
-      }
-      const uint8_t* frame = base + impl_->base + c.addr;
-      uint8_t* dst = requests[c.req].out + c.begin;
-      inflight.push_back(pool->Submit([frame, c, dst]() -> std::string {
-        thread_local std::vector<uint8_t> scratch, padded;
-        std::string err;
-        if (c.len == c.full) {
-          err = DecodeChunk(frame, c.size, c.elem_size, dst, static_cast<size_t>(c.len), &scratch);
-        } else {
-          padded.resize(static_cast<size_t>(c.full));
-          err = DecodeChunk(frame, c.size, c.elem_size, padded.data(), static_cast<size_t>(c.full), &scratch);
-          if (err.empty()) std::memcpy(dst, padded.data(), static_cast<size_t>(c.len));
-        }
-        return err.empty() ? err : "chunk " + std::to_string(c.index) + ": " + err;
-      }));
-    }
-    if (inflight.empty()) break;  // stopped submitting on an error
-    std::string err = inflight.front().get();
-    inflight.pop_front();
-    const ReadChunk& c = chunks[drained++];
-    if (!err.empty()) {
-      if (status.ok()) status = Status::DataLoss(where(c.req) + ": " + err);
-      continue;
-    }
-    if (!status.ok()) continue;  // drain the window before returning
-    XXH3_state_t*& h = hashes[c.req];
-    if (h == nullptr) {
-      h = XXH3_createState();
-      XXH3_64bits_reset(h);
-    }
-    XXH3_64bits_update(h, requests[c.req].out + c.begin, static_cast<size_t>(c.len));
-    const bool last_of_tensor = drained == chunks.size() || chunks[drained].req != c.req;
-    if (last_of_tensor) check_hash(c.req, XXH3_64bits_digest(h));
-  }
-  while (!inflight.empty()) {
-    inflight.front().wait();
-    inflight.pop_front();
-  }
-  if (!status.ok()) return status;
-  // Tensors HDF5 decoded, and empty ones.
-  for (size_t r = 0; r < requests.size(); ++r)
-    if (done_by_hdf5[r] || requests[r].bytes == 0)
-      check_hash(r, XXH3_64bits(requests[r].out, static_cast<size_t>(requests[r].bytes)));
-  return status;
 }
 
 }  // namespace oomguard::ckpt

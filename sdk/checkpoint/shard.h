@@ -15,6 +15,8 @@
 #ifndef OOMGUARD_SDK_CHECKPOINT_SHARD_H_
 #define OOMGUARD_SDK_CHECKPOINT_SHARD_H_
 
+#include <hdf5.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,6 +29,14 @@
 #include "sdk/checkpoint/thread_pool.h"
 
 namespace oomguard::ckpt {
+
+// Root attribute listing every tensor of a shard, in the order written: a
+// JSON array of {"path": "model/fc1.weight", "dtype": "float32", "shape":
+// [256, 32]}. A reader that only saw the datasets present could not tell a
+// shard with a tensor deleted, or a dtype attribute or shape changed, from
+// the one written. Shards written before it existed lack it; readers then
+// take the datasets present as the inventory.
+inline constexpr const char* kInventoryAttr = "tensors";
 
 struct ShardTensor {
   std::string path;  // without the leading '/'
@@ -95,8 +105,8 @@ int64_t ChunkCount(const ShardTensor& t, int64_t chunk_bytes);
 
 class ShardReader {
  public:
-  // Opens `path` and reads its root attributes. kDataLoss when it is not an
-  // HDF5 file of this format; kNotFound when missing.
+  // Opens `path` and reads its root attributes. kDataLoss when it is not a
+  // regular file, or not an HDF5 file of this format; kNotFound when missing.
   static StatusOr<std::unique_ptr<ShardReader>> Open(const std::string& path);
   ~ShardReader();
 
@@ -110,7 +120,10 @@ class ShardReader {
   StatusOr<std::vector<std::string>> DatasetPaths();
   StatusOr<TensorInfo> Info(const std::string& dataset);
   // One tensor to decode: `dataset` into out[0, bytes), its dtype and shape
-  // checked against the file when `check` is true.
+  // checked against the file when `check` is true. With out == nullptr the
+  // tensor is decoded and its xxh3 checked, but its bytes are not kept: the
+  // chunks pass through a few recycled buffers (a check of a whole shard
+  // needs memory for a few chunks, not for its tensors).
   struct ReadRequest {
     std::string dataset;
     bool check = false;
@@ -121,14 +134,20 @@ class ShardReader {
   };
   // Decodes every request, each one's xxh3 attribute verified. kDataLoss
   // naming the file, the tensor and (for a bad chunk) the chunk. On error the
-  // outputs may hold partial data.
+  // outputs may hold partial data. The datasets' structure is not checked
+  // here: a checkpoint from elsewhere goes through CheckedShard
+  // (shard_check.h) first, which refuses what this must not read.
   Status ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool);
   Status ReadInto(const std::string& dataset, bool check, DType dtype, const std::vector<int64_t>& shape,
                   uint8_t* out, int64_t bytes, ThreadPool* pool) {
     return ReadMany({ReadRequest{dataset, check, dtype, shape, out, bytes}}, pool);
   }
-  // Decodes a whole dataset into `out` (sized from the file), xxh3 checked.
-  Status ReadAll(const std::string& dataset, std::vector<uint8_t>* out, ThreadPool* pool);
+
+  // The open HDF5 file, for CheckedShard's walk over it. REQUIRES: Hdf5Lock
+  // held while it is used; valid as long as this reader.
+  hid_t hdf5_file() const;
+  // HDF5 addresses are relative to the end of the user block of this many bytes.
+  uint64_t base_address() const;
 
  private:
   ShardReader() = default;

@@ -30,7 +30,7 @@ std::string Shape(const std::vector<int64_t>& s) {
 }
 
 int Fail(const Status& s) {
-  std::fprintf(stderr, "oomguard ckpt: %s\n", s.ToString().c_str());
+  std::fprintf(stderr, "oomguard ckpt: %s\n", TerminalSafe(s.ToString()).c_str());
   return 1;
 }
 
@@ -63,14 +63,22 @@ int List(const CkptArgs& a) {
 }
 
 int Verify(const CkptArgs& a) {
-  std::vector<int64_t> steps;
+  std::vector<int64_t> steps, incomplete;
   if (a.step >= 0) {
     steps.push_back(a.step);
   } else {
+    // Every step directory with a MANIFEST.json is a checkpoint someone meant
+    // to commit: one whose manifest does not parse is reported as bad, never
+    // skipped. Directories without one are saves in progress or crash
+    // leftovers (no load ever uses them): listed, not failed.
     auto list = ListCheckpoints(a.target);
     if (!list.ok()) return Fail(list.status());
-    for (const auto& c : *list)
-      if (c.committed) steps.push_back(c.step);
+    for (const auto& c : *list) {
+      if (c.committed || !c.problem.empty())
+        steps.push_back(c.step);
+      else
+        incomplete.push_back(c.step);
+    }
     if (steps.empty()) return Fail(Status::NotFound("no committed checkpoint in " + a.target));
   }
   ordered_json results = ordered_json::array();
@@ -92,10 +100,18 @@ int Verify(const CkptArgs& a) {
     } else if (s.ok()) {
       std::printf("step %" PRId64 ": ok\n", step);
     } else {
-      std::printf("step %" PRId64 ": BAD: %s\n", step, s.message().c_str());
+      std::printf("step %" PRId64 ": BAD: %s\n", step, TerminalSafe(s.message()).c_str());
     }
   }
-  if (a.json) std::printf("%s\n", ordered_json{{"ok", bad == 0}, {"checkpoints", results}}.dump().c_str());
+  if (a.json) {
+    std::printf("%s\n", ordered_json{{"ok", bad == 0}, {"checkpoints", results}, {"incomplete", incomplete}}
+                            .dump(-1, ' ', false, ordered_json::error_handler_t::replace)
+                            .c_str());
+  } else {
+    for (int64_t step : incomplete)
+      std::printf("step %" PRId64 ": incomplete (no MANIFEST.json), not a checkpoint\n", step);
+    if (bad > 0) std::printf("%d of %zu checkpoint(s) did not verify\n", bad, steps.size());
+  }
   return bad == 0 ? 0 : 1;
 }
 
@@ -119,8 +135,8 @@ int Inspect(const CkptArgs& a) {
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
-  std::printf("%s: format %s, step %" PRId64 ", rank %d of %d, %s\n", info->file.c_str(),
-              info->format.c_str(), info->step, info->rank, info->world_size,
+  std::printf("%s: format %s, step %" PRId64 ", rank %d of %d, %s\n", TerminalSafe(info->file).c_str(),
+              TerminalSafe(info->format).c_str(), info->step, info->rank, info->world_size,
               FormatBytes(info->file_bytes).c_str());
   Table t({"TENSOR", "DTYPE", "SHAPE", "SIZE", "STORED", "RATIO", "FILTERS", "XXH3"});
   int64_t raw = 0, stored = 0;

@@ -114,7 +114,10 @@ void CmdShow(const KbArgs& a) {
     Print(IncidentJson(i));
     return;
   }
-  auto kv = [](const char* k, const std::string& v) { std::printf("%-16s %s\n", k, v.c_str()); };
+  // Fields may come from an imported file: nothing reaches the terminal raw.
+  auto kv = [](const char* k, const std::string& v) {
+    std::printf("%-16s %s\n", k, TerminalSafe(v).c_str());
+  };
   kv("id", i.id);
   kv("time (UTC)", FormatTime(i.time_unix_ms));
   kv("run", i.run_id);
@@ -154,8 +157,18 @@ void CmdShow(const KbArgs& a) {
   kv("evidence", i.evidence);
   kv("fingerprint", i.fingerprint);
   std::printf("remedies:\n");
-  for (size_t k = 0; k < i.remedies.size(); ++k) std::printf("  %zu. %s\n", k + 1, i.remedies[k].c_str());
-  if (!i.context.empty()) std::printf("context:\n%s\n", i.context.c_str());
+  for (size_t k = 0; k < i.remedies.size(); ++k)
+    std::printf("  %zu. %s\n", k + 1, TerminalSafe(i.remedies[k]).c_str());
+  // Imported log text, line by line, with control characters escaped.
+  if (!i.context.empty()) {
+    std::printf("context:\n");
+    size_t at = 0;
+    while (at <= i.context.size()) {
+      const size_t nl = std::min(i.context.find('\n', at), i.context.size());
+      std::printf("%s\n", TerminalSafe(std::string_view(i.context).substr(at, nl - at)).c_str());
+      at = nl + 1;
+    }
+  }
 }
 
 void CmdStats(const KbArgs& a) {
@@ -276,7 +289,8 @@ void CmdImport(const KbArgs& a) {
   if (a.json) {
     Print({{"db", a.dbs[0]}, {"imported", incs.size()}});
   } else {
-    std::printf("imported %zu incident(s) from %s into %s\n", incs.size(), a.file.c_str(), a.dbs[0].c_str());
+    std::printf("imported %zu incident(s) from %s into %s\n", incs.size(), TerminalSafe(a.file).c_str(),
+                TerminalSafe(a.dbs[0]).c_str());
   }
 }
 
@@ -309,10 +323,10 @@ void Run(const char* name, void (*fn)(const KbArgs&), const KbArgs& a, CommandRe
     fn(a);
     result->exit_code = 0;
   } catch (const Failure& f) {
-    std::fprintf(stderr, "oomguard kb %s: %s\n", name, f.message.c_str());
+    std::fprintf(stderr, "oomguard kb %s: %s\n", name, TerminalSafe(f.message).c_str());
     result->exit_code = 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "oomguard kb %s: %s\n", name, e.what());
+    std::fprintf(stderr, "oomguard kb %s: %s\n", name, TerminalSafe(e.what()).c_str());
     result->exit_code = 1;
   }
   std::fflush(stdout);

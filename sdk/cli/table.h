@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "sdk/core/format.h"
@@ -16,7 +17,8 @@ class Table {
   explicit Table(std::vector<std::string> headers) : headers_(std::move(headers)) {}
   // REQUIRES: cells.size() == number of headers.
   void AddRow(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
-  // Columns padded to their widest cell (cells longer than max_cell are cut with "...").
+  // Columns padded to their widest cell (cells longer than max_cell are cut
+  // with "..."); every cell passes through TerminalSafe.
   void Print(std::FILE* out, size_t max_cell = 60) const;
   size_t size() const { return rows_.size(); }
 
@@ -24,6 +26,12 @@ class Table {
   std::vector<std::string> headers_;
   std::vector<std::vector<std::string>> rows_;
 };
+
+// `s` made safe to print on a terminal: C0 and C1 control characters, DEL
+// and bidirectional overrides are shown as \xNN or \uNNNN, and bytes that
+// are not UTF-8 as \xNN, so that an incident imported from elsewhere cannot
+// clear, move over or forge what the terminal shows. Other text is kept.
+std::string TerminalSafe(std::string_view s);
 
 // "2024-05-01 12:00:03" (UTC) or "-" for 0.
 std::string FormatTime(int64_t unix_ms);

@@ -60,6 +60,8 @@ constexpr std::array<std::pair<FaultSite, std::string_view>, kNumFaultSites> kSi
     {FaultSite::kKbWrite, "kb_write"},
 }};
 
+// The longest delay a rule may ask for, in milliseconds (one hour).
+constexpr int64_t kMaxDelayMs = 3'600'000;
 constexpr std::string_view kValidKinds = "oom, host_oom, error, kill or delay";
 constexpr std::string_view kValidKeys = "step, rank, site, micro, times, min_size, ms or bytes";
 
@@ -225,6 +227,12 @@ Status ParseRuleBody(std::string_view text, FaultRule* rule) {
             return Status::InvalidArgument("ms is only valid for delay");
           }
           OOMGUARD_RETURN_IF_ERROR(ParseCount(key, value, "N", &rule->delay_ms));
+          // Longer is no test of anything, and milliseconds past ~292 years
+          // overflow the nanoseconds a sleep counts in.
+          if (rule->delay_ms > kMaxDelayMs) {
+            return Status::InvalidArgument("ms: " + Quote(value) + " is out of range (at most " +
+                                           std::to_string(kMaxDelayMs) + ", one hour)");
+          }
           has_ms = true;
           break;
         case kBytes:

@@ -100,6 +100,7 @@ TEST(FaultParseTest, EachKey) {
   EXPECT_EQ(r.kind, FaultKind::kDelay);
   EXPECT_EQ(r.delay_ms, 25);
   EXPECT_EQ(ParseOne("delay@ms=0").delay_ms, 0);
+  EXPECT_EQ(ParseOne("delay@ms=3600000").delay_ms, 3600000);
 
   r = ParseOne("kill@step=57,site=ckpt_write");
   EXPECT_EQ(r.kind, FaultKind::kKill);
@@ -189,6 +190,10 @@ TEST(FaultParseTest, BadRulesNameTheRuleAndTheProblem) {
       {"delay", "delay", "delay needs ms=N"},
       {"delay@step=3", "delay@step=3", "delay needs ms=N"},
       {"delay@ms=-4", "delay@ms=-4", "ms: '-4' is negative"},
+      // A delay has an upper bound (issue 15): 1e17 ms would overflow the sleep's nanoseconds.
+      {"delay@ms=99999999999999999", "delay@ms=99999999999999999",
+       "is out of range (at most 3600000, one hour)"},
+      {"delay@ms=3600001", "delay@ms=3600001", "at most 3600000"},
       {"oom@ms=5", "oom@ms=5", "ms is only valid for delay"},
       {"kill@ms=5", "kill@ms=5", "ms is only valid for delay"},
       {"kill@bytes=5", "kill@bytes=5", "bytes is only valid for oom and host_oom"},

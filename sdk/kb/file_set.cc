@@ -114,6 +114,7 @@ StatusOr<KnowledgeBaseSet> KnowledgeBaseSet::Open(const std::vector<std::string>
   for (const std::string& path : *paths) {
     KnowledgeBaseOptions o;
     o.create_if_missing = false;
+    o.read_only = true;  // reading never creates, migrates or writes a file (nor leaves -wal/-shm)
     auto kb = KnowledgeBase::Open(path, o);
     if (!kb.ok()) return kb.status();
     set.files_.push_back(std::move(kb).value());

@@ -62,8 +62,9 @@ struct FileSetStats {
   std::vector<MicroBatchPrior> priors;  // every file's, in file order
 };
 
-// The knowledge-base files named by --db specs, opened for reading (never
-// created). Movable, not copyable.
+// The knowledge-base files named by --db specs, opened for reading only
+// (KnowledgeBaseOptions.read_only: never created, migrated or written, no
+// -wal/-shm left behind). Movable, not copyable.
 class KnowledgeBaseSet {
  public:
   // Expands `specs` and opens every file. Fails on the first file that does

@@ -53,7 +53,8 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
         sink_(this),
         writer_store_(std::move(writer_store)),
         reader_store_(std::move(reader_store)) {
-    writer_ = std::thread([this] { WriterLoop(); });
+    // A reader (options.read_only) has no writer store and no writer thread.
+    if (writer_store_ != nullptr) writer_ = std::thread([this] { WriterLoop(); });
   }
 
   ~KnowledgeBaseImpl() override {
@@ -63,7 +64,7 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
       stop_ = true;
     }
     work_cv_.notify_all();
-    writer_.join();
+    if (writer_.joinable()) writer_.join();
   }
 
   IncidentSink* sink() override { return &sink_; }
@@ -139,6 +140,7 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
   }
 
   Status Insert(std::vector<Incident> incidents) override {
+    if (options_.read_only) return ReadOnlyError();
     for (auto& inc : incidents) Prepare(&inc);
     std::lock_guard<std::mutex> lock(reader_mu_);
     return reader_store_->Write(incidents, {}, 0);
@@ -164,8 +166,19 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
     bool saw_oom = false;  // this session recorded an OOM for the workload
   };
 
+  Status ReadOnlyError() const {
+    return Status::FailedPrecondition("knowledge base " + path_ + " is open for reading only");
+  }
+
   // REQUIRES: mu_ held.
   void PushLocked(Op op) {
+    if (options_.read_only) {
+      // Nothing will write it: lost, and said so by Flush and sink_stats.
+      ++stats_.write_errors;
+      stats_.last_error = ReadOnlyError().ToString();
+      if (flush_error_.ok()) flush_error_ = ReadOnlyError();
+      return;
+    }
     if (queue_.size() >= options_.queue_capacity) {
       ++stats_.dropped;
       ++unrecorded_drops_;
@@ -272,6 +285,12 @@ StatusOr<std::unique_ptr<KnowledgeBase>> KnowledgeBase::Open(const std::string& 
                                                              const KnowledgeBaseOptions& options) {
   if (options.queue_capacity == 0)
     return Status::InvalidArgument("KnowledgeBaseOptions.queue_capacity must be >= 1 (got 0)");
+  if (options.read_only) {
+    auto reader = kb::Store::OpenReadOnly(path, options.busy_timeout_ms);
+    if (!reader.ok()) return reader.status();
+    return std::unique_ptr<KnowledgeBase>(
+        new KnowledgeBaseImpl(path, options, nullptr, std::move(reader).value()));
+  }
   auto writer = kb::Store::Open(path, options.busy_timeout_ms, options.create_if_missing);
   if (!writer.ok()) return writer.status();
   auto reader = kb::Store::Open(path, options.busy_timeout_ms, false);

@@ -266,5 +266,81 @@ TEST_F(KnowledgeBaseTest, WalModeIsOn) {
   sqlite3_close(db);
 }
 
+// Readers (issue 15, items 6 and 7) never create, migrate or write a file.
+TEST_F(KnowledgeBaseTest, ReaderNeverCreatesOrChangesAFile) {
+  KnowledgeBaseOptions ro;
+  ro.read_only = true;
+  EXPECT_EQ(KnowledgeBase::Open(path_, ro).status().code(), StatusCode::kNotFound);
+  EXPECT_FALSE(fs::exists(path_));
+  std::ofstream(path_).close();  // 0 bytes
+  auto empty = KnowledgeBase::Open(path_, ro);
+  EXPECT_EQ(empty.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(empty.status().message().find("empty"), std::string::npos) << empty.status();
+  EXPECT_EQ(fs::file_size(path_), 0u);
+  fs::remove(path_);
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db, "CREATE TABLE users(name TEXT)", nullptr, nullptr, nullptr), SQLITE_OK);
+    sqlite3_close(db);
+  }
+  const auto size = fs::file_size(path_);
+  for (bool read_only : {true, false}) {
+    KnowledgeBaseOptions o;
+    o.read_only = read_only;
+    auto other = KnowledgeBase::Open(path_, o);
+    EXPECT_EQ(other.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(other.status().message().find("not an oomguard knowledge base"), std::string::npos)
+        << other.status();
+  }
+  EXPECT_EQ(fs::file_size(path_), size);
+  EXPECT_FALSE(fs::exists(path_ + "-wal"));
+  EXPECT_FALSE(fs::exists(path_ + "-shm"));
+}
+
+// A reader opened while no writer had the file (read as an immutable file)
+// still sees what a writer commits afterwards.
+TEST_F(KnowledgeBaseTest, ReaderSeesLaterWritesAndLeavesNothing) {
+  ASSERT_TRUE(KnowledgeBase::Open(path_).value()->Insert({Make("first", 1)}).ok());
+  ASSERT_FALSE(fs::exists(path_ + "-wal"));
+  KnowledgeBaseOptions ro;
+  ro.read_only = true;
+  auto reader = KnowledgeBase::Open(path_, ro);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ((*reader)->Query({})->size(), 1u);
+  {
+    auto writer = KnowledgeBase::Open(path_).value();
+    ASSERT_TRUE(writer->Insert({Make("second", 2)}).ok());
+    auto rows = (*reader)->Query({});  // the writer is still open: its -wal holds "second"
+    ASSERT_TRUE(rows.ok()) << rows.status();
+    EXPECT_EQ(rows->size(), 2u);
+  }
+  auto rows = (*reader)->Query({});  // the writer checkpointed into the file and removed its -wal
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->size(), 2u);
+  EXPECT_EQ((*reader)->Stats()->incidents, 2);
+  // The writer closed while the reader still read its -wal, so it left its
+  // -wal and -shm (SQLite removes them with the last connection). They are
+  // the writer's: the next writer uses and removes them.
+  reader->reset();
+  KnowledgeBase::Open(path_).value().reset();
+  EXPECT_FALSE(fs::exists(path_ + "-wal"));
+  EXPECT_FALSE(fs::exists(path_ + "-shm"));
+}
+
+// What a reader is asked to write is lost, and counted as lost.
+TEST_F(KnowledgeBaseTest, ReaderCountsWritesAsLost) {
+  ASSERT_TRUE(KnowledgeBase::Open(path_).ok());
+  KnowledgeBaseOptions ro;
+  ro.read_only = true;
+  auto reader = KnowledgeBase::Open(path_, ro).value();
+  reader->sink()->Record(Make("x", 1));
+  ASSERT_TRUE(reader->RecordCleanMicroBatch("w", 4).ok());
+  EXPECT_EQ(reader->Flush().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reader->sink_stats().lost(), 2);
+  EXPECT_EQ(reader->Insert({Make("y", 2)}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reader->Query({})->size(), 0u);
+}
+
 }  // namespace
 }  // namespace oomguard

@@ -111,6 +111,16 @@ StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_t
   if (busy_timeout_ms < 0) return Status::InvalidArgument("KnowledgeBaseOptions.busy_timeout_ms must be >= 0");
   if (!create && !FileExists(path))
     return Status::NotFound("knowledge base " + path + ": no such file");
+  // -wal/-shm files this user cannot write (left by another user's process)
+  // would let the open succeed and then fail every write: say so now.
+  for (const char* suffix : {"-wal", "-shm"}) {
+    const std::string companion = path + suffix;
+    if (FileExists(companion) && ::access(companion.c_str(), W_OK) != 0)
+      return Status::FailedPrecondition("knowledge base " + path + ": " + companion +
+                                        " is not writable by this user (another user's process left it?); "
+                                        "writes would fail. Remove it when no process has the file open, or "
+                                        "write as the user who owns it");
+  }
   sqlite3* db = nullptr;
   int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX | (create ? SQLITE_OPEN_CREATE : 0);
   int rc = sqlite3_open_v2(path.c_str(), &db, flags, nullptr);
@@ -118,6 +128,15 @@ StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_t
   if (rc != SQLITE_OK) return store->Error(rc, "open");
   sqlite3_busy_timeout(db, busy_timeout_ms);
   sqlite3_extended_result_codes(db, 1);
+  // SQLite opens a file it may not write read-only without a word.
+  if (sqlite3_db_readonly(db, "main") == 1)
+    return Status::FailedPrecondition("knowledge base " + path +
+                                      " is read-only for this user: recording incidents needs write access "
+                                      "(reading it, e.g. `oomguard kb list`, does not)");
+  // Someone else's database gets no tables of ours, and is not switched to WAL.
+  int version = 0;
+  OOMGUARD_RETURN_IF_ERROR(store->ReadVersion(&version));
+  (void)version;  // migrated below, after the switch to WAL
 
   // Switching to WAL needs a brief exclusive lock; SQLite does not always run
   // the busy handler for it, so retry within the busy timeout ourselves.
@@ -137,29 +156,47 @@ StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_t
 
 Store::~Store() { sqlite3_close_v2(db_); }
 
-Status Store::Migrate() {
-  auto read_version = [&](int* version) -> Status {
-    *version = 0;
-    Stmt has(db_, "SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'");
-    if (has.prepare_rc() != SQLITE_OK) return Error(has.prepare_rc(), "read schema");
-    int rc = has.Step();
-    if (rc == SQLITE_DONE) return Status::Ok();
-    if (rc != SQLITE_ROW) return Error(rc, "read schema");
-    Stmt v(db_, "SELECT version FROM schema_version");
-    if (v.prepare_rc() != SQLITE_OK) return Error(v.prepare_rc(), "read schema version");
-    rc = v.Step();
-    if (rc == SQLITE_ROW) *version = static_cast<int>(v.Int(0));
-    else if (rc != SQLITE_DONE) return Error(rc, "read schema version");
+Status Store::ReadVersion(int* version) {
+  *version = 0;
+  Stmt has(db_, "SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'");
+  if (has.prepare_rc() != SQLITE_OK) return Error(has.prepare_rc(), "read schema");
+  int rc = has.Step();
+  if (rc == SQLITE_DONE) {
+    // No schema_version: a new file, or someone else's database.
+    Stmt other(db_, "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%' LIMIT 3");
+    if (other.prepare_rc() != SQLITE_OK) return Error(other.prepare_rc(), "read schema");
+    std::string tables;
+    while ((rc = other.Step()) == SQLITE_ROW) tables += (tables.empty() ? "" : ", ") + other.Text(0);
+    if (rc != SQLITE_DONE) return Error(rc, "read schema");
+    if (!tables.empty())
+      return Status::FailedPrecondition("knowledge base " + path_ +
+                                        " is an SQLite database but not an oomguard knowledge base (it holds "
+                                        "tables such as " +
+                                        tables + " and no schema_version); it is left as it is");
     return Status::Ok();
-  };
+  }
+  if (rc != SQLITE_ROW) return Error(rc, "read schema");
+  Stmt v(db_, "SELECT version FROM schema_version");
+  if (v.prepare_rc() != SQLITE_OK) return Error(v.prepare_rc(), "read schema version");
+  rc = v.Step();
+  if (rc == SQLITE_ROW)
+    *version = static_cast<int>(v.Int(0));
+  else if (rc != SQLITE_DONE)
+    return Error(rc, "read schema version");
+  if (*version > kSchemaVersion)
+    return Status::FailedPrecondition("knowledge base " + path_ + ": schema version " +
+                                      std::to_string(*version) +
+                                      " is newer than this oomguard understands (" +
+                                      std::to_string(kSchemaVersion) + "); upgrade oomguard");
+  return Status::Ok();
+}
+
+Status Store::Migrate() {
+  auto read_version = [&](int* version) { return ReadVersion(version); };
   int version = 0;
   // Read first without a write lock: an up-to-date file (the common case, and
   // read-only files) needs no transaction.
   OOMGUARD_RETURN_IF_ERROR(read_version(&version));
-  if (version > kSchemaVersion)
-    return Status::FailedPrecondition("knowledge base " + path_ + ": schema version " + std::to_string(version) +
-                                      " is newer than this oomguard understands (" +
-                                      std::to_string(kSchemaVersion) + "); upgrade oomguard");
   if (version == kSchemaVersion) return Status::Ok();
 
   OOMGUARD_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "begin migration"));
@@ -191,6 +228,7 @@ Status Store::Migrate() {
 Status Store::Write(const std::vector<Incident>& incidents, const std::vector<PriorUpdate>& priors,
                     int64_t dropped) {
   if (incidents.empty() && priors.empty() && dropped == 0) return Status::Ok();
+  if (read_only_) return Status::FailedPrecondition("knowledge base " + path_ + " is open for reading only");
   OOMGUARD_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "begin write"));
   auto fail = [&](Status s) {
     sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
@@ -252,7 +290,7 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
   return Status::Ok();
 }
 
-StatusOr<std::vector<Incident>> Store::Query(const IncidentQuery& q) {
+StatusOr<std::vector<Incident>> Store::QueryOnce(const IncidentQuery& q) {
   std::string sql = "SELECT body FROM incidents WHERE 1=1";
   if (!q.pattern.empty()) sql += " AND pattern = ?1";
   if (q.rank) sql += " AND rank = ?2";
@@ -286,7 +324,7 @@ StatusOr<std::vector<Incident>> Store::Query(const IncidentQuery& q) {
   return out;
 }
 
-StatusOr<std::vector<IncidentGroup>> Store::Groups() {
+StatusOr<std::vector<IncidentGroup>> Store::GroupsOnce() {
   Stmt st(db_,
           "SELECT fingerprint, pattern, kind, phase, workload, COUNT(*), COUNT(DISTINCT run_id),"
           " MIN(time_unix_ms), MAX(time_unix_ms),"
@@ -313,9 +351,9 @@ StatusOr<std::vector<IncidentGroup>> Store::Groups() {
   return out;
 }
 
-StatusOr<KnowledgeBaseStats> Store::Stats() {
+StatusOr<KnowledgeBaseStats> Store::StatsOnce() {
   KnowledgeBaseStats s;
-  s.schema_version = kSchemaVersion;
+  s.schema_version = version_;
   auto counts = [&](const char* col, std::vector<std::pair<std::string, int64_t>>* out) -> Status {
     std::string sql = std::string("SELECT ") + col + ", COUNT(*) FROM incidents GROUP BY " + col +
                       " ORDER BY COUNT(*) DESC, " + col;
@@ -329,6 +367,7 @@ StatusOr<KnowledgeBaseStats> Store::Stats() {
   OOMGUARD_RETURN_IF_ERROR(counts("outcome", &s.by_outcome));
   OOMGUARD_RETURN_IF_ERROR(counts("kind", &s.by_kind));
   for (const auto& [k, n] : s.by_pattern) s.incidents += n;
+  if (version_ < 2) return s;  // a reader of a version-1 file: no priors, no drops yet
   {
     Stmt st(db_, "SELECT COALESCE(SUM(dropped), 0) FROM sink_drops");
     if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
@@ -342,7 +381,8 @@ StatusOr<KnowledgeBaseStats> Store::Stats() {
   return s;
 }
 
-StatusOr<std::optional<int64_t>> Store::Prior(const std::string& workload) {
+StatusOr<std::optional<int64_t>> Store::PriorOnce(const std::string& workload) {
+  if (version_ < 2) return std::optional<int64_t>();
   Stmt st(db_, "SELECT micro_batch FROM priors WHERE workload = ?");
   if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "read prior");
   st.Bind(1, workload);
@@ -350,6 +390,32 @@ StatusOr<std::optional<int64_t>> Store::Prior(const std::string& workload) {
   if (rc == SQLITE_ROW) return std::optional<int64_t>(st.Int(0));
   if (rc == SQLITE_DONE) return std::optional<int64_t>();
   return Error(rc, "read prior");
+}
+
+// Readers go through Reading (store_reader.cc), which rereads when the file
+// changed underneath an immutable connection; a writer's store reads once.
+StatusOr<std::vector<Incident>> Store::Query(const IncidentQuery& q) {
+  std::optional<StatusOr<std::vector<Incident>>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = QueryOnce(q); }));
+  return std::move(*r);
+}
+
+StatusOr<std::vector<IncidentGroup>> Store::Groups() {
+  std::optional<StatusOr<std::vector<IncidentGroup>>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = GroupsOnce(); }));
+  return std::move(*r);
+}
+
+StatusOr<KnowledgeBaseStats> Store::Stats() {
+  std::optional<StatusOr<KnowledgeBaseStats>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = StatsOnce(); }));
+  return std::move(*r);
+}
+
+StatusOr<std::optional<int64_t>> Store::Prior(const std::string& workload) {
+  std::optional<StatusOr<std::optional<int64_t>>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = PriorOnce(workload); }));
+  return std::move(*r);
 }
 
 }  // namespace oomguard::kb

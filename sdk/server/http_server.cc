@@ -6,6 +6,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cctype>
 #include <chrono>
 #include <list>
 #include <optional>
@@ -82,9 +83,14 @@ class HttpServer::Impl {
   void Forget(Session* s);
   bool HostAllowed(std::string_view host) const {
     if (!loopback_) return true;
-    std::string_view h = HostOnly(host);
+    // Host names are case-insensitive (RFC 3986, 3.2.2).
+    std::string h(HostOnly(host));
+    for (char& c : h) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     return h == "127.0.0.1" || h == "localhost" || h == "[::1]" || h == host_;
   }
+  // Makes room for a new connection: closes the oldest session that is
+  // waiting for a request. False when every session is writing a response.
+  bool ShedOldestWaiting();
 
   HttpServerOptions options_;
   Handler handler_;
@@ -104,6 +110,8 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
   Session(tcp::socket socket, Impl* server) : stream_(std::move(socket)), server_(server) {}
 
   void Start() { Read(); }
+  // Waiting for (or reading) a request rather than writing a response.
+  bool waiting() const { return !writing_ && !closing_; }
 
   // Closes a connection that is waiting for a request; one that is writing a
   // response finishes it and closes afterwards.
@@ -119,11 +127,24 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
   std::list<std::weak_ptr<Session>>::iterator self_in_list;
 
  private:
+  // Waits (up to the idle timeout) for the first bytes of the next request;
+  // only then does the header's own, shorter clock start.
   void Read() {
     parser_.emplace();
     parser_->header_limit(static_cast<std::uint32_t>(server_->options_.max_header_bytes));
     parser_->body_limit(0);
+    if (buffer_.size() > 0) return ReadHeader();  // a pipelined request is already here
     stream_.expires_after(std::chrono::seconds(server_->options_.idle_timeout_s));
+    stream_.async_read_some(buffer_.prepare(1024),
+                            [self = shared_from_this()](beast::error_code ec, size_t n) {
+                              self->buffer_.commit(n);
+                              if (ec || self->closing_) return self->Close();
+                              self->ReadHeader();
+                            });
+  }
+
+  void ReadHeader() {
+    stream_.expires_after(std::chrono::seconds(server_->options_.header_timeout_s));
     http::async_read(stream_, buffer_, *parser_,
                      [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
   }
@@ -142,7 +163,15 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
       return Close();
     }
     const auto& req = parser_->get();
-    if (!server_->HostAllowed(std::string_view(req[http::field::host].data(), req[http::field::host].size())))
+    // RFC 9112, 3.2: 400 for an HTTP/1.1 request without a Host header, and
+    // for any request with more than one (a first, loopback one must not
+    // vouch for a second).
+    const size_t hosts = req.count(http::field::host);
+    if (hosts > 1) return Send(Plain(400, "more than one Host header"), true);
+    if (hosts == 0 && req.version() >= 11)
+      return Send(Plain(400, "an HTTP/1.1 request needs a Host header"), true);
+    if (hosts == 1 &&
+        !server_->HostAllowed(std::string_view(req[http::field::host].data(), req[http::field::host].size())))
       return Send(Plain(421, "this server answers only to localhost (Host header rejected)"), true);
     const bool head = req.method() == http::verb::head;
     std::string_view method(req.method_string().data(), req.method_string().size());
@@ -209,7 +238,9 @@ void HttpServer::Impl::Accept() {
     if (!ec) {
       // Drop expired entries before counting.
       sessions_.remove_if([](const std::weak_ptr<Session>& w) { return w.expired(); });
-      if (sessions_.size() >= options_.max_connections) {
+      // Full: the oldest connection waiting for a request makes room, so
+      // that slow or idle clients cannot lock new ones out.
+      if (sessions_.size() >= options_.max_connections && !ShedOldestWaiting()) {
         beast::error_code ignored;
         socket.close(ignored);
       } else {
@@ -221,6 +252,18 @@ void HttpServer::Impl::Accept() {
     }
     Accept();
   });
+}
+
+bool HttpServer::Impl::ShedOldestWaiting() {
+  // sessions_ is newest first.
+  for (auto it = sessions_.rbegin(); it != sessions_.rend(); ++it) {
+    auto s = it->lock();
+    if (s == nullptr || !s->waiting()) continue;
+    s->CloseIfIdle();
+    Forget(s.get());  // counted out now; its read completes (aborted) later
+    return true;
+  }
+  return false;
 }
 
 void HttpServer::Impl::Forget(Session* s) {

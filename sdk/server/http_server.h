@@ -5,12 +5,18 @@
 //
 // Limits, enforced before the handler runs: the request header (line and
 // fields) is at most max_header_bytes (431 otherwise); a request with a body
-// is refused (400: the browser is read-only, there is nothing to upload); an
-// idle or slow connection is closed after idle_timeout_s; at most
-// max_connections are open (further ones are closed at once). When the
-// server listens on a loopback address it also checks the Host header
-// (localhost, 127.0.0.1, [::1]), so a web page elsewhere cannot reach it
-// through DNS rebinding.
+// is refused (400: the browser is read-only, there is nothing to upload); a
+// connection waits at most idle_timeout_s for the first byte of a request,
+// and once it has come, the whole header must arrive within
+// header_timeout_s (a client trickling its header ties up a connection for
+// seconds, not half a minute); at most max_connections are open, and a new
+// connection beyond them closes the oldest one that is waiting for a
+// request (only when every connection is writing a response is the new one
+// closed). Every HTTP/1.1 request has exactly one Host header (RFC 9112: 400
+// for none or several). When the server listens on a loopback address it
+// also checks the Host header (localhost, 127.0.0.1, [::1], in any case), so
+// a web page elsewhere cannot reach it through DNS rebinding; an HTTP/1.0
+// request without one is served (browsers always send it).
 //
 // Thread-safety: Run() blocks the calling thread; Stop() may be called from
 // any thread (or a signal handler context through asio's signal_set, which
@@ -38,9 +44,11 @@ struct HttpServerOptions {
   uint16_t port = 8080;
   // Largest request line plus header fields, in bytes.
   size_t max_header_bytes = 8 * 1024;
-  // A connection with no complete request for this long is closed.
+  // A connection with no byte of a new request for this long is closed.
   int idle_timeout_s = 30;
-  // Open connections beyond this are closed on accept.
+  // Once a request's first byte has come, its whole header must arrive within this.
+  int header_timeout_s = 5;
+  // Open connections at most; a new one beyond closes the oldest that waits for a request.
   size_t max_connections = 128;
   // Stop on SIGINT and SIGTERM (the `kb serve` command); tests leave it off.
   bool handle_signals = false;

@@ -24,13 +24,12 @@ StatusOr<std::unique_ptr<SnapshotSource>> SnapshotSource::Open(const std::vector
   if (!files.ok()) return files.status();
   auto first = LoadIndex(&*files);
   if (!first.ok()) return first.status();
-  return std::unique_ptr<SnapshotSource>(
-      new SnapshotSource(std::move(files).value(), std::move(first).value(), poll_ms));
+  return std::unique_ptr<SnapshotSource>(new SnapshotSource(files->paths(), std::move(first).value(), poll_ms));
 }
 
-SnapshotSource::SnapshotSource(kb::KnowledgeBaseSet files, std::shared_ptr<const IncidentIndex> first,
+SnapshotSource::SnapshotSource(std::vector<std::string> paths, std::shared_ptr<const IncidentIndex> first,
                                int poll_ms)
-    : files_(std::move(files)), paths_(files_.paths()), poll_ms_(poll_ms), current_(std::move(first)) {
+    : paths_(std::move(paths)), poll_ms_(poll_ms), current_(std::move(first)) {
   if (poll_ms_ > 0) poller_ = std::thread([this] { Poll(); });
 }
 
@@ -62,8 +61,10 @@ std::string SnapshotSource::Signature() const {
         sig += "-;";
         continue;
       }
-      sig += std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
-             std::to_string(st.st_mtim.tv_nsec) + ";";
+      // The inode too: `mv new.db kb.db` (rsync, scp) puts another file
+      // under the name, possibly with the same size and time.
+      sig += std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" + std::to_string(st.st_size) +
+             ":" + std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + ";";
     }
   }
   return sig;
@@ -79,7 +80,13 @@ void SnapshotSource::Poll() {
       lock.lock();
       continue;
     }
-    auto next = LoadIndex(&files_);
+    // Open the files again (a replaced file is another file) and close them
+    // once read, so that no connection of ours outlives the reload.
+    auto next = [this]() -> StatusOr<std::shared_ptr<const IncidentIndex>> {
+      auto files = kb::KnowledgeBaseSet::Open(paths_);
+      if (!files.ok()) return files.status();
+      return LoadIndex(&*files);
+    }();
     lock.lock();
     if (next.ok()) {
       current_ = std::move(next).value();

@@ -1,15 +1,19 @@
 // SnapshotSource: keeps an IncidentIndex of the knowledge-base files current.
 //
-// The files are opened once (never created, never written). A poller thread
-// looks at each file's size and modification time (and its -wal companion,
+// The files are read read-only (never created, never written) and are open
+// only while they are read: the index lives in memory, and a connection held
+// between reloads would keep a writer that closes from removing its -wal
+// (SQLite removes it with the last connection), which a file later replaced
+// by `mv new.db kb.db` would then find beside it. A poller thread looks at
+// each file's inode, size and modification time (and its -wal companion,
 // where SQLite appends in WAL mode) every poll interval and, when anything
-// changed, reads every file again and swaps in a new index. Requests keep the
-// snapshot they started with (shared_ptr), so a reload never tears a page; a
-// failed reload keeps the previous snapshot and remembers the error.
+// changed, opens and reads every file again (a replaced file is a new inode)
+// and swaps in a new index. Requests keep the snapshot they started with
+// (shared_ptr), so a reload never tears a page; a failed reload keeps the
+// previous snapshot and remembers the error.
 //
 // Thread-safety: Current(), last_error() and paths() may be called from any
-// thread. The KnowledgeBaseSet is only touched by the constructor and the
-// poller.
+// thread. Only the poller reads the files after Open.
 #ifndef OOMGUARD_SDK_SERVER_SNAPSHOT_H_
 #define OOMGUARD_SDK_SERVER_SNAPSHOT_H_
 
@@ -46,13 +50,12 @@ class SnapshotSource {
   const std::vector<std::string>& paths() const { return paths_; }
 
  private:
-  SnapshotSource(kb::KnowledgeBaseSet files, std::shared_ptr<const IncidentIndex> first, int poll_ms);
-  // Sizes and mtimes of every file and its -wal, as one comparable string.
+  SnapshotSource(std::vector<std::string> paths, std::shared_ptr<const IncidentIndex> first, int poll_ms);
+  // Inodes, sizes and mtimes of every file and its -wal, as one comparable string.
   std::string Signature() const;
   void Poll();
 
-  kb::KnowledgeBaseSet files_;
-  const std::vector<std::string> paths_;
+  const std::vector<std::string> paths_;  // the --db specs, expanded once
   const int poll_ms_;
   mutable std::mutex mu_;
   std::condition_variable stop_cv_;

@@ -34,4 +34,32 @@ echo "$out" | grep -q "no MANIFEST.json" || fail "verify must say the manifest i
 [ $? -eq 1 ] || fail "inspect of a missing file exits 1"
 "$CLI" ckpt verify > /dev/null 2>&1
 [ $? -eq 2 ] || fail "verify without DIR exits 2"
+# Verify of a whole directory reports every checkpoint it could not verify
+# (issue 15, item 4): a manifest that does not parse, or that names another
+# step, is a bad checkpoint, not one to skip; with all of them bad it lists
+# each and exits 1. A step directory without a manifest is only listed.
+E="$WORK/every"
+"$MLP" --steps 15 --hidden 16 --quiet --ckpt-dir "$E" --ckpt-every 5 --keep 0 || fail "mlp_train (every)"
+echo '{"format": "oomguard-ckpt/1", "step": 9,' > "$E/step-00000009/MANIFEST.json"
+cp "$E/step-00000004/MANIFEST.json" "$E/step-00000014/MANIFEST.json"
+mkdir "$E/step-00000020"
+out=$("$CLI" ckpt verify "$E" 2>&1)
+[ $? -eq 1 ] || fail "verify with an unparseable and a mismatched manifest must exit 1: $out"
+echo "$out" | grep -q "step 4: ok" || fail "step 4 verifies: $out"
+echo "$out" | grep -q "step 9: BAD: .*MANIFEST.json" || fail "the unparseable manifest is reported: $out"
+echo "$out" | grep -q "step 14: BAD: .*names step 4" || fail "the mismatched manifest is reported: $out"
+echo "$out" | grep -q "step 20: incomplete" || fail "the directory without a manifest is listed: $out"
+echo "$out" | grep -q "2 of 3 checkpoint(s) did not verify" || fail "the summary counts the bad ones: $out"
+out=$("$CLI" ckpt verify "$E" --json)
+[ $? -eq 1 ] || fail "verify --json exits 1 too"
+echo "$out" | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin); assert not j["ok"] and {c["step"]:c["ok"] for c in j["checkpoints"]}=={4:True,9:False,14:False} and j["incomplete"]==[20], j' \
+  || fail "verify --json lists every checkpoint: $out"
+echo 'not json' > "$E/step-00000004/MANIFEST.json"
+out=$("$CLI" ckpt verify "$E" 2>&1)
+[ $? -eq 1 ] || fail "verify with every manifest bad must exit 1: $out"
+for s in 4 9 14; do
+  echo "$out" | grep -q "step $s: BAD" || fail "every bad checkpoint is named (step $s): $out"
+done
+echo "$out" | grep -q "no committed checkpoint" && fail "bad manifests are not 'no committed checkpoint': $out"
+
 echo "ok: ckpt list/verify/inspect"

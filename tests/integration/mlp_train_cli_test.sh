@@ -65,5 +65,47 @@ check "different parameters exit 3" test $rc -eq 3
 check "model that does not fit exits 1" test $rc -eq 1
 check "model that does not fit says so" contains "$T/e8" "do not fit"
 
+# Careless input (issue 15, item 12): NaN, infinities, budgets that round to
+# "unlimited", a non-number after R=, an endless delay. Each exits 2 naming
+# the flag and what is wrong.
+bad_input() {  # bad_input NAME NEEDLE ARGS...
+  local name=$1 needle=$2; shift 2
+  "$BIN" --steps 2 --quiet "$@" > "$T/bad" 2>&1; local rc=$?
+  check "$name exits 2 (got $rc)" test $rc -eq 2
+  check "$name says '$needle'" contains "$T/bad" "$needle"
+}
+bad_input "--lr nan" "--lr: must be a finite number" --lr nan
+bad_input "--lr inf" "--lr: must be a finite number" --lr inf
+bad_input "--device-budget-mib nan" "--device-budget-mib: must be a finite number" --device-budget-mib nan
+check "a NaN budget is not reported as a huge negative number" bash -c "! grep -q -- -9223372036854775808 '$T/bad'"
+bad_input "--device-budget-mib 1e-7" "less than one byte (0 means unlimited)" --device-budget-mib 1e-7
+bad_input "--rank-budget-mib 0=abc" "'abc' is not a number of MiB" --rank-budget-mib 0=abc
+bad_input "--rank-budget-mib 0=nan" "'nan' is not a number of MiB" --rank-budget-mib 0=nan
+bad_input "--rank-budget-mib 0=1e-9" "less than one byte" --rank-budget-mib 0=1e-9
+bad_input "delay@ms=1e17" "at most 3600000" --faults "delay@ms=99999999999999999"
+
+# A diverging loss still gives valid JSON: null, not nan.
+"$BIN" --steps 20 --optimizer sgd --lr 1e9 --quiet --json > "$T/div.out"; rc=$?
+check "diverging run exits 0" test $rc -eq 0
+/usr/bin/python3 - "$T/div.out" <<'PY' || { echo "FAIL: diverged JSON"; fails=$((fails + 1)); }
+import json, sys
+line = open(sys.argv[1]).read().splitlines()[-1]
+d = json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError("not JSON: " + c)))
+assert d["loss_last"] is None, d
+PY
+
+# Lost incidents are part of the result (issue 15, item 7): every write of the
+# knowledge base fails (the kb_write fault site), so the run says how many
+# operations it lost and exits 4; a run that loses none says 0 and exits 0.
+"$BIN" "${ARGS[@]}" --device-budget-mib 0.4 --kb "$T/lost.db" --faults "oom@site=kb_write,times=0" --quiet --json \
+  > "$T/lost.out" 2> "$T/lost.err"; rc=$?
+check "a run that lost incidents exits 4 (got $rc)" test $rc -eq 4
+check "a run that lost incidents says so on stderr" contains "$T/lost.err" "incident operation(s) were not recorded"
+/usr/bin/python3 -c 'import json,sys; d=json.loads(open(sys.argv[1]).read().splitlines()[-1]); assert d["incident_ops_lost"] > 0 and d["ooms"] > 0, d' "$T/lost.out" \
+  || { echo "FAIL: incident_ops_lost in the JSON line"; fails=$((fails + 1)); }
+"$BIN" "${ARGS[@]}" --device-budget-mib 0.4 --kb "$T/kept.db" --quiet --json > "$T/kept.out"; rc=$?
+check "a run that kept its incidents exits 0" test $rc -eq 0
+check "a run that kept its incidents reports 0 lost" contains "$T/kept.out" '"incident_ops_lost":0'
+
 echo "$pass passed, $fails failed"
 [ $fails -eq 0 ]

@@ -78,5 +78,32 @@ grep -q "no file matches" "$T/err" || fail "glob error: $(cat "$T/err")"
 "$OG" kb list --db "$T/host-a.db" --since yesterday 2> "$T/err" && fail "bad --since accepted"
 "$OG" kb bogus > /dev/null 2>&1; [ $? = 2 ] || fail "unknown subcommand should exit 2"
 
+# 6. Imported fields never reach the terminal raw (issue 15, item 9): escape
+# sequences in an id, a host or a message are shown as \xNN / \uNNNN by
+# list and show; --json keeps the exact text (JSON-escaped).
+$PY - "$T/esc.jsonl" <<'PYEOF'
+import json, sys
+inc = {"id": "esc-\u001b[2J", "host": "h\u001b]0;pwned\u0007", "run_id": "run-\u202eevil",
+       "message": "line1\rFORGED \u009b31m red \u001b[1A", "step": 3, "phase": "forward", "kind": "device"}
+open(sys.argv[1], "w").write(json.dumps(inc) + "\n")
+PYEOF
+"$OG" kb import --db "$T/esc.db" "$T/esc.jsonl" > /dev/null || fail "import of escape sequences"
+"$OG" kb list --db "$T/esc.db" > "$T/esc.list" 2>&1 || fail "list of escape sequences"
+"$OG" kb show esc --db "$T/esc.db" > "$T/esc.show" 2>&1 || fail "show of escape sequences"
+"$OG" kb show "$(printf 'nope\033[2J')" --db "$T/esc.db" > /dev/null 2> "$T/esc.err"
+for f in "$T/esc.list" "$T/esc.show" "$T/esc.err"; do
+  $PY - "$f" <<'PYEOF' || fail "$(basename "$f") holds raw control characters: $(od -c "$f" | head -5)"
+import sys
+raw = open(sys.argv[1], "rb").read()
+bad = [b for b in (b"\x1b", b"\x07", b"\r", b"\xc2\x9b", b"\xe2\x80\xae") if b in raw]
+assert not bad, bad
+PYEOF
+done
+grep -q 'esc-\\x1b\[2J' "$T/esc.list" || fail "list shows the escaped id: $(cat "$T/esc.list")"
+grep -q 'line1\\x0dFORGED \\u009b31m' "$T/esc.show" || fail "show shows the escaped message: $(cat "$T/esc.show")"
+grep -q 'nope\\x1b\[2J' "$T/esc.err" || fail "an error message escapes the id it names: $(cat "$T/esc.err")"
+"$OG" kb show esc --db "$T/esc.db" --json | $PY -c 'import json,sys; d=json.load(sys.stdin); assert d["message"].startswith("line1\rFORGED \u009b"), d' \
+  || fail "--json keeps the exact message"
+
 if [ "$fails" -ne 0 ]; then echo "$fails failure(s)"; exit 1; fi
 echo "kb_cli: all checks passed"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 import oomguard
 import oomguard.budget
 import oomguard.torch as ogt
-from conftest import EXAMPLE, run_python
+from conftest import EXAMPLE, run_python, subprocess_env
 
 pytestmark = pytest.mark.skipif(not oomguard.budget.available(), reason="built without oomguard._budget")
 
@@ -137,3 +139,48 @@ def test_budget_raises_torchs_own_oom_error():
         assert oomguard.budget.allocated() >= small.numel() * 4
     assert not oomguard.budget.installed()
     torch.zeros(1 << 20)  # no budget any more
+
+
+def _example(*flags, **env):
+    return subprocess.run([sys.executable, str(EXAMPLE), *map(str, flags)], capture_output=True, text=True,
+                          timeout=120, env=subprocess_env(**env))
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--budget-mib", "nan"], "--budget-mib must be a finite number"),
+    (["--budget-mib", "1e-9"], "less than one byte"),
+    (["--ckpt-every", "0"], "--ckpt-every must be >= 1"),
+])
+def test_example_refuses_careless_flags(flags, needle):
+    """Issue 15, item 12: NaN passes every comparison, 1e-9 MiB rounds to 'no budget'."""
+    proc = _example("--steps", 1, *flags)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr, proc.stderr
+
+
+def _no_constants(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_example_diverging_loss_is_json_null():
+    proc = _example("--steps", 4, "--global-batch", 64, "--lr", "1e30", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1], parse_constant=_no_constants)
+    assert summary["loss_last"] is None, summary
+
+
+def test_example_reports_lost_incidents_in_json_and_exit_code(tmp_path):
+    """Issue 15, item 7: every knowledge-base write fails; the run says so and exits 4."""
+    kb = tmp_path / "kb.db"
+    flags = ["--steps", 4, "--global-batch", 512, "--dtype", "float64", "--budget-mib", 8, "--kb", kb, "--json"]
+    proc = _example(*flags, OOMGUARD_FAULTS="oom@site=kb_write,times=0")
+    assert proc.returncode == 4, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ooms"] >= 1 and summary["incident_ops_lost"] > 0, summary
+    assert "were not recorded" in proc.stderr
+    kept = _example(*flags[:-3], "--kb", tmp_path / "kept.db", "--json")
+    assert kept.returncode == 0, kept.stderr
+    assert json.loads(kept.stdout.strip().splitlines()[-1])["incident_ops_lost"] == 0

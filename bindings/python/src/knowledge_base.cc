@@ -23,15 +23,17 @@ void BindKnowledgeBase(py::module_& m) {
       .def_readonly("dropped", &SinkStats::dropped)
       .def_readonly("written", &SinkStats::written)
       .def_readonly("write_errors", &SinkStats::write_errors)
-      .def_readonly("last_error", &SinkStats::last_error);
+      .def_readonly("last_error", &SinkStats::last_error)
+      .def_property_readonly("lost", &SinkStats::lost);
 
   py::class_<KnowledgeBase>(m, "KnowledgeBase")
-      .def(py::init([](const std::string& path, bool create_if_missing) {
+      .def(py::init([](const std::string& path, bool create_if_missing, bool read_only) {
              KnowledgeBaseOptions o;
              o.create_if_missing = create_if_missing;
+             o.read_only = read_only;
              return ValueOrThrow(WithoutGil([&] { return KnowledgeBase::Open(path, o); }));
            }),
-           py::arg("path"), py::arg("create_if_missing") = true)
+           py::arg("path"), py::arg("create_if_missing") = true, py::arg("read_only") = false)
       .def_property_readonly("path", &KnowledgeBase::path)
       .def("flush", [](KnowledgeBase& kb) { ThrowIfError(WithoutGil([&] { return kb.Flush(); })); })
       .def(

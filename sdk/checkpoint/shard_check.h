@@ -1,0 +1,103 @@
+// CheckedShard: the one checker of a committed checkpoint's shard, shared by
+// the loader (Checkpointer::LoadLatest/Load/Restore) and by
+// VerifyCheckpoint (`oomguard ckpt verify`), so that verify accepts exactly
+// what a load accepts.
+//
+// A checkpoint may come from another machine or another person. Before any
+// tensor byte is read, Open refuses, naming the file and the tensor:
+//   * a shard file that is missing, a symlink, not a regular file, or not the
+//     size the manifest records; root attributes that do not name this
+//     step, rank and world size;
+//   * any link but a hard one (soft links, external links), any object but
+//     groups and datasets;
+//   * a dataset whose data would not come from the shard itself (external
+//     storage, a virtual dataset) or whose layout is not chunked, contiguous
+//     or compact; a filter other than shuffle, zstd, deflate or fletcher32;
+//   * a dataset without a known `dtype` or a 16-hex-digit `xxh3` attribute,
+//     or whose HDF5 type (integer or float, little-endian, of the dtype's
+//     size) does not hold its dtype;
+//   * sizes the file cannot back: dimensions whose product overflows,
+//     contiguous data not allocated or outside the file, chunks missing (HDF5
+//     would invent fill values), more chunks than the file has bytes, stored
+//     bytes beyond the file, or more decoded bytes than any of the allowed
+//     filters can expand the stored ones to (kMaxExpansion);
+//   * datasets other than the ones the shard's inventory attribute lists, a
+//     listed one missing, or one whose dtype or shape differs from the listed.
+// So nothing is allocated from a size the file does not back, and nothing
+// outside the checkpoint directory is read. Then Read/ReadEverything decode
+// and check every tensor's xxh3 while the whole file is hashed on a thread of
+// its own, and Finish joins the two verdicts (the tensor's first: it names the
+// tensor).
+//
+// Thread-safety: a CheckedShard is used by one thread at a time.
+#ifndef OOMGUARD_SDK_CHECKPOINT_SHARD_CHECK_H_
+#define OOMGUARD_SDK_CHECKPOINT_SHARD_CHECK_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "oomguard/checkpoint.h"
+#include "oomguard/status.h"
+#include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/thread_pool.h"
+
+namespace oomguard::ckpt {
+
+// Decoded bytes per stored byte that no allowed filter exceeds: a zstd RLE
+// block turns 4 bytes into at most 128 KiB (32768x), deflate reaches ~1032x.
+inline constexpr int64_t kMaxExpansion = int64_t{1} << 16;
+
+// One tensor of a checked shard.
+struct ShardEntry {
+  std::string dataset;  // "/model/fc1.weight"
+  DType dtype = DType::kUInt8;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;  // decoded
+};
+
+// Reads <step_dir>/MANIFEST.json and checks that it names `step`.
+// kNotFound when there is none; kDataLoss naming the file otherwise.
+StatusOr<Manifest> ReadStepManifest(const std::string& step_dir, int64_t step);
+
+class CheckedShard {
+ public:
+  // Checks shard `shard` of `manifest` (the file <step_dir>/<shard.file>) as
+  // described above; hash_file starts the whole-file hash (compared with the
+  // manifest's xxh3 in Finish). Errors are kDataLoss naming the file and,
+  // where one is at fault, the tensor.
+  static StatusOr<std::unique_ptr<CheckedShard>> Open(const std::string& step_dir, const Manifest& manifest,
+                                                      const ManifestShard& shard, bool hash_file);
+  ~CheckedShard();
+
+  const std::string& path() const { return path_; }
+  // Every tensor of the shard, in inventory order.
+  const std::vector<ShardEntry>& entries() const { return entries_; }
+  const ShardEntry* Find(const std::string& dataset) const;
+  // Sum of entries()' bytes.
+  int64_t total_bytes() const { return total_bytes_; }
+
+  // Decodes `requests` (ShardReader::ReadMany). kDataLoss naming the tensor
+  // when a request names a dataset the shard does not hold.
+  Status Read(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool);
+  // Decodes every entry and checks its xxh3 without keeping the bytes.
+  Status ReadEverything(ThreadPool* pool);
+  // Joins the whole-file hash and returns `read_status` when it failed (it
+  // names the tensor), else the file's verdict.
+  Status Finish(const Status& read_status);
+
+ private:
+  CheckedShard() = default;
+  std::string path_;
+  std::unique_ptr<ShardReader> reader_;
+  std::vector<ShardEntry> entries_;
+  int64_t total_bytes_ = 0;
+  std::optional<FileHashCheck> file_check_;
+};
+
+}  // namespace oomguard::ckpt
+
+#endif  // OOMGUARD_SDK_CHECKPOINT_SHARD_CHECK_H_

@@ -1,0 +1,315 @@
+// Checkpoints that come from elsewhere (issue 15): MANIFEST.json that is not
+// a regular file or is far too large, manifests with hostile fields, a shard
+// with a tensor deleted, and the inventory that lets verify see it. Verify
+// and load share one checker (shard_check.h), so each case asserts that both
+// refuse. Also compiled under ThreadSanitizer: sizes stay small.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+
+#include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/shard.h"
+
+namespace oomguard {
+namespace {
+
+namespace fs = std::filesystem;
+
+class ShardCheckTest : public ::testing::Test {
+ protected:
+  ShardCheckTest() {
+    static std::atomic<int> n{0};
+    dir_ = (fs::temp_directory_path() /
+            ("oomguard-shardcheck-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
+               .string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  ~ShardCheckTest() override { fs::remove_all(dir_); }
+
+  // A checkpointer with `tensors` float32 tensors of 300 elements, named
+  // <prefix>0, <prefix>1, ..., and one object.
+  std::unique_ptr<Checkpointer> Make(int tensors = 2, const std::string& prefix = "model/t") {
+    CheckpointOptions o;
+    o.dir = dir_;
+    o.fsync = false;
+    o.chunk_bytes = 4096;
+    o.threads = 2;
+    auto c = Checkpointer::Create(o).value();
+    values_.assign(static_cast<size_t>(tensors), std::vector<float>(300));
+    for (int t = 0; t < tensors; ++t)
+      EXPECT_TRUE(c->AddTensor(prefix + std::to_string(t), DType::kFloat32, {300},
+                               values_[static_cast<size_t>(t)].data())
+                      .ok());
+    EXPECT_TRUE(c->AddObject(
+                     "train/counter",
+                     [this] { return std::vector<uint8_t>(8, static_cast<uint8_t>(counter_)); },
+                     [this](std::span<const uint8_t> b) {
+                       counter_ = b.empty() ? -1 : b[0];
+                       return Status::Ok();
+                     })
+                    .ok());
+    return c;
+  }
+  void Fill(int64_t step) {
+    for (auto& v : values_)
+      for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(step * 1000 + static_cast<int64_t>(i));
+    counter_ = step;
+  }
+  void Save(Checkpointer* c, int64_t step) {
+    Fill(step);
+    ASSERT_TRUE(c->SaveAsync(step).ok());
+    ASSERT_TRUE(c->Wait().ok());
+  }
+  std::string StepDir(int64_t step) const { return dir_ + "/" + ckpt::StepDirName(step); }
+  std::string Shard(int64_t step) const { return StepDir(step) + "/rank-00000.h5"; }
+  // Rewrites the manifest's size and hash to match the shard as it is now,
+  // as someone who edited the shard by hand would.
+  void FixManifest(int64_t step) {
+    auto m = ckpt::ReadManifest(StepDir(step)).value();
+    uint64_t h = 0;
+    int64_t n = 0;
+    ASSERT_TRUE(ckpt::HashFile(Shard(step), &h, &n).ok());
+    m.shards[0].bytes = n;
+    m.shards[0].xxh3 = ckpt::Hex64(h);
+    ASSERT_TRUE(
+        ckpt::WriteFileDurably(StepDir(step) + "/MANIFEST.json", ckpt::ManifestToJson(m), false).ok());
+  }
+  // Runs `fn` on a thread and fails the test (instead of hanging it) when it
+  // does not return within 10 s; `unblock` then frees it.
+  template <typename F>
+  auto WithinSeconds(F fn, const std::function<void()>& unblock) {
+    auto fut = std::async(std::launch::async, fn);
+    if (fut.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      ADD_FAILURE() << "blocked for 10 s";
+      unblock();
+    }
+    return fut.get();
+  }
+
+  std::string dir_;
+  std::vector<std::vector<float>> values_;
+  int64_t counter_ = 0;
+};
+
+// Item 3: a FIFO as MANIFEST.json must neither hang a load nor a verify.
+TEST_F(ShardCheckTest, FifoManifestIsRefusedWithoutBlocking) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  const std::string manifest = StepDir(2) + "/MANIFEST.json";
+  fs::remove(manifest);
+  ASSERT_EQ(::mkfifo(manifest.c_str(), 0644), 0);
+  auto unblock = [&] {
+    int fd = ::open(manifest.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+  };
+  auto m = WithinSeconds([&] { return ckpt::ReadManifest(StepDir(2)); }, unblock);
+  ASSERT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(m.status().message().find("not a regular file"), std::string::npos) << m.status();
+  auto loaded = WithinSeconds([&] { return c->LoadLatest(); }, unblock);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 1);
+  Status v = WithinSeconds([&] { return VerifyCheckpoint(dir_, 2); }, unblock);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss) << v;
+  auto list = WithinSeconds([&] { return ListCheckpoints(dir_); }, unblock);
+  ASSERT_TRUE(list.ok());
+  EXPECT_NE(list->back().problem.find("not a regular file"), std::string::npos);
+}
+
+// Item 3: a link to /dev/zero (endless) and a 3 GB sparse file are refused
+// by their size or kind, without reading them.
+TEST_F(ShardCheckTest, EndlessOrHugeManifestIsRefusedUnread) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  Save(c.get(), 3);
+  const std::string m2 = StepDir(2) + "/MANIFEST.json", m3 = StepDir(3) + "/MANIFEST.json";
+  fs::remove(m2);
+  fs::create_symlink("/dev/zero", m2);
+  fs::remove(m3);
+  {
+    int fd = ::open(m3.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, int64_t{3} << 30), 0);  // sparse: no disk space
+    ::close(fd);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r2 = ckpt::ReadManifest(StepDir(2));
+  EXPECT_EQ(r2.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r2.status().message().find("symbolic link"), std::string::npos) << r2.status();
+  auto r3 = ckpt::ReadManifest(StepDir(3));
+  EXPECT_EQ(r3.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r3.status().message().find("3221225472 bytes"), std::string::npos) << r3.status();
+  auto loaded = c->LoadLatest();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 1);
+  EXPECT_EQ(VerifyCheckpoint(dir_, 2).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(VerifyCheckpoint(dir_, 3).code(), StatusCode::kDataLoss);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "the files were read";
+}
+
+// A shard that is a FIFO (with a manifest that says 0 bytes) or a symlink to
+// a shard elsewhere is refused before anything opens it.
+TEST_F(ShardCheckTest, ShardThatIsNotARegularFileIsRefused) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  Save(c.get(), 3);
+  fs::rename(Shard(2), dir_ + "/elsewhere.h5");
+  fs::create_symlink(dir_ + "/elsewhere.h5", Shard(2));  // same bytes, hash still matches
+  fs::remove(Shard(3));
+  ASSERT_EQ(::mkfifo(Shard(3).c_str(), 0644), 0);
+  auto m = ckpt::ReadManifest(StepDir(3)).value();
+  m.shards[0].bytes = 0;
+  ASSERT_TRUE(ckpt::WriteFileDurably(StepDir(3) + "/MANIFEST.json", ckpt::ManifestToJson(m), false).ok());
+  auto unblock = [&] {
+    int fd = ::open(Shard(3).c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+  };
+  Status v3 = WithinSeconds([&] { return VerifyCheckpoint(dir_, 3); }, unblock);
+  EXPECT_NE(v3.message().find("not a regular file"), std::string::npos) << v3;
+  Status v2 = VerifyCheckpoint(dir_, 2);
+  EXPECT_NE(v2.message().find("symbolic link"), std::string::npos) << v2;
+  auto loaded = WithinSeconds([&] { return c->LoadLatest(); }, unblock);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 1);
+}
+
+TEST(ManifestParseTest, RefusesHostileFields) {
+  ckpt::Manifest m;
+  m.format = std::string(kCheckpointFormat);
+  m.step = 7;
+  m.world_size = 2;
+  m.shards = {{0, "rank-00000.h5", 10, "00000000000000ff"}, {1, "rank-00001.h5", 10, "00000000000000ff"}};
+  ASSERT_TRUE(ckpt::ParseManifest(ckpt::ManifestToJson(m)).ok());
+  auto refused = [&](ckpt::Manifest bad, const char* needle) {
+    auto r = ckpt::ParseManifest(ckpt::ManifestToJson(bad));
+    EXPECT_EQ(r.status().code(), StatusCode::kDataLoss) << needle;
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status();
+  };
+  for (const char* name : {"", ".", "..", "a/b.h5", "/etc/passwd"}) {
+    auto bad = m;
+    bad.shards[1].file = name;
+    refused(bad, "outside its directory");
+  }
+  auto bad = m;
+  bad.shards[1].rank = 0;
+  refused(bad, "rank 0 twice");
+  bad = m;
+  bad.shards[1].rank = 5;
+  refused(bad, "rank");
+  bad = m;
+  bad.shards[0].xxh3 = "xyz";
+  refused(bad, "16 lowercase hex");
+  bad = m;
+  bad.shards[0].bytes = -1;
+  refused(bad, "bytes");
+  bad = m;
+  bad.step = -3;
+  refused(bad, "step");
+  auto text = [&](const std::string& s) { return ckpt::ParseManifest(s).status(); };
+  const std::string ok = ckpt::ManifestToJson(m);
+  EXPECT_NE(text(std::string(ok).replace(ok.find("\"step\": 7"), 9, "\"step\": 7.5"))
+                .message()
+                .find("not an integer"),
+            std::string::npos);
+  EXPECT_NE(
+      text(std::string(ok).replace(ok.find("\"step\": 7"), 9, "\"step\": 1e300")).message().find("integer"),
+      std::string::npos);
+  EXPECT_NE(text(std::string(ok).replace(ok.find("\"world_size\": 2"), 15, "\"world_size\": 99999999"))
+                .message()
+                .find("larger"),
+            std::string::npos);
+  EXPECT_NE(text(std::string(100000, '[')).message().find("nests deeper"), std::string::npos);
+  EXPECT_EQ(text("[]").code(), StatusCode::kDataLoss);
+  EXPECT_EQ(text("").code(), StatusCode::kDataLoss);
+}
+
+// Item 5: a tensor deleted from a shard (and the manifest fixed up) is
+// refused by verify as it is by a load, naming the tensor.
+TEST_F(ShardCheckTest, DeletedTensorIsRefusedByVerifyAndLoad) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  {
+    ckpt::Hdf5Lock lock;
+    ckpt::H5Handle f(H5Fopen(Shard(2).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_TRUE(f.valid());
+    ASSERT_GE(H5Ldelete(f.get(), "/model/t1", H5P_DEFAULT), 0);
+  }
+  FixManifest(2);
+  Status v = VerifyCheckpoint(dir_, 2);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss);
+  EXPECT_NE(v.message().find("/model/t1 is missing"), std::string::npos) << v;
+  Fill(99);
+  EXPECT_EQ(c->Load(2).status().code(), StatusCode::kDataLoss);
+  auto loaded = c->LoadLatest();
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_EQ(*loaded, 1);
+  EXPECT_EQ(values_[1][5], 1005.f);
+  EXPECT_EQ(counter_, 1);
+}
+
+// A dataset added beside the inventory is refused too: the shard is not the
+// one that was written.
+TEST_F(ShardCheckTest, DatasetTheInventoryDoesNotListIsRefused) {
+  auto c = Make();
+  Save(c.get(), 1);
+  {
+    ckpt::Hdf5Lock lock;
+    ckpt::H5Handle f(H5Fopen(Shard(1).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ckpt::H5Handle space(H5Screate(H5S_SCALAR));
+    ckpt::H5Handle d(
+        H5Dcreate2(f.get(), "/extra", H5T_STD_U8LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+    ASSERT_TRUE(d.valid());
+  }
+  FixManifest(1);
+  Status v = VerifyCheckpoint(dir_, 1);
+  EXPECT_NE(v.message().find("/extra, which its tensor inventory does not list"), std::string::npos) << v;
+  EXPECT_EQ(c->Load(1).status().code(), StatusCode::kDataLoss);
+}
+
+// Shards written before the inventory existed still load and verify: the
+// datasets present are their inventory.
+TEST_F(ShardCheckTest, ShardWithoutInventoryStillLoads) {
+  auto c = Make();
+  Save(c.get(), 1);
+  {
+    ckpt::Hdf5Lock lock;
+    ckpt::H5Handle f(H5Fopen(Shard(1).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_GE(H5Adelete(f.get(), ckpt::kInventoryAttr), 0);
+  }
+  FixManifest(1);
+  EXPECT_TRUE(VerifyCheckpoint(dir_, 1).ok());
+  Fill(99);
+  ASSERT_TRUE(c->Load(1).ok());
+  EXPECT_EQ(values_[0][7], 1007.f);
+}
+
+// Many tensors with long names: the inventory (about 90 KB) outgrows HDF5's
+// 64 KiB compact attributes and must still be written and read back.
+TEST_F(ShardCheckTest, LargeInventoryRoundTrips) {
+  auto c = Make(1500, "model/a_rather_long_module_name_for_the_inventory/weight_");
+  Save(c.get(), 4);
+  Status v = VerifyCheckpoint(dir_, 4);
+  EXPECT_TRUE(v.ok()) << v;
+  Fill(99);
+  Status s = c->Load(4).status();
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(values_[1499][3], 4003.f);
+}
+
+}  // namespace
+}  // namespace oomguard

@@ -1,0 +1,423 @@
+// Fuzz tests of the checkpoint reader and the manifest parser (issue 15).
+//
+// Real shards written by the Checkpointer are damaged at random: byte flips,
+// truncations, appended bytes, and HDF5 object edits made through the C API
+// (datasets deleted, renamed, replaced by links, by external storage or by
+// fill-value datasets of huge extent, attributes removed or changed, objects
+// added). Most cases then fix the manifest's size and hash, so that only the
+// loader's own checks stand in the way. Every case asserts:
+//   * no crash and no hang (every call runs under a watchdog; the external
+//     files the edits point at are FIFOs, so a read outside the checkpoint
+//     directory would block and fail the case);
+//   * verify and load agree (one checker), and a load that succeeds loaded
+//     exactly the values that were saved;
+//   * LoadLatest picks the newest checkpoint that verifies, with its values;
+//   * no file descriptor is leaked.
+// The manifest parser gets thousands of mutated manifests: never a crash, and
+// whatever it accepts is consistent.
+// Also compiled under ThreadSanitizer, with fewer cases.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <random>
+#include <set>
+
+#include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/shard.h"
+
+namespace oomguard {
+namespace {
+
+namespace fs = std::filesystem;
+
+#ifdef OOMGUARD_TSAN_BUILD
+constexpr int kShardCases = 40;
+constexpr int kManifestCases = 500;
+#else
+constexpr int kShardCases = 400;
+constexpr int kManifestCases = 5000;
+#endif
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void WriteAll(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+int OpenFds() {
+  int n = 0;
+  for ([[maybe_unused]] auto& e : fs::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+class ShardFuzzTest : public ::testing::Test {
+ protected:
+  static constexpr int kSteps = 3;
+
+  ShardFuzzTest() {
+    static std::atomic<int> n{0};
+    root_ = (fs::temp_directory_path() /
+             ("oomguard-fuzz-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
+                .string();
+    fs::remove_all(root_);
+    dir_ = root_ + "/ckpt";
+    outside_ = root_ + "/outside";
+    fs::create_directories(dir_);
+    fs::create_directories(outside_);
+    // Targets of external links and external storage. FIFOs: opening one
+    // for reading blocks, so a loader that reads outside its directory hangs
+    // the case and the watchdog fails it.
+    EXPECT_EQ(::mkfifo((outside_ + "/data.bin").c_str(), 0644), 0);
+    EXPECT_EQ(::mkfifo((outside_ + "/other.h5").c_str(), 0644), 0);
+  }
+  ~ShardFuzzTest() override { fs::remove_all(root_); }
+
+  // float32 across many chunks, float64 with a partial edge chunk, a bf16
+  // vector, an int64 scalar (contiguous, unfiltered), an empty tensor, an object.
+  void Make() {
+    CheckpointOptions o;
+    o.dir = dir_;
+    o.fsync = false;
+    o.chunk_bytes = 4096;
+    o.threads = 2;
+    o.keep = 0;
+    c_ = Checkpointer::Create(o).value();
+    ASSERT_TRUE(c_->AddTensor("model/w", DType::kFloat32, {40, 100}, w_.data()).ok());
+    ASSERT_TRUE(c_->AddTensor("model/b", DType::kFloat64, {700}, b_.data()).ok());
+    ASSERT_TRUE(c_->AddTensor("model/h", DType::kBFloat16, {33}, h_.data()).ok());
+    ASSERT_TRUE(c_->AddTensor("train/scalar", DType::kInt64, {}, &scalar_).ok());
+    ASSERT_TRUE(c_->AddTensor("train/empty", DType::kFloat32, {0, 5}, nullptr).ok());
+    ASSERT_TRUE(c_->AddObject(
+                      "optimizer/state", [this] { return object_; },
+                      [this](std::span<const uint8_t> b) {
+                        object_.assign(b.begin(), b.end());
+                        return Status::Ok();
+                      })
+                    .ok());
+  }
+  void Fill(int64_t step) {
+    for (size_t i = 0; i < w_.size(); ++i) w_[i] = static_cast<float>(step) + 0.001f * static_cast<float>(i);
+    for (size_t i = 0; i < b_.size(); ++i) b_[i] = static_cast<double>(step) * 1e6 + static_cast<double>(i);
+    for (size_t i = 0; i < h_.size(); ++i)
+      h_[i] = static_cast<uint16_t>(step * 100 + static_cast<int64_t>(i));
+    scalar_ = step * 7;
+    object_.assign(300 + static_cast<size_t>(step), static_cast<uint8_t>(step));
+  }
+  void Scribble() {
+    std::fill(w_.begin(), w_.end(), -1.f);
+    std::fill(b_.begin(), b_.end(), -1.0);
+    std::fill(h_.begin(), h_.end(), uint16_t{0xffff});
+    scalar_ = -1;
+    object_.clear();
+  }
+  // Whether the registered state holds exactly what step `step` saved.
+  ::testing::AssertionResult Holds(int64_t step) {
+    auto got_w = w_;
+    auto got_b = b_;
+    auto got_h = h_;
+    auto got_s = scalar_;
+    auto got_o = object_;
+    Fill(step);
+    const bool same = got_w == w_ && got_b == b_ && got_h == h_ && got_s == scalar_ && got_o == object_;
+    w_ = got_w, b_ = got_b, h_ = got_h, scalar_ = got_s, object_ = got_o;
+    if (same) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << "the loaded state is not the state of step " << step;
+  }
+
+  std::string StepDir(int64_t s) const { return dir_ + "/" + ckpt::StepDirName(s); }
+  std::string Shard(int64_t s) const { return StepDir(s) + "/rank-00000.h5"; }
+  std::string Manifest(int64_t s) const { return StepDir(s) + "/MANIFEST.json"; }
+  void FixManifest(int64_t s) {
+    auto m = ckpt::ParseManifest(pristine_manifest_[static_cast<size_t>(s)]).value();
+    uint64_t h = 0;
+    int64_t n = 0;
+    if (!ckpt::HashFile(Shard(s), &h, &n).ok()) return;
+    m.shards[0].bytes = n;
+    m.shards[0].xxh3 = ckpt::Hex64(h);
+    WriteAll(Manifest(s), ckpt::ManifestToJson(m));
+  }
+  void Restore(int64_t s) {
+    WriteAll(Shard(s), pristine_shard_[static_cast<size_t>(s)]);
+    WriteAll(Manifest(s), pristine_manifest_[static_cast<size_t>(s)]);
+  }
+
+  // Runs fn under a watchdog: a call that does not return within 20 s fails
+  // the test, and the FIFOs outside are opened for writing to free it.
+  template <typename F>
+  auto Watched(F fn, const std::string& what) {
+    auto fut = std::async(std::launch::async, fn);
+    if (fut.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      ADD_FAILURE() << what << " blocked (a read outside the checkpoint directory?)";
+      for (const char* f : {"/data.bin", "/other.h5"}) {
+        int fd = ::open((outside_ + f).c_str(), O_WRONLY | O_NONBLOCK);
+        if (fd >= 0) ::close(fd);
+      }
+    }
+    return fut.get();
+  }
+
+  // One HDF5 object edit, chosen by `kind`, of the shard of step `s`.
+  // Returns what it did, for failure messages.
+  std::string EditObjects(int64_t s, int kind, std::mt19937_64& rng) {
+    static const char* kDatasets[] = {"/model/w",      "/model/b",     "/model/h",
+                                      "/train/scalar", "/train/empty", "/optimizer/state"};
+    const std::string ds = kDatasets[rng() % 6];
+    const std::string other = kDatasets[rng() % 6];
+    ckpt::Hdf5Lock lock;
+    ckpt::H5Handle f(H5Fopen(Shard(s).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    if (!f.valid()) return "open failed";
+    const hid_t fid = f.get();
+    auto replace_with = [&](hid_t type, const std::vector<hsize_t>& dims, hid_t dcpl) {
+      H5Ldelete(fid, ds.c_str(), H5P_DEFAULT);
+      ckpt::H5Handle space(dims.empty()
+                               ? H5Screate(H5S_SCALAR)
+                               : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr));
+      ckpt::H5Handle d(H5Dcreate2(fid, ds.c_str(), type, space.get(), H5P_DEFAULT, dcpl, H5P_DEFAULT));
+      (void)ckpt::WriteStringAttr(d.get(), "dtype", "float32");
+      (void)ckpt::WriteStringAttr(d.get(), "xxh3", "0123456789abcdef");
+    };
+    switch (kind) {
+      case 0:
+        H5Ldelete(fid, ds.c_str(), H5P_DEFAULT);
+        return "deleted " + ds;
+      case 1: {
+        ckpt::H5Handle d(H5Dopen2(fid, ds.c_str(), H5P_DEFAULT));
+        H5Adelete(d.get(), rng() % 2 ? "dtype" : "xxh3");
+        return "deleted an attribute of " + ds;
+      }
+      case 2: {
+        ckpt::H5Handle d(H5Dopen2(fid, ds.c_str(), H5P_DEFAULT));
+        H5Adelete(d.get(), "dtype");
+        static const char* kNames[] = {"int32", "uint16", "float16", "int64", "bool", "no-such-dtype"};
+        (void)ckpt::WriteStringAttr(d.get(), "dtype", kNames[rng() % 6]);
+        return "changed the dtype of " + ds;
+      }
+      case 3:
+        H5Ldelete(fid, ds.c_str(), H5P_DEFAULT);
+        H5Lcreate_soft(other.c_str(), fid, ds.c_str(), H5P_DEFAULT, H5P_DEFAULT);
+        return "replaced " + ds + " by a soft link to " + other;
+      case 4:
+        H5Ldelete(fid, ds.c_str(), H5P_DEFAULT);
+        H5Lcreate_external((outside_ + "/other.h5").c_str(), "/data", fid, ds.c_str(), H5P_DEFAULT,
+                           H5P_DEFAULT);
+        return "replaced " + ds + " by an external link";
+      case 5: {
+        ckpt::H5Handle dcpl(H5Pcreate(H5P_DATASET_CREATE));
+        H5Pset_external(dcpl.get(), (outside_ + "/data.bin").c_str(), 0, 1200);
+        replace_with(H5T_IEEE_F32LE, {300}, dcpl.get());
+        return "replaced " + ds + " by external storage";
+      }
+      case 6:
+        H5Lmove(fid, ds.c_str(), fid, (ds + "_renamed").c_str(), H5P_DEFAULT, H5P_DEFAULT);
+        return "renamed " + ds;
+      case 7:
+        H5Adelete(fid, "step");
+        (void)ckpt::WriteInt64Attr(fid, "step", static_cast<int64_t>(rng() % 5));
+        return "rewrote the root step attribute";
+      case 8: {
+        ckpt::H5Handle space(H5Screate(H5S_SCALAR));
+        ckpt::H5Handle d(H5Dcreate2(fid, "/model/extra", H5T_STD_U8LE, space.get(), H5P_DEFAULT, H5P_DEFAULT,
+                                    H5P_DEFAULT));
+        return "added /model/extra";
+      }
+      case 9:
+        replace_with(H5T_IEEE_F32LE, {40, 100}, H5P_DEFAULT);  // contiguous, never written: fill values
+        return "replaced " + ds + " by an unwritten dataset";
+      case 10: {
+        ckpt::H5Handle dcpl(H5Pcreate(H5P_DATASET_CREATE));
+        const hsize_t chunk[2] = {1, 1 << 20};
+        H5Pset_chunk(dcpl.get(), 2, chunk);
+        replace_with(H5T_IEEE_F32LE, {hsize_t{1} << 40, hsize_t{1} << 30}, dcpl.get());
+        return "replaced " + ds + " by a huge chunked dataset";
+      }
+      case 11:
+        H5Lcreate_hard(fid, ds.c_str(), fid, "/model/alias", H5P_DEFAULT, H5P_DEFAULT);
+        return "added a second name for " + ds;
+      case 12: {
+        ckpt::H5Handle t(H5Tcopy(H5T_NATIVE_INT));
+        H5Tcommit2(fid, "/model/type", t.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+        return "added a committed datatype";
+      }
+      default:
+        H5Adelete(fid, ckpt::kInventoryAttr);
+        (void)ckpt::WriteStringAttr(
+            fid, ckpt::kInventoryAttr,
+            rng() % 2 ? R"([{"path": "model/w", "dtype": "float32", "shape": [40, 100]}])" : "not json");
+        return "rewrote the inventory";
+    }
+  }
+
+  std::string root_, dir_, outside_;
+  std::vector<float> w_ = std::vector<float>(4000);
+  std::vector<double> b_ = std::vector<double>(700);
+  std::vector<uint16_t> h_ = std::vector<uint16_t>(33);
+  int64_t scalar_ = 0;
+  std::vector<uint8_t> object_;
+  std::unique_ptr<Checkpointer> c_;
+  std::vector<std::string> pristine_shard_, pristine_manifest_;
+};
+
+TEST_F(ShardFuzzTest, DamagedShardsNeverCrashHangOrLoadWrongValues) {
+  Make();
+  pristine_shard_.resize(kSteps + 1);
+  pristine_manifest_.resize(kSteps + 1);
+  for (int64_t s = 1; s <= kSteps; ++s) {
+    Fill(s);
+    ASSERT_TRUE(c_->SaveAsync(s).ok());
+    ASSERT_TRUE(c_->Wait().ok());
+  }
+  for (int64_t s = 1; s <= kSteps; ++s) {
+    pristine_shard_[static_cast<size_t>(s)] = ReadAll(Shard(s));
+    pristine_manifest_[static_cast<size_t>(s)] = ReadAll(Manifest(s));
+    ASSERT_TRUE(VerifyCheckpoint(dir_, s).ok());
+  }
+  std::mt19937_64 rng(20261201);
+  const int fds_before = OpenFds();
+  int loaded_damaged = 0, refused = 0, fixed_manifests = 0;
+  std::map<std::string, int> by_kind;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int n = 0; n < kShardCases; ++n) {
+    // Damage step 3, and in one case of four step 2 as well.
+    std::vector<int64_t> damaged = {3};
+    if (rng() % 4 == 0) damaged.push_back(2);
+    std::string what;
+    for (int64_t s : damaged) {
+      std::string bytes = pristine_shard_[static_cast<size_t>(s)];
+      const int kind = static_cast<int>(rng() % 6);
+      if (kind <= 1) {  // byte flips
+        const int flips = 1 + static_cast<int>(rng() % 4);
+        for (int i = 0; i < flips; ++i) bytes[rng() % bytes.size()] ^= static_cast<char>(1 + rng() % 255);
+        WriteAll(Shard(s), bytes);
+        what += " flipped " + std::to_string(flips) + " byte(s) of step " + std::to_string(s) + ";";
+        by_kind["byte flips"]++;
+      } else if (kind == 2) {  // truncation
+        bytes.resize(rng() % bytes.size());
+        WriteAll(Shard(s), bytes);
+        what += " truncated step " + std::to_string(s) + " to " + std::to_string(bytes.size()) + ";";
+        by_kind["truncation"]++;
+      } else if (kind == 3) {  // appended bytes
+        for (int i = 0, k = 1 + static_cast<int>(rng() % 64); i < k; ++i)
+          bytes.push_back(static_cast<char>(rng()));
+        WriteAll(Shard(s), bytes);
+        what += " appended to step " + std::to_string(s) + ";";
+        by_kind["appended bytes"]++;
+      } else {  // HDF5 object edits
+        WriteAll(Shard(s), bytes);
+        const int edits = 1 + static_cast<int>(rng() % 2);
+        for (int i = 0; i < edits; ++i) what += " " + EditObjects(s, static_cast<int>(rng() % 14), rng) + ";";
+        by_kind["HDF5 object edits"]++;
+      }
+      if (rng() % 10 < 7) {
+        FixManifest(s);
+        ++fixed_manifests;
+      }
+    }
+    SCOPED_TRACE("case " + std::to_string(n) + ":" + what);
+    Status verified = Watched([&] { return VerifyCheckpoint(dir_, 3); }, "verify");
+    Scribble();
+    auto loaded = Watched([&] { return c_->Load(3); }, "load");
+    EXPECT_EQ(verified.ok(), loaded.ok()) << "verify: " << verified << "; load: " << loaded.status();
+    if (loaded.ok()) {
+      EXPECT_TRUE(Holds(3));
+      ++loaded_damaged;
+    } else {
+      EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status();
+      ++refused;
+    }
+    // Resume takes the newest checkpoint that verifies.
+    int64_t expect = 0;
+    for (int64_t s = kSteps; s >= 1 && expect == 0; --s)
+      if (Watched([&] { return VerifyCheckpoint(dir_, s); }, "verify").ok()) expect = s;
+    Scribble();
+    auto latest = Watched([&] { return c_->LoadLatest(); }, "LoadLatest");
+    ASSERT_TRUE(latest.ok()) << latest.status();
+    EXPECT_EQ(*latest, expect);
+    EXPECT_TRUE(Holds(*latest));
+    for (int64_t s : damaged) Restore(s);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(OpenFds(), fds_before) << "a refused shard left a file descriptor open";
+  std::string kinds;
+  for (auto& [k, v] : by_kind) kinds += " " + k + "=" + std::to_string(v);
+  std::printf("fuzz: %d cases (%s; %d manifests fixed up) in %.1f s: %d refused, %d loaded exact values\n",
+              kShardCases, kinds.c_str() + 1, fixed_manifests, seconds, refused, loaded_damaged);
+  EXPECT_GT(refused, kShardCases / 2);
+}
+
+TEST(ManifestFuzzTest, MutatedManifestsNeverCrashAndAcceptOnlyConsistentOnes) {
+  ckpt::Manifest m;
+  m.format = std::string(kCheckpointFormat);
+  m.step = 1234;
+  m.world_size = 3;
+  m.created_unix = 1700000000;
+  for (int r = 0; r < 3; ++r) m.shards.push_back({r, ckpt::ShardFileName(r), 1000 + r, "0123456789abcdef"});
+  const std::string valid = ckpt::ManifestToJson(m);
+  static const char* kInserts[] = {"[",    "{",    "\"",   "\\", "-", "1e999",       "18446744073709551616",
+                                   "0.5",  "null", "true", ",",  ":", "\"rank\": 1", "\"file\": \"../x\"",
+                                   "\xff", "\x01"};
+  std::mt19937_64 rng(7);
+  int accepted = 0;
+  for (int n = 0; n < kManifestCases; ++n) {
+    std::string t = valid;
+    for (int k = 0, edits = 1 + static_cast<int>(rng() % 4); k < edits && !t.empty(); ++k) {
+      const size_t at = rng() % t.size();
+      switch (rng() % 5) {
+        case 0:
+          t[at] = static_cast<char>(rng());
+          break;
+        case 1:
+          t.erase(at, 1 + rng() % 8);
+          break;
+        case 2:
+          t.insert(at, kInserts[rng() % 16]);
+          break;
+        case 3:
+          t.insert(at, std::string(1 + rng() % 2000, rng() % 2 ? '[' : '{'));
+          break;
+        default:
+          t.resize(at);
+          break;
+      }
+    }
+    auto r = ckpt::ParseManifest(t);
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), StatusCode::kDataLoss);
+      continue;
+    }
+    ++accepted;
+    EXPECT_EQ(r->format, kCheckpointFormat);
+    EXPECT_GE(r->step, 0);
+    ASSERT_GE(r->world_size, 1);
+    ASSERT_EQ(r->shards.size(), static_cast<size_t>(r->world_size));
+    std::set<int> ranks;
+    for (const auto& s : r->shards) {
+      EXPECT_TRUE(s.rank >= 0 && s.rank < r->world_size);
+      ranks.insert(s.rank);
+      EXPECT_FALSE(s.file.empty() || s.file == "." || s.file == ".." ||
+                   s.file.find('/') != std::string::npos);
+      EXPECT_GE(s.bytes, 0);
+      EXPECT_EQ(s.xxh3.size(), 16u);
+    }
+    EXPECT_EQ(ranks.size(), r->shards.size());
+  }
+  std::printf("manifest fuzz: %d cases, %d accepted\n", kManifestCases, accepted);
+}
+
+}  // namespace
+}  // namespace oomguard

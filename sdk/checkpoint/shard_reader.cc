@@ -1,0 +1,423 @@
+// ShardReader (sdk/checkpoint/shard.h): opens a shard, lists and describes
+// its datasets, and decodes tensors out of a read-only mapping of the file in
+// one pipeline over the thread pool. The writer is in shard.cc.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <limits>
+#include <new>
+
+#include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/zstd_filter.h"
+
+namespace oomguard::ckpt {
+namespace {
+
+// In-flight decoded chunks per worker: enough to keep every worker busy while
+// the calling thread hashes the oldest, small enough to bound memory.
+constexpr int kWindowPerThread = 4;
+// Decoded bytes of check-only requests in flight at once.
+constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
+
+// Waits for every task still in `q` when it goes out of scope, so that no
+// task outlives the buffers it writes, however the scope is left.
+template <typename T>
+struct WaitForAll {
+  std::deque<std::future<T>>* q;
+  ~WaitForAll() {
+    for (auto& f : *q)
+      if (f.valid()) f.wait();
+  }
+};
+
+std::string ShapeString(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+struct ShardReader::Impl {
+  ~Impl() {
+    if (map != nullptr) ::munmap(map, map_bytes);
+  }
+  H5Handle file;
+  // A read-only mapping of the whole file, made on the first fast read.
+  void* map = nullptr;
+  size_t map_bytes = 0;
+  // HDF5 addresses count from the end of the user block.
+  hsize_t base = 0;
+};
+
+hid_t ShardReader::hdf5_file() const { return impl_->file.get(); }
+uint64_t ShardReader::base_address() const { return impl_->base; }
+
+ShardReader::~ShardReader() {
+  Hdf5Lock lock;
+  impl_.reset();
+}
+
+StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string& path) {
+  // stat, not open: opening a FIFO would block until someone writes to it.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return Status::NotFound(path + " does not exist");
+  if (!S_ISREG(st.st_mode)) return Status::DataLoss(path + " is not a regular file");
+  std::unique_ptr<ShardReader> r(new ShardReader());
+  r->impl_ = std::make_unique<Impl>();
+  r->path_ = path;
+  Hdf5Lock lock;
+  OOMGUARD_RETURN_IF_ERROR(EnsureZstdRegistered());
+  H5Handle fapl(H5Pcreate(H5P_FILE_ACCESS));
+  H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG);
+  r->impl_->file = H5Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get()));
+  if (!r->impl_->file.valid())
+    return Status::DataLoss(path + ": not a readable HDF5 file (truncated or corrupt)");
+  hid_t f = r->impl_->file.get();
+  {
+    H5Handle fcpl(H5Fget_create_plist(f));
+    hsize_t ub = 0;
+    if (fcpl.valid() && H5Pget_userblock(fcpl.get(), &ub) >= 0) r->impl_->base = ub;
+  }
+  auto format = ReadStringAttr(f, "format");
+  auto step = ReadInt64Attr(f, "step");
+  auto rank = ReadInt64Attr(f, "rank");
+  auto ws = ReadInt64Attr(f, "world_size");
+  if (!format || !step || !rank || !ws)
+    return Status::DataLoss(path + ": missing root attribute format/step/rank/world_size");
+  if (*format != kCheckpointFormat)
+    return Status::DataLoss(path + ": format '" + *format + "', expected '" + std::string(kCheckpointFormat) +
+                            "'");
+  r->format_ = *format;
+  r->step_ = *step;
+  r->rank_ = static_cast<int>(*rank);
+  r->world_size_ = static_cast<int>(*ws);
+  return r;
+}
+
+StatusOr<std::vector<std::string>> ShardReader::DatasetPaths() {
+  Hdf5Lock lock;
+  std::vector<std::string> out;
+  auto visit = [](hid_t, const char* name, const H5O_info_t* info, void* op) -> herr_t {
+    if (info->type == H5O_TYPE_DATASET)
+      static_cast<std::vector<std::string>*>(op)->push_back(std::string("/") + name);
+    return 0;
+  };
+  if (H5Ovisit(impl_->file.get(), H5_INDEX_NAME, H5_ITER_INC, visit, &out) < 0)
+    return Status::DataLoss(path_ + ": cannot list datasets (corrupt file)");
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+StatusOr<TensorInfo> ShardReader::Info(const std::string& dataset) {
+  Hdf5Lock lock;
+  TensorInfo info;
+  info.path = dataset;
+  H5Handle d(H5Dopen2(impl_->file.get(), dataset.c_str(), H5P_DEFAULT));
+  if (!d.valid()) return Status::DataLoss(path_ + ": cannot open tensor " + dataset);
+  info.dtype = ReadStringAttr(d.get(), "dtype").value_or("");
+  info.xxh3 = ReadStringAttr(d.get(), "xxh3").value_or("");
+  H5Handle space(H5Dget_space(d.get()));
+  int nd = H5Sget_simple_extent_ndims(space.get());
+  std::vector<hsize_t> dims(static_cast<size_t>(std::max(nd, 0)));
+  if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+  info.shape.assign(dims.begin(), dims.end());
+  H5Handle type(H5Dget_type(d.get()));
+  // -1 when the file's dimensions overflow (inspect shows what is there;
+  // CheckedShard refuses it).
+  uint64_t bytes = H5Tget_size(type.get());
+  bool overflow = false;
+  for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(bytes, x, &bytes);
+  info.bytes = overflow || bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())
+                   ? -1
+                   : static_cast<int64_t>(bytes);
+  info.stored_bytes = static_cast<int64_t>(H5Dget_storage_size(d.get()));
+  H5Handle dcpl(H5Dget_create_plist(d.get()));
+  if (H5Pget_layout(dcpl.get()) == H5D_CHUNKED) {
+    std::vector<hsize_t> cd(static_cast<size_t>(std::max(nd, 1)));
+    H5Pget_chunk(dcpl.get(), static_cast<int>(cd.size()), cd.data());
+    info.chunk.assign(cd.begin(), cd.end());
+  }
+  int nf = H5Pget_nfilters(dcpl.get());
+  for (int i = 0; i < nf; ++i) {
+    unsigned flags = 0, cd_values[8] = {0};
+    size_t cd_n = 8;
+    char name[64] = {0};
+    unsigned config = 0;
+    H5Z_filter_t id = H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &cd_n, cd_values,
+                                     sizeof(name), name, &config);
+    if (id == H5Z_FILTER_SHUFFLE)
+      info.filters.push_back("shuffle");
+    else if (id == kZstdFilter)
+      info.filters.push_back("zstd(level=" + std::to_string(cd_n > 0 ? cd_values[0] : 0) + ")");
+    else if (id == H5Z_FILTER_DEFLATE)
+      info.filters.push_back("gzip");
+    else
+      info.filters.push_back("filter " + std::to_string(id));
+  }
+  return info;
+}
+
+namespace {
+
+// One chunk of a fast read: where its frame lies in the file and where its
+// bytes go.
+struct ReadChunk {
+  size_t req;
+  int64_t index, begin, len, full;
+  size_t elem_size;
+  haddr_t addr;
+  hsize_t size;
+};
+
+// Recomputes the writer's chunk layout from a dataset's stored chunk dims, or
+// returns false when the dataset is not shuffle + zstd in contiguous runs
+// (another writer's file: HDF5 decodes it instead).
+bool FastLayout(hid_t dcpl, const std::vector<int64_t>& shape, size_t es, ChunkLayout* L) {
+  if (H5Pget_layout(dcpl) != H5D_CHUNKED || H5Pget_nfilters(dcpl) != 2) return false;
+  unsigned flags = 0, cdv[4] = {0}, config = 0;
+  size_t n = 4;
+  H5Z_filter_t f0 = H5Pget_filter2(dcpl, 0, &flags, &n, cdv, 0, nullptr, &config);
+  n = 4;
+  H5Z_filter_t f1 = H5Pget_filter2(dcpl, 1, &flags, &n, cdv, 0, nullptr, &config);
+  std::vector<hsize_t> cd(shape.size());
+  if (cd.empty() || H5Pget_chunk(dcpl, static_cast<int>(cd.size()), cd.data()) < 0) return false;
+  int k = 0;
+  if (f0 != H5Z_FILTER_SHUFFLE || f1 != kZstdFilter || !IsContiguousLayout(shape, cd, &k)) return false;
+  L->k = k;
+  L->chunk_dims = cd;
+  int64_t row = static_cast<int64_t>(es);
+  for (size_t i = static_cast<size_t>(k) + 1; i < cd.size(); ++i) row *= shape[i];
+  L->chunk_bytes = row * static_cast<int64_t>(cd[static_cast<size_t>(k)]);
+  int64_t outer = 1;
+  for (int i = 0; i < k; ++i) outer *= shape[static_cast<size_t>(i)];
+  const int64_t r = static_cast<int64_t>(cd[static_cast<size_t>(k)]);
+  L->count = outer * ((shape[static_cast<size_t>(k)] + r - 1) / r);
+  return true;
+}
+
+}  // namespace
+
+Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
+  auto where = [&](size_t r) { return path_ + ": tensor " + requests[r].dataset; };
+  std::vector<std::string> stored_hash(requests.size());
+  std::vector<bool> done_by_hdf5(requests.size(), false);
+  std::vector<uint64_t> hdf5_hash(requests.size(), 0);
+  std::vector<ReadChunk> chunks;
+  // Phase 1, under the lock: check every dataset against its request and
+  // collect the file address of every chunk.
+  {
+    Hdf5Lock lock;
+    for (size_t r = 0; r < requests.size(); ++r) {
+      const ReadRequest& q = requests[r];
+      H5Handle d(H5Dopen2(impl_->file.get(), q.dataset.c_str(), H5P_DEFAULT));
+      if (!d.valid()) return Status::DataLoss(where(r) + " is missing");
+      auto dt = ReadStringAttr(d.get(), "dtype");
+      stored_hash[r] = ReadStringAttr(d.get(), "xxh3").value_or("");
+      if (stored_hash[r].empty()) return Status::DataLoss(where(r) + " has no xxh3 attribute");
+      if (q.check && dt.value_or("") != DTypeName(q.dtype))
+        return Status::DataLoss(where(r) + " has dtype '" + dt.value_or("?") + "', expected '" +
+                                std::string(DTypeName(q.dtype)) + "'");
+      H5Handle space(H5Dget_space(d.get()));
+      int nd = H5Sget_simple_extent_ndims(space.get());
+      if (nd < 0 || nd > H5S_MAX_RANK) return Status::DataLoss(where(r) + " has an unreadable shape");
+      std::vector<hsize_t> dims(static_cast<size_t>(nd));
+      if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+      std::vector<int64_t> shape(dims.begin(), dims.end());
+      if (q.check && shape != q.shape)
+        return Status::DataLoss(where(r) + " has shape " + ShapeString(shape) + ", expected " +
+                                ShapeString(q.shape));
+      H5Handle type(H5Dget_type(d.get()));
+      const size_t es = H5Tget_size(type.get());
+      // Overflow-checked: the file's dimensions are not to be trusted.
+      uint64_t total = es;
+      bool overflow = es == 0;
+      for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(total, x, &total);
+      if (overflow || total > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
+          static_cast<int64_t>(total) != q.bytes)
+        return Status::DataLoss(where(r) + " holds " +
+                                (overflow ? std::string("more than 2^64") : std::to_string(total)) +
+                                " bytes, expected " + std::to_string(q.bytes));
+      H5Handle dcpl(H5Dget_create_plist(d.get()));
+      ChunkLayout L;
+      if (q.bytes == 0) continue;
+      if (!FastLayout(dcpl.get(), shape, es, &L)) {
+        // Another writer's layout or filters: let HDF5 decode it (for a check
+        // alone, into a buffer of its own that is hashed and dropped).
+        std::vector<uint8_t> scratch;
+        uint8_t* dst = q.out;
+        if (dst == nullptr) {
+          try {
+            scratch.resize(static_cast<size_t>(q.bytes));
+          } catch (const std::bad_alloc&) {
+            return Status::ResourceExhausted(where(r) + ": no host memory for the " +
+                                             std::to_string(q.bytes) + " bytes HDF5 needs to decode it");
+          }
+          dst = scratch.data();
+        }
+        if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
+          return Status::DataLoss(where(r) + ": HDF5 could not read it (corrupt chunk or missing filter)");
+        if (q.out == nullptr) hdf5_hash[r] = XXH3_64bits(dst, static_cast<size_t>(q.bytes));
+        done_by_hdf5[r] = true;
+        continue;
+      }
+      std::vector<hsize_t> offset;
+      for (int64_t i = 0; i < L.count; ++i) {
+        ReadChunk c{r, i, 0, 0, L.chunk_bytes, es, HADDR_UNDEF, 0};
+        ChunkPosition(shape, L, i, &offset, &c.begin, &c.len);
+        unsigned mask = 0;
+        if (H5Dget_chunk_info_by_coord(d.get(), offset.data(), &mask, &c.addr, &c.size) < 0 ||
+            c.addr == HADDR_UNDEF || c.size == 0)
+          return Status::DataLoss(where(r) + ": chunk " + std::to_string(i) + " is missing");
+        if (mask != 0)
+          return Status::DataLoss(where(r) + ": chunk " + std::to_string(i) + " was stored with filters skipped");
+        chunks.push_back(c);
+      }
+    }
+  }
+
+  // Phase 2: decode out of the mapping in the pool, hash in order here.
+  if (!chunks.empty() && impl_->map == nullptr) {
+    int fd = ::open(path_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+      void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) {
+        impl_->map = p;
+        impl_->map_bytes = static_cast<size_t>(st.st_size);
+        (void)::madvise(p, impl_->map_bytes, MADV_SEQUENTIAL);
+      }
+    }
+    ::close(fd);
+    if (impl_->map == nullptr) return Status::DataLoss(path_ + ": cannot map the file");
+  }
+  const auto* base = static_cast<const uint8_t*>(impl_->map);
+  std::vector<XXH3_state_t*> hashes(requests.size(), nullptr);
+  struct HashFree {
+    std::vector<XXH3_state_t*>* v;
+    ~HashFree() {
+      for (auto* h : *v)
+        if (h != nullptr) XXH3_freeState(h);
+    }
+  } hash_free{&hashes};
+  Status status;
+  auto check_hash = [&](size_t r, uint64_t h) {
+    const std::string got = Hex64(h);
+    if (got != stored_hash[r] && status.ok())
+      status = Status::DataLoss(where(r) + ": xxh3 mismatch (stored " + stored_hash[r] + ", computed " + got +
+                                ")");
+  };
+  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
+  // Chunks of check-only requests decode into recycled buffers, at most
+  // kCheckWindowBytes of them in flight (at least one chunk), so checking a
+  // shard needs memory for a few chunks, not for its tensors.
+  std::vector<std::vector<uint8_t>> free_buffers;
+  std::deque<std::vector<uint8_t>> inflight_buffers;  // one per check-only chunk in flight, in order
+  int64_t inflight_check_bytes = 0;
+  std::deque<std::future<std::string>> inflight;
+  WaitForAll<std::string> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
+  size_t next = 0, drained = 0;
+  while (drained < chunks.size()) {
+    while (next < chunks.size() && inflight.size() < window && status.ok()) {
+      const ReadChunk c = chunks[next];
+      const bool check_only = requests[c.req].out == nullptr;
+      if (check_only && inflight_check_bytes > 0 && inflight_check_bytes + c.full > kCheckWindowBytes) break;
+      ++next;
+      const uint64_t start = c.addr + impl_->base;
+      if (start < c.addr || start > impl_->map_bytes || c.size > impl_->map_bytes - start) {
+        status = Status::DataLoss(where(c.req) + ": chunk " + std::to_string(c.index) +
+                                  " lies outside the file (corrupt chunk index)");
+        break;
+      }
+      const uint8_t* frame = base + start;
+      uint8_t* dst = nullptr;
+      if (check_only) {
+        std::vector<uint8_t> buf;
+        if (!free_buffers.empty()) {
+          buf = std::move(free_buffers.back());
+          free_buffers.pop_back();
+        }
+        buf.resize(static_cast<size_t>(c.full));
+        dst = buf.data();  // stays valid: moving a vector keeps its storage
+        inflight_buffers.push_back(std::move(buf));
+        inflight_check_bytes += c.full;
+      } else {
+        dst = requests[c.req].out + c.begin;
+      }
+      inflight.push_back(pool->Submit([frame, c, dst, check_only]() -> std::string {
+        thread_local std::vector<uint8_t> scratch, padded;
+        std::string err;
+        if (c.len == c.full || check_only) {
+          err = DecodeChunk(frame, c.size, c.elem_size, dst, static_cast<size_t>(c.full), &scratch);
+        } else {
+          padded.resize(static_cast<size_t>(c.full));
+          err = DecodeChunk(frame, c.size, c.elem_size, padded.data(), static_cast<size_t>(c.full), &scratch);
+          if (err.empty()) std::memcpy(dst, padded.data(), static_cast<size_t>(c.len));
+        }
+        return err.empty() ? err : "chunk " + std::to_string(c.index) + ": " + err;
+      }));
+    }
+    if (inflight.empty()) break;  // stopped submitting on an error
+    std::string err = inflight.front().get();
+    inflight.pop_front();
+    const ReadChunk& c = chunks[drained++];
+    const bool check_only = requests[c.req].out == nullptr;
+    std::vector<uint8_t> check_buf;
+    if (check_only) {
+      check_buf = std::move(inflight_buffers.front());
+      inflight_buffers.pop_front();
+      inflight_check_bytes -= c.full;
+    }
+    struct Recycle {
+      std::vector<std::vector<uint8_t>>* pool;
+      std::vector<uint8_t>* buf;
+      ~Recycle() {
+        if (!buf->empty()) pool->push_back(std::move(*buf));
+      }
+    } recycle{&free_buffers, &check_buf};
+    if (!err.empty()) {
+      if (status.ok()) status = Status::DataLoss(where(c.req) + ": " + err);
+      continue;
+    }
+    if (!status.ok()) continue;  // drain the window before returning
+    XXH3_state_t*& h = hashes[c.req];
+    if (h == nullptr) {
+      h = XXH3_createState();
+      XXH3_64bits_reset(h);
+    }
+    const uint8_t* decoded = check_only ? check_buf.data() : requests[c.req].out + c.begin;
+    XXH3_64bits_update(h, decoded, static_cast<size_t>(c.len));
+    const bool last_of_tensor = drained == chunks.size() || chunks[drained].req != c.req;
+    if (last_of_tensor) check_hash(c.req, XXH3_64bits_digest(h));
+  }
+  while (!inflight.empty()) {
+    inflight.front().wait();
+    inflight.pop_front();
+  }
+  if (!status.ok()) return status;
+  // Tensors HDF5 decoded, and empty ones.
+  for (size_t r = 0; r < requests.size(); ++r) {
+    if (requests[r].bytes == 0) {
+      check_hash(r, XXH3_64bits(nullptr, 0));
+    } else if (done_by_hdf5[r]) {
+      const ReadRequest& q = requests[r];
+      check_hash(r, q.out == nullptr ? hdf5_hash[r] : XXH3_64bits(q.out, static_cast<size_t>(q.bytes)));
+    }
+  }
+  return status;
+}
+
+}  // namespace oomguard::ckpt
