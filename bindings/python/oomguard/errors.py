@@ -245,20 +245,18 @@ def _capture_figures_at_oom() -> None:
             figures.update(hook())
         except Exception:  # figures are a courtesy; the OOM being handled stays the error
             pass
-    _figures_at_oom.pending = figures or None
+    if figures:
+        _figures_at_oom.pending = figures
 
 
 def _take_figures_at_oom(device_name: str) -> Any:
     """The figures of ``device_name`` captured at this thread's last OOM, once; else None."""
-    pending = getattr(_figures_at_oom, "pending", None)
-    if pending is None:
-        return None
-    _figures_at_oom.pending = None
-    return pending.get(device_name)
+    pending = _figures_at_oom.__dict__.pop("pending", None)
+    return None if pending is None else pending.get(device_name)
 
 
 def _forget_figures_at_oom() -> None:
-    _figures_at_oom.pending = None
+    _figures_at_oom.__dict__.clear()
 
 
 def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int]]:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import _oomguard as _C
+from . import budget as _budget
 from . import errors as _errors
 from ._guard import Guard
 from .checkpoint import Checkpointer
@@ -540,6 +541,8 @@ class TorchDevice(_C.Device):
     def __init__(self, device: Any = None) -> None:
         super().__init__()
         self._device = None if device is None else torch.device(device)
+        # The guard asks several times per step: what never changes is looked up once.
+        self._cuda_possible = self._device is None and torch.cuda.is_available()
 
     def _cuda_index(self) -> Optional[int]:
         d = self._device
@@ -547,7 +550,7 @@ class TorchDevice(_C.Device):
             if d.type != "cuda":
                 return None
             return d.index if d.index is not None else torch.cuda.current_device()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self._cuda_possible and torch.cuda.is_initialized():
             return torch.cuda.current_device()
         return None
 
@@ -556,10 +559,12 @@ class TorchDevice(_C.Device):
         return "cpu" if index is None else f"cuda:{index}"
 
     def stats(self) -> _C.MemoryStats:
-        at_oom = _errors._take_figures_at_oom(self.name())
-        if at_oom is not None:  # the guard asks right after an OOM: the figures at the failure
-            return at_oom
         index = self._cuda_index()
+        if _errors._figures_at_oom.__dict__:
+            # The guard asks right after an OOM: the figures at the failure.
+            at_oom = _errors._take_figures_at_oom("cpu" if index is None else f"cuda:{index}")
+            if at_oom is not None:
+                return at_oom
         return _cpu_figures() if index is None else _cuda_figures(index)
 
     def release_caches(self) -> None:
@@ -570,11 +575,8 @@ class TorchDevice(_C.Device):
         index = self._cuda_index()
         if index is not None:
             torch.cuda.reset_peak_memory_stats(index)
-            return
-        from . import budget
-
-        if budget.installed():
-            budget.reset_peak()
+        elif _budget.installed():
+            _budget.reset_peak()
 
 
 def _cuda_figures(index: int) -> _C.MemoryStats:
@@ -594,14 +596,12 @@ def _cuda_figures(index: int) -> _C.MemoryStats:
 
 def _cpu_figures() -> _C.MemoryStats:
     """The budgeted CPU allocator's counts while it is installed, else zeros."""
-    from . import budget
-
     s = _C.MemoryStats()
-    if budget.installed():
-        s.allocated = s.reserved = s.active = budget.allocated()
-        s.peak_allocated = budget.peak()
-        s.num_ooms = budget.ooms()
-        limit = budget.budget()
+    if _budget.installed():
+        s.allocated = s.reserved = s.active = _budget.allocated()
+        s.peak_allocated = _budget.peak()
+        s.num_ooms = _budget.ooms()
+        limit = _budget.budget()
         if limit > 0:
             s.total = limit
             s.free = max(0, limit - s.allocated)
