@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Appends the step-protocol, knowledge-base, browser-listing and checkpoint sections to
+"""Appends the step-protocol, knowledge-base, browser-listing, checkpoint and TrainStep sections to
 bench/RESULTS.md (after make_report.py wrote the guard and controller ones).
 
 Every figure comes from a file the benchmarks wrote in this run."""
@@ -44,6 +44,7 @@ def main():
     ap.add_argument("--kb", help="kb_bench JSON")
     ap.add_argument("--serve", help="kb_serve_bench JSON")
     ap.add_argument("--checkpoint", help="bench/checkpoint_bench.md")
+    ap.add_argument("--train-step", help="bench/train_step_bench.md (a whole section, appended as it is)")
     a = ap.parse_args()
     md = []
     w = md.append
@@ -123,6 +124,10 @@ def main():
         if text and text[0].startswith("# "):
             text = text[1:]
         md.extend(text)
+        w("")
+
+    if a.train_step and os.path.exists(a.train_step):
+        md.extend(open(a.train_step).read().splitlines())
         w("")
 
     with open(a.results, "a") as f:

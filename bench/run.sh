@@ -60,6 +60,15 @@ echo "== browser API over 100,000 incidents"
 "$build/bin/kb_serve_bench" --benchmark_out="$out/kb_serve.json" --benchmark_out_format=json
 echo "== checkpoints (${OOMGUARD_BENCH_CKPT_MIB:-1024} MiB state; set OOMGUARD_BENCH_CKPT_MIB to change)"
 "$root/bench/checkpoint_bench.sh" "$build" "${OOMGUARD_BENCH_CKPT_MIB:-1024}"
+train_step_md=""
+if grep -q '^OOMGUARD_BUILD_PYTHON:BOOL=ON' "$build/CMakeCache.txt" && $py -c "import torch" 2>/dev/null; then
+  echo "== TrainStep against the plain PyTorch loop (about a minute)"
+  cmake --build "$build" -j"$(nproc)" --target oomguard_python
+  train_step_md=$out/train_step_bench.md
+  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" $py "$root/bench/train_step_bench.py" \
+    --markdown "$train_step_md" | tee "$out/train_step.json"
+fi
 $py "$root/bench/append_sections.py" --results "$root/bench/RESULTS.md" --vote "$out/vote.jsonl" \
-  --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md"
+  --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md" \
+  ${train_step_md:+--train-step "$train_step_md"}
 echo "== wrote $root/bench/RESULTS.md and $root/bench/controller.svg"
