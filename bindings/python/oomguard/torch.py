@@ -630,7 +630,9 @@ def _to_bytes(obj: Any) -> bytes:
 
 
 def _from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), map_location="cpu")
+    # Our own bytes, written by _to_bytes: the RNG state holds NumPy arrays,
+    # which torch >= 2.6's default weights_only=True refuses.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
 def _rng_state() -> bytes:
