@@ -39,9 +39,15 @@ class _TokenModel(torch.nn.Module):
         return self.out(h)
 
 
+# Ranks run as threads: seeding and drawing the initial parameters must not
+# interleave with another thread's, or the ranks would start from different models.
+_INIT = threading.Lock()
+
+
 def _token_model() -> torch.nn.Module:
-    torch.manual_seed(5)
-    return _TokenModel().double()
+    with _INIT:
+        torch.manual_seed(5)
+        return _TokenModel().double()
 
 
 def _token_batches(steps: int, batch: int):
@@ -250,8 +256,9 @@ def test_checkpointer_takes_rank_and_world_from_torch_distributed(tmp_path):
 # ---- 4. scheduler, scaler, clipping, hooks; all of it rolled back ----
 
 def _mlp():
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    with _INIT:
+        torch.manual_seed(7)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
 
 
 def _regression(steps, batch=16):

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import pathlib
 
 import numpy as np
 import pytest
-import torch
 
 import oomguard
 import oomguard.budget
