@@ -80,6 +80,7 @@ def main() -> int:
         plain_sched.step()
         return loss.item()
 
+    load_before = _load()
     plain_ms, guarded_ms = [], []
     for k in range(steps):
         tokens, labels = gpt.make_batch(0, k, args.batch, args.context, vocab)
@@ -115,11 +116,31 @@ def main() -> int:
         "threads": torch.get_num_threads(),
         "ooms": guard.total_ooms,
         "fixed_cost_us": fixed_us,
+        "load_before": load_before,
+        "load_after": _load(),
+        "commit": _commit(),
     }
     print(json.dumps(result))
     if args.markdown:
         write_markdown(args.markdown, result)
     return 0
+
+
+def _load() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def fixed_cost_us(gpt, pairs: int = 400) -> float:
@@ -169,8 +190,10 @@ def write_markdown(path: str, r: dict) -> None:
         f"{r['batch']} padded sequences per step, AdamW + warmup/cosine + clipping. The plain loop and "
         f"`oomguard.torch.TrainStep` (with `loss_units`, `scheduler`, `clip_grad_norm`) alternate step by "
         f"step in one process, {r['pairs']} measured pairs after a warmup, no OOM ({r['ooms']} seen). "
-        f"Machine: {cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, GPU {gpu}; torch {r['torch']} with "
-        f"{r['threads']} threads; Python {platform.python_version()}.",
+        f"Machine: {cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, GPU {gpu}, load average "
+        f"{r['load_before']} before and {r['load_after']} after; torch {r['torch']} with {r['threads']} "
+        f"intra-op thread{'s' if r['threads'] != 1 else ''}; Python {platform.python_version()}; commit "
+        f"{r['commit']}.",
         "",
         "| loop | median step (ms) | fastest step (ms) |",
         "|---|---|---|",
