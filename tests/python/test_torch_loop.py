@@ -152,9 +152,11 @@ def test_token_weighted_losses_equal_the_whole_batch_run(world):
     steps, batch = 4, 16
     x, y = _token_batches(steps, batch)
     ref, ref_sched, ref_losses = _plain_token_run(steps, x, y)
-    # OOMs at three sites: the micro-batch halves three times (to 1 sample on
-    # two ranks), and some micro-batches hold no valid token at all.
-    oomguard.set_fault_rules("oom@step=1,site=commit;oom@step=2,site=backward;oom@step=3,rank=0,site=forward,micro=1")
+    # OOMs at three sites, each on a named rank (a rule without one fires on
+    # whichever thread gets there first): micro-batches shrink to 2 samples,
+    # and some of them hold no valid token at all.
+    oomguard.set_fault_rules(f"oom@step=1,rank={world - 1},site=commit;oom@step=2,rank=0,site=backward;"
+                             "oom@step=3,rank=0,site=forward,micro=1")
     results = _guarded_token_run(world, steps, x, y, limit=batch)
     assert sum(r[3] for r in results) == 3, "the injected OOMs did not fire"  # each rule fires once
     for params, sched, losses, _ in results:
@@ -314,11 +316,25 @@ class _LossScaler:
         self._scale, self._good = state["scale"], state["good"]
 
 
-def _scaled_run(steps, xs, ys, *, ckpt_dir=None, faults=None, bad_step=-1):
+class _SGDFailingOnce(torch.optim.SGD):
+    """SGD whose `fail_at`-th step runs out of memory: inside scaler.step, after unscale_."""
+
+    def __init__(self, params, fail_at=0, **kw):
+        super().__init__(params, **kw)
+        self.fail_at, self.calls = fail_at, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise MemoryError("optimizer state does not fit")
+        return super().step(closure)
+
+
+def _scaled_run(steps, xs, ys, *, ckpt_dir=None, faults=None, bad_step=-1, fail_at=0, scaler=None):
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = _SGDFailingOnce(model.parameters(), fail_at=fail_at, lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    scaler = _LossScaler()
+    scaler = _LossScaler() if scaler is None else scaler
     counter = {"seen": 0}
 
     class Counter:  # an extra stateful object, restored with the rest
@@ -368,11 +384,54 @@ def test_scheduler_scaler_and_extra_state_roll_back_with_the_weights(tmp_path):
     got = _scaled_run(steps, xs, ys, ckpt_dir=tmp_path / "ckpt", bad_step=4,
                       faults="oom@step=3,site=optimizer;oom@step=5,site=apply")
     assert got[4] == 2, "two rollbacks"
+    # An OOM inside the optimizer step itself, after the scaler unscaled the
+    # gradients: the redone step unscales again.
+    failed = _scaled_run(steps, xs, ys, ckpt_dir=tmp_path / "ckpt2", bad_step=4, fail_at=2)
+    assert failed[4] == 1
+    assert _rel(failed[0], ref[0]) <= 1e-12 and failed[1] == ref[1] and failed[2] == ref[2]
     assert _rel(got[0], ref[0]) <= 1e-12
     assert got[1] == ref[1], "scheduler state"
     assert got[2] == ref[2], "scaler state"
     assert got[3] == ref[3] == steps, "the extra object was restored too"
     assert 4 in got[5]
+
+
+@pytest.mark.skipif(not hasattr(getattr(torch, "amp", None), "GradScaler"),
+                    reason="torch.amp.GradScaler (CPU loss scaling) needs torch >= 2.3")
+def test_torchs_own_grad_scaler_skips_an_overflow(tmp_path):
+    steps = 4
+    xs, ys = _regression(steps)
+    xs, ys = xs.float(), ys.float()
+
+    def run(ckpt_dir):
+        model = _mlp().float()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        ckpt = oomguard.Checkpointer(str(ckpt_dir), every_steps=1, fsync=False)
+        ogt.register_state(ckpt, model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+        guard = oomguard.Guard(recovery=ckpt, initial_micro_batch=4)
+        step = ogt.TrainStep(model, opt, torch.nn.functional.mse_loss, guard=guard, scheduler=sched,
+                             scaler=scaler)
+        skipped = []
+        while guard.next_step < steps:
+            k = guard.next_step
+            x = xs[k].clone()
+            if k == 1:
+                x[0, 0] = float("inf")
+            try:
+                step(x, ys[k])
+            except oomguard.RolledBackError:
+                continue
+            skipped.append(step.skipped)
+        return ogt.flat_parameters(model), sched.last_epoch, skipped
+
+    params, last_epoch, skipped = run(tmp_path / "a")
+    assert skipped == [False, True, False, False]
+    assert last_epoch == steps - 1
+    oomguard.set_fault_rules("oom@step=2,site=apply")
+    again, _, _ = run(tmp_path / "b")
+    assert torch.equal(again, params)
 
 
 def test_gradients_are_clipped_after_the_sum_and_hooks_run_around_the_step():
