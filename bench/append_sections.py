@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Appends the step-protocol, knowledge-base, browser-listing and checkpoint sections to
+"""Appends the step-protocol, knowledge-base, browser-listing, checkpoint and TrainStep sections to
 bench/RESULTS.md (after make_report.py wrote the guard and controller ones).
 
 Every figure comes from a file the benchmarks wrote in this run. The diagnosis
@@ -159,6 +159,7 @@ def main():
     ap.add_argument("--reports-readme", help="tests/kb/testdata/reports/README.md (first-contact figures)")
     ap.add_argument("--only-diagnosis", action="store_true",
                     help="append the diagnosis section only (the other sections stay as they are)")
+    ap.add_argument("--train-step", help="bench/train_step_bench.md (a whole section, appended as it is)")
     a = ap.parse_args()
     md = []
     w = md.append
@@ -246,6 +247,9 @@ def main():
     diag = json.load(open(a.diagnosis)) if a.diagnosis and os.path.exists(a.diagnosis) else None
     if diag:
         md.extend(diagnosis_section(diag, first_contact(a.reports_readme)))
+    if a.train_step and os.path.exists(a.train_step):
+        md.extend(open(a.train_step).read().splitlines())
+        w("")
 
     with open(a.results, "a") as f:
         f.write("\n" + "\n".join(md) + "\n")

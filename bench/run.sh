@@ -62,7 +62,16 @@ echo "== diagnosis on the real OOM reports of tests/kb/testdata/reports"
 "$build/bin/diagnosis_bench" --json="$out/diagnosis.json"
 echo "== checkpoints (${OOMGUARD_BENCH_CKPT_MIB:-1024} MiB state; set OOMGUARD_BENCH_CKPT_MIB to change)"
 "$root/bench/checkpoint_bench.sh" "$build" "${OOMGUARD_BENCH_CKPT_MIB:-1024}"
+train_step_md=""
+if grep -q '^OOMGUARD_BUILD_PYTHON:BOOL=ON' "$build/CMakeCache.txt" && $py -c "import torch" 2>/dev/null; then
+  echo "== TrainStep against the plain PyTorch loop (about a minute)"
+  cmake --build "$build" -j"$(nproc)" --target oomguard_python
+  train_step_md=$out/train_step_bench.md
+  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" $py "$root/bench/train_step_bench.py" \
+    --markdown "$train_step_md" | tee "$out/train_step.json"
+fi
 $py "$root/bench/append_sections.py" --results "$root/bench/RESULTS.md" --vote "$out/vote.jsonl" \
   --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md" \
-  --diagnosis "$out/diagnosis.json" --reports-readme "$root/tests/kb/testdata/reports/README.md"
+  --diagnosis "$out/diagnosis.json" --reports-readme "$root/tests/kb/testdata/reports/README.md" \
+  ${train_step_md:+--train-step "$train_step_md"}
 echo "== wrote $root/bench/RESULTS.md and $root/bench/controller.svg"

@@ -96,10 +96,11 @@ void PrintEvent(size_t n, const Incident& i, int remedies) {
   where += "  " + i.kind + " memory, phase " + i.phase;
   std::string first = i.message.substr(0, i.message.find('\n'));
   if (first.size() > 200) first = first.substr(0, 197) + "...";
-  std::printf("#%zu %s\n", n, where.c_str());
+  // Text from imported logs: control characters escaped before it reaches a terminal.
+  std::printf("#%zu %s\n", n, TerminalSafe(where).c_str());
   std::printf("   pattern   %s (confidence %s)\n", i.pattern.c_str(), Conf(i.confidence).c_str());
-  std::printf("   message   %s\n", first.c_str());
-  std::printf("   evidence  %s\n", i.evidence.c_str());
+  std::printf("   message   %s\n", TerminalSafe(first).c_str());
+  std::printf("   evidence  %s\n", TerminalSafe(i.evidence).c_str());
   for (int k = 0; k < remedies && k < static_cast<int>(i.remedies.size()); ++k)
     std::printf("   %s %d. %s\n", k == 0 ? "remedies" : "        ", k + 1, i.remedies[static_cast<size_t>(k)].c_str());
   std::printf("\n");
@@ -114,7 +115,7 @@ void CmdDiagnose(const DiagnoseArgs& a) {
   }
   size_t n = 0;
   for (const auto& [path, count] : per_file) {
-    std::printf("%s: %zu OOM event%s\n\n", path.c_str(), count, count == 1 ? "" : "s");
+    std::printf("%s: %zu OOM event%s\n\n", TerminalSafe(path).c_str(), count, count == 1 ? "" : "s");
     for (size_t k = 0; k < count; ++k, ++n) PrintEvent(n + 1, incs[n], a.remedies);
   }
 }

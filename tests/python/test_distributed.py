@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import oomguard
 import oomguard.budget
 from conftest import run_python, subprocess_env
 
@@ -50,3 +51,27 @@ def test_ooms_on_one_rank_only_end_in_agreement(tmp_path):
     assert np.array_equal(p0, p1), "ranks disagree"
     rel = np.max(np.abs(p0 - ref)) / np.max(np.abs(ref))
     assert rel <= 1e-10, rel
+
+
+def test_a_silent_peer_fails_the_vote_at_the_guards_deadline(tmp_path):
+    """gloo's own timeout is 60 s here; the guard's deadline is 1.5 s, kept by
+    polling the collective's completion."""
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(init), str(tmp_path / f"rank{rank}"),
+                               "0", "silent"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=subprocess_env())
+             for rank in (0, 1)]
+    codes = []
+    for p in procs:
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the deadline did not fire")
+        codes.append(p.returncode)
+    assert codes == [oomguard.EXIT_COORDINATION_TIMEOUT, 0]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert r0["error"] and r0["error"].startswith("CoordinationTimeoutError"), r0
+    assert "did not complete within 1.500 s" in r0["error"]
+    assert 1.4 <= r0["seconds"] < 10, r0

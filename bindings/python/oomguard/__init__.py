@@ -21,6 +21,7 @@ from .errors import (
     CoordinationTimeoutError,
     CorruptCheckpointError,
     FailedPreconditionError,
+    InjectedOutOfMemoryError,
     InvalidArgumentError,
     OomguardError,
     OutOfMemoryError,
@@ -31,6 +32,7 @@ from .errors import (
 from . import _oomguard
 from ._oomguard import (
     Coordinator,
+    Device,
     Incident,
     KnowledgeBase,
     MemoryStats,
@@ -63,7 +65,9 @@ __all__ = [
     "EXIT_COORDINATION_TIMEOUT",
     "FailedPreconditionError",
     "Guard",
+    "Device",
     "Incident",
+    "InjectedOutOfMemoryError",
     "InvalidArgumentError",
     "KnowledgeBase",
     "MemoryStats",

@@ -7,6 +7,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from . import _oomguard as _C
+from . import errors as _errors
 
 Phase = _C.Phase
 MicroBatch = _C.MicroBatch
@@ -41,6 +42,15 @@ def _sum_buffer(value: Any):
     return ptr, count, dtype, device
 
 
+def _auto_device() -> Optional[_C.Device]:
+    # Only when torch is already imported: `import oomguard` never imports it.
+    if "torch" not in sys.modules:
+        return None
+    from .torch import TorchDevice
+
+    return TorchDevice()
+
+
 def _native(obj: Any) -> Any:
     """The compiled object behind a Python wrapper (Checkpointer), or obj itself."""
     return getattr(obj, "native", obj)
@@ -56,11 +66,22 @@ class Guard:
     ``oomguard.KnowledgeBase``) and ``recovery`` (an ``oomguard.Checkpointer``)
     are kept alive by the guard.
 
+    ``device`` (an ``oomguard.Device``) gives incidents and votes their memory
+    figures and releases the allocator's cache before a retry. The default,
+    ``"auto"``, is ``oomguard.torch.TorchDevice()`` when torch is imported
+    (torch.cuda.memory_stats on CUDA, the ``oomguard.budget`` counts on CPU)
+    and none otherwise; ``None`` turns it off.
+
     On every OOM, before the retry, the guard calls its cache releasers in
-    order: ``gc.collect`` (``collect_garbage``), ``torch.cuda.empty_cache`` when
-    CUDA is in use (``empty_cuda_cache``), then those added with
-    ``add_cache_releaser``. By then the OOM exception, its traceback and the
-    frames holding tensors have been dropped.
+    order: ``gc.collect`` (``collect_garbage``), then those added with
+    ``add_cache_releaser``, then the device's ``release_caches``
+    (``torch.cuda.empty_cache`` when CUDA is in use). Without a device,
+    ``empty_cuda_cache`` adds ``torch.cuda.empty_cache`` after ``gc.collect``.
+    By then the OOM exception, its traceback and the frames holding tensors
+    have been dropped.
+
+    A ``recovery`` Checkpointer must have this guard's rank and world size
+    (ValueError otherwise): two ranks writing one shard would corrupt it.
 
     Thread-safety: one thread drives a Guard. ``step`` releases the GIL while
     the C++ side runs (planning, waiting for other ranks), so other Python
@@ -87,6 +108,7 @@ class Guard:
         coordinator: Optional[_C.Coordinator] = None,
         knowledge_base: Optional[_C.KnowledgeBase] = None,
         recovery: Any = None,
+        device: Any = "auto",
         collect_garbage: bool = True,
         empty_cuda_cache: bool = True,
     ) -> None:
@@ -105,16 +127,32 @@ class Guard:
         o.vote_deadline_ms = vote_deadline_ms
         o.run_id = run_id
         o.workload = workload
+        rank, world = (0, 1) if coordinator is None else (coordinator.rank(), coordinator.size())
+        ckpt_rank = getattr(recovery, "rank", None)
+        ckpt_world = getattr(recovery, "world_size", None)
+        if isinstance(ckpt_rank, int) and isinstance(ckpt_world, int) and (ckpt_rank, ckpt_world) != (rank, world):
+            raise ValueError(f"the recovery Checkpointer is rank {ckpt_rank} of {ckpt_world}, the guard's "
+                             f"coordinator rank {rank} of {world}: create the Checkpointer after "
+                             "torch.distributed is initialised, or give it rank= and world_size=")
+        if isinstance(device, str):
+            if device != "auto":
+                raise ValueError(f"device must be an oomguard.Device, None or 'auto' (got {device!r})")
+            device = _auto_device()
+        if device is not None and not isinstance(device, _C.Device):
+            raise TypeError(f"device must be an oomguard.Device, got {type(device).__name__}")
         self._recovery = recovery  # the wrapper too, so its callbacks stay alive
+        self._coordinator = coordinator
+        self.device = device
         self.native = _C.Guard(
             o,
             coordinator=coordinator,
             knowledge_base=knowledge_base,
             recovery=None if recovery is None else _native(recovery),
+            device=device,
         )
         if collect_garbage:
             self.native.add_cache_releaser("python.gc", gc.collect)
-        if empty_cuda_cache:
+        if empty_cuda_cache and device is None:
             self.native.add_cache_releaser("torch.cuda.empty_cache", _release_cuda_cache)
 
     def step(
@@ -152,8 +190,21 @@ class Guard:
         and any other exception the callbacks raise, unchanged (after the other
         ranks were told).
         """
+        _errors._forget_figures_at_oom()  # figures of an OOM no guard asked about are stale now
         return self.native.step(samples, micro, apply, reset, None if costs is None else list(costs),
                                 None if units is None else [int(u) for u in units], sync)
+
+    def resume(self) -> Optional[int]:
+        """Starts a run from its checkpoints (collective): every rank restores the
+        newest checkpoint that every rank holds and can load and returns its step
+        (``next_step`` becomes the one after); None when no checkpoint is common
+        to every rank (start from scratch). Needs ``recovery``."""
+        from .errors import CheckpointNotFoundError
+
+        try:
+            return self.native.resume()
+        except CheckpointNotFoundError:
+            return None
 
     def finish(self) -> int:
         """Ends the run (collective): waits for the checkpoint saves in flight and agrees
@@ -186,6 +237,20 @@ class Guard:
     @next_step.setter
     def next_step(self, step: int) -> None:
         self.native.next_step = step
+
+    @property
+    def rank(self) -> int:
+        return 0 if self._coordinator is None else self._coordinator.rank()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks taking part in each step (1 without a coordinator)."""
+        return 1 if self._coordinator is None else self._coordinator.size()
+
+    @property
+    def recovery(self) -> Any:
+        """The ``recovery`` given at creation (a Checkpointer), or None."""
+        return self._recovery
 
     @property
     def micro_limit(self) -> int:

@@ -24,7 +24,8 @@ try:
 except ImportError:  # built without it, or torch is missing
     _budget = None
 
-__all__ = ["available", "install", "installed", "uninstall", "limit", "allocated", "peak", "reset_peak", "ooms"]
+__all__ = ["available", "install", "installed", "uninstall", "limit", "allocated", "peak", "reset_peak", "ooms",
+           "live_blocks", "budget"]
 
 
 def available() -> bool:
@@ -62,6 +63,11 @@ def limit(budget_bytes: int) -> Iterator[None]:
         uninstall()
 
 
+def budget() -> int:
+    """The budget in bytes (0: unlimited, counting only)."""
+    return _module().budget()
+
+
 def allocated() -> int:
     return _module().allocated()
 
@@ -72,6 +78,11 @@ def peak() -> int:
 
 def reset_peak() -> None:
     _module().reset_peak()
+
+
+def live_blocks() -> int:
+    """Blocks alive that were allocated through the budget."""
+    return _module().live_blocks()
 
 
 def ooms() -> int:

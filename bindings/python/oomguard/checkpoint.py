@@ -10,7 +10,8 @@ RNG state, data position) are registered with ``save() -> bytes`` and
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+import sys
+from typing import Any, Callable, List, Optional, Tuple
 
 from . import _oomguard as _C
 from .errors import CheckpointNotFoundError
@@ -51,6 +52,17 @@ def _describe(value: Any):
     raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
 
 
+def _torch_distributed_world() -> Tuple[Optional[int], Optional[int]]:
+    """(rank, world size) of torch.distributed's default group, or (None, None)
+    when torch is not imported or no process group is initialised. Looked up in
+    sys.modules: ``import oomguard`` never imports torch."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, None
+    return dist.get_rank(), dist.get_world_size()
+
+
 class Checkpointer:
     """Sharded checkpoints in format oomguard-ckpt/1 (HDF5 + shuffle + zstd).
 
@@ -59,6 +71,11 @@ class Checkpointer:
     in-memory snapshot when an OOM hits the optimizer step, and rolls every
     rank back to the newest complete checkpoint when splitting is not enough.
 
+    ``rank`` and ``world_size`` default to torch.distributed's when a process
+    group is initialised (else 0 and 1), so that every process writes its own
+    shard; values that contradict the process group raise ValueError, and a
+    Guard whose coordinator disagrees with them refuses the Checkpointer.
+
     Thread-safety: registration, save, load and restore from one thread.
     """
 
@@ -66,8 +83,8 @@ class Checkpointer:
         self,
         dir: str,
         *,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
         every_steps: int = 0,
         save_after_recovery: bool = True,
         keep: int = 3,
@@ -81,6 +98,17 @@ class Checkpointer:
         fsync: bool = True,
         verify_file_checksum: bool = True,
     ) -> None:
+        dist_rank, dist_world = _torch_distributed_world()
+        if dist_rank is not None:
+            if rank is not None and rank != dist_rank:
+                raise ValueError(f"Checkpointer(rank={rank}) in the process of torch.distributed rank {dist_rank}: "
+                                 "two processes would write the same shard (leave rank unset)")
+            if world_size is not None and world_size != dist_world:
+                raise ValueError(f"Checkpointer(world_size={world_size}) with a torch.distributed world of "
+                                 f"{dist_world} ranks (leave world_size unset)")
+            rank, world_size = dist_rank, dist_world
+        rank = 0 if rank is None else rank
+        world_size = 1 if world_size is None else world_size
         o = _C.CheckpointOptions()
         o.dir = str(dir)
         o.rank = rank
@@ -99,6 +127,15 @@ class Checkpointer:
         o.fsync = fsync
         o.verify_file_checksum = verify_file_checksum
         self.native = _C.Checkpointer(o)
+        self.registered: dict = {}  # path -> what register_state put there (tensor, optimizer, ...)
+
+    @property
+    def rank(self) -> int:
+        return self.native.options.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.native.options.world_size
 
     def add_tensor(self, path: str, value: Any) -> None:
         """Registers a contiguous tensor or array at ``/<path>`` by address (no copy)."""

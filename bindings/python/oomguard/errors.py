@@ -25,7 +25,8 @@ can be raised before torch is imported.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = [
     "OomguardError",
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidArgumentError",
     "FailedPreconditionError",
     "PeerFailedError",
+    "InjectedOutOfMemoryError",
     "EXIT_COORDINATION_TIMEOUT",
     "oom_kind",
 ]
@@ -154,6 +156,18 @@ def _from_status(code: int, code_name: str, message: str, report: Any) -> Oomgua
     return cls(f"{code_name}: {message}", code=code_name, report=report)
 
 
+class InjectedOutOfMemoryError(MemoryError):
+    """An out-of-memory error raised by fault injection (``OOMGUARD_FAULTS``,
+    ``set_fault_rules``) inside Python code: at the sites ``Guard.mark_phase``
+    fires (forward, backward, optimizer, ...). ``kind`` is "device" (rule
+    ``oom``) or "host" (``host_oom``); the guard handles it as that kind."""
+
+    def __init__(self, message: str, kind: str = "device", requested_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.requested_bytes = requested_bytes
+
+
 # ---- what counts as an out-of-memory error ----
 
 def _type_name(t: type) -> str:
@@ -196,6 +210,8 @@ def oom_kind(exc: BaseException) -> Optional[str]:
 
 def _classify(exc: BaseException) -> Optional[Tuple[str, str, str, int]]:
     message = str(exc)
+    if isinstance(exc, InjectedOutOfMemoryError):
+        return exc.kind, _type_name(type(exc)), message, exc.requested_bytes
     torch_types = _torch_oom_types()
     if torch_types and isinstance(exc, torch_types):
         kind, requested = _message_kind(message)
@@ -213,6 +229,36 @@ def _classify(exc: BaseException) -> Optional[Tuple[str, str, str, int]]:
     return None
 
 
+# Memory figures taken while an OOM's frames (and the tensors they hold) are
+# still alive, for the device the guard asks next: the guard reads its device
+# right after it classified the OOM, but by then the Python exception and its
+# frames are gone. Per thread: each guard is driven by one thread.
+_figures_at_oom = threading.local()
+# Callables returning {device name: MemoryStats} (oomguard.torch registers one).
+_figures_hooks: List[Callable[[], Dict[str, Any]]] = []
+
+
+def _capture_figures_at_oom() -> None:
+    figures: Dict[str, Any] = {}
+    for hook in _figures_hooks:
+        try:
+            figures.update(hook())
+        except Exception:  # figures are a courtesy; the OOM being handled stays the error
+            pass
+    if figures:
+        _figures_at_oom.pending = figures
+
+
+def _take_figures_at_oom(device_name: str) -> Any:
+    """The figures of ``device_name`` captured at this thread's last OOM, once; else None."""
+    pending = _figures_at_oom.__dict__.pop("pending", None)
+    return None if pending is None else pending.get(device_name)
+
+
+def _forget_figures_at_oom() -> None:
+    _figures_at_oom.__dict__.clear()
+
+
 def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int]]:
     """(kind, type name, message, requested bytes) for an OOM, else None.
 
@@ -221,4 +267,7 @@ def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int
     exception, its traceback and the frames holding tensors before it releases
     caches.
     """
-    return _classify(exc)
+    verdict = _classify(exc)
+    if verdict is not None and _figures_hooks:
+        _capture_figures_at_oom()
+    return verdict

@@ -39,6 +39,8 @@ PYBIND11_MODULE(_budget, m) {
         "Live bytes allocated through the budget.");
   m.def("peak", [] { return BudgetCpuAllocator::Instance().peak(); });
   m.def("reset_peak", [] { BudgetCpuAllocator::Instance().ResetPeak(); });
+  m.def("live_blocks", [] { return BudgetCpuAllocator::Instance().live_blocks(); },
+        "Blocks alive that were allocated through the budget (installed or not since).");
   m.def("ooms", [] { return BudgetCpuAllocator::Instance().ooms(); },
         "Allocations refused since the module was loaded.");
 }

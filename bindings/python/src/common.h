@@ -169,6 +169,7 @@ void RegisterErrorTranslation(py::module_& m);
 
 void BindGuard(py::module_& m);
 void BindCoordinator(py::module_& m);
+void BindDevice(py::module_& m);
 void BindKnowledgeBase(py::module_& m);
 void BindCheckpoint(py::module_& m);
 

@@ -71,6 +71,15 @@ std::vector<SumBuffer> SumBuffers(const PyCallable& sync, PyCallable* keep) {
   return out;
 }
 
+// Raises oomguard.errors.InjectedOutOfMemoryError (a MemoryError that
+// oomguard.errors classifies as `kind`). REQUIRES: the GIL is held.
+[[noreturn]] void RaiseInjectedOom(const char* kind, const std::string& message, int64_t requested_bytes) {
+  py::object cls = py::module_::import("oomguard.errors").attr("InjectedOutOfMemoryError");
+  py::object exc = cls(message, kind, requested_bytes);
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+  throw py::error_already_set();
+}
+
 }  // namespace
 
 void BindGuard(py::module_& m) {
@@ -230,17 +239,18 @@ void BindGuard(py::module_& m) {
   // by the Guard (keep_alive), as the C++ contract "must outlive the Guard" asks.
   py::class_<Guard>(m, "Guard")
       .def(py::init([](const GuardOptions& options, Coordinator* coordinator, KnowledgeBase* knowledge_base,
-                       RecoveryStore* recovery) {
+                       RecoveryStore* recovery, Device* device) {
              GuardOptions o = options;
              o.coordinator = coordinator;
+             o.device = device;
              o.incidents = knowledge_base != nullptr ? knowledge_base->sink() : nullptr;
              o.priors = knowledge_base;  // learned starting size for options.workload
              o.recovery = recovery;
              return ValueOrThrow(Guard::Create(o));
            }),
            py::arg("options"), py::kw_only(), py::arg("coordinator") = nullptr,
-           py::arg("knowledge_base") = nullptr, py::arg("recovery") = nullptr, py::keep_alive<1, 3>(),
-           py::keep_alive<1, 4>(), py::keep_alive<1, 5>())
+           py::arg("knowledge_base") = nullptr, py::arg("recovery") = nullptr, py::arg("device") = nullptr,
+           py::keep_alive<1, 3>(), py::keep_alive<1, 4>(), py::keep_alive<1, 5>(), py::keep_alive<1, 6>())
       .def(
           "step",
           [](Guard& guard, int64_t samples, const py::function& micro, const py::object& apply,
@@ -271,11 +281,26 @@ void BindGuard(py::module_& m) {
           },
           py::arg("samples"), py::arg("micro"), py::arg("apply") = py::none(), py::arg("reset") = py::none(),
           py::arg("costs") = py::none(), py::arg("units") = py::none(), py::arg("sync") = py::none())
+      .def("resume", [](Guard& guard) { return ValueOrThrow(WithoutGil([&] { return guard.Resume(); })); },
+           "Collective: every rank restores the newest checkpoint that every rank holds and can load; "
+           "returns its step (next_step is the one after). Raises CheckpointNotFoundError when none is common to every rank.")
       .def("finish", [](Guard& guard) { return ValueOrThrow(WithoutGil([&] { return guard.Finish(); })); },
            "Collective: waits for the checkpoint saves in flight and agrees with every rank on the newest "
            "checkpoint complete everywhere (rank 0 commits it); returns its step (-1: none).")
       .def(
-          "mark_phase", [](Guard& g, Phase p) { g.MarkPhase(p); }, py::arg("phase"))
+          "mark_phase",
+          [](Guard& g, Phase p) {
+            // Fault rules fire here: their OOMs must reach the guard as Python
+            // OOMs, not as RuntimeErrors it would pass through.
+            try {
+              g.MarkPhase(p);
+            } catch (const DeviceOomError& e) {
+              RaiseInjectedOom("device", e.what(), e.requested_bytes());
+            } catch (const HostOomError& e) {
+              RaiseInjectedOom("host", e.what(), e.requested_bytes());
+            }
+          },
+          py::arg("phase"))
       .def(
           "set_reset_hook",
           [](Guard& g, const py::object& fn) {

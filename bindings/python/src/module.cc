@@ -15,6 +15,7 @@ PYBIND11_MODULE(_oomguard, m) {
   og::RegisterErrorTranslation(m);
   og::BindGuard(m);
   og::BindCoordinator(m);
+  og::BindDevice(m);
   og::BindKnowledgeBase(m);
   og::BindCheckpoint(m);
 }
