@@ -340,7 +340,6 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
     co.keep = cfg.ckpt_keep;
     co.rank = rank;
     co.world_size = world;
-    co.commit_manifest_locally = world == 1;
     co.incidents = hooks.incidents;
     auto ckpt_or = oomguard::Checkpointer::Create(co);
     if (!ckpt_or.ok()) {

@@ -22,8 +22,8 @@
 // budget allows), so an OOM inside the optimizer step rolls back without I/O.
 //
 // Thread-safety: the registration, save, load and RecoveryStore methods are
-// called from one (training) thread. Stats(), ShardDurableStep() and
-// CommitManifest() may be called from any thread. Registered buffers must not
+// called from one (training) thread. Stats() may be called from any thread.
+// Registered buffers must not
 // be written while SaveAsync runs (it copies them) and must stay valid until
 // the Checkpointer is destroyed.
 #ifndef OOMGUARD_CHECKPOINT_H_
@@ -55,6 +55,18 @@ inline constexpr int kZstdFilterId = 32015;
 // Where a registered tensor lives.
 enum class MemoryLocation { kHost, kCuda };
 
+// Who writes a checkpoint's MANIFEST.json, the marker that makes it count.
+enum class ManifestCommit {
+  // One rank (world_size 1): kLocal. Several: kCoordinated — a rank alone
+  // must never commit a step the others may not have written.
+  kAuto,
+  // This process, as soon as its own shard is durable (ranks that share nothing).
+  kLocal,
+  // Rank 0, through RecoveryStore::Commit, once the guard's vote shows every
+  // rank's shard of the step durable (a shared filesystem).
+  kCoordinated,
+};
+
 struct CheckpointOptions {
   // Directory holding step-NNNNNNNN/ subdirectories (created if missing).
   std::string dir;
@@ -85,10 +97,8 @@ struct CheckpointOptions {
   int64_t staging_budget_bytes = 0;
   // Keep the last staged state in host memory for instant rollback.
   bool keep_snapshot = true;
-  // true: this process writes MANIFEST.json once its shard is durable (one
-  // process, or ranks that share nothing). false: a coordinator calls
-  // CommitManifest on rank 0 once every rank's shard of a step is durable.
-  bool commit_manifest_locally = true;
+  // Who writes MANIFEST.json, the commit marker (see ManifestCommit).
+  ManifestCommit manifest_commit = ManifestCommit::kAuto;
   // fsync files and directories (off only for tests on tmpfs-like scratch).
   bool fsync = true;
   // Verify the whole-file xxh3 of each shard before loading it (tensor
@@ -149,12 +159,15 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   // the background. Blocks longer only when the staging budget is exhausted
   // (back-pressure) or the state is staged in pieces. A background failure is
   // logged, counted in Stats() and returned by Wait() unless a later save
-  // became durable since.
+  // became durable since. Never throws: an exception of a save callback, a
+  // fault point or an allocation is returned as a status (kResourceExhausted
+  // for running out of memory).
   virtual Status SaveAsync(int64_t step) = 0;
   // Waits until every started save is durable (and committed when local).
   // Returns the error of the newest save when it failed; an error that a
-  // later durable save superseded is not returned (Stats() keeps it).
-  virtual Status Wait() = 0;
+  // later durable save superseded is not returned (Stats() keeps it), and
+  // waiting does not clear it: the next Wait reports it again.
+  Status Wait() override = 0;
 
   // ---- loading ----
   // Loads the newest checkpoint that verifies; corrupt ones are skipped with
@@ -165,33 +178,25 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   // Loads exactly `step` (kDataLoss when it does not verify).
   virtual StatusOr<int64_t> Load(int64_t step) = 0;
 
-  // ---- the multi-rank seam ----
-  // Newest step whose shard of this rank is durable (renamed and its
-  // directory fsynced), committed or not. -1: none.
-  virtual int64_t ShardDurableStep() const = 0;
-  // Writes <dir>/step-S/MANIFEST.json naming `world_size` shards (rank 0,
-  // once every rank's shard of `step` is durable), then applies retention.
-  // Checks that every shard file exists. Any thread; blocks on file I/O.
-  virtual Status CommitManifest(int64_t step, int world_size) = 0;
-
   virtual CheckpointStats Stats() const = 0;
   virtual const CheckpointOptions& options() const = 0;
 
-  // RecoveryStore::WaitDurable is Wait().
-  Status WaitDurable() override { return Wait(); }
-  // RecoveryStore::CommitDurable: with coordinator commit, the guard on rank 0
-  // calls this once every rank's shard of `step` is durable. Never throws.
-  Status CommitDurable(int64_t step, int world_size) override;
+  // RecoveryStore::Commit: with coordinated commit, the guard on rank 0 calls
+  // this once every rank's shard of `step` is durable: writes
+  // <dir>/step-S/MANIFEST.json naming `world_size` shards (their bytes and
+  // hashes read from the shared filesystem), then applies retention. A no-op
+  // with local commit. Never throws.
+  Status Commit(int64_t step, int world_size) override = 0;
 
   // ---- RecoveryStore (the guard's view) ----
   // DurableSteps: the committed checkpoints whose shard of this rank exists,
-  // and this rank's durable shards not yet committed (at most the newest 16).
+  // and (coordinated commit) this rank's durable shards not yet committed (at
+  // most the newest 16).
   // SnapshotStep/Snapshot: the last staged state, kept in host memory (when
   // keep_snapshot is on and the staging budget holds it). Restore(step): the
   // snapshot when it holds `step`, else checkpoint `step` from disk, which
   // must be committed and verify; never another step. OnStepCommitted:
-  // SaveAsync on the triggers of the options; never throws (a staging OOM is
-  // returned as kResourceExhausted).
+  // SaveAsync on the triggers of the options.
 };
 
 // ---- offline inspection (the CLI, tools, tests); any thread ----

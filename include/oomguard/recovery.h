@@ -55,10 +55,10 @@ class OOMGUARD_EXPORT RecoveryStore {
   // Blocks until the saves in flight are durable or failed. Returns the error
   // of the newest save when it failed (an error superseded by a later durable
   // save is not returned).
-  virtual Status WaitDurable() { return Status::Ok(); }
+  virtual Status Wait() { return Status::Ok(); }
   // Called on rank 0 when `step` is durable on every rank: write the commit
   // marker (a single process commits its own checkpoints and can ignore this).
-  virtual Status CommitDurable(int64_t step, int world_size) {
+  virtual Status Commit(int64_t step, int world_size) {
     (void)step;
     (void)world_size;
     return Status::Ok();

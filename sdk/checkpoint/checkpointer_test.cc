@@ -10,7 +10,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
+#include <span>
+#include <stdexcept>
 #include <thread>
 
 #include "oomguard/checkpoint.h"
@@ -678,16 +681,16 @@ TEST_F(SavedRun, NothingValidIsDataLossAndEmptyIsNotFound) {
 
 TEST_F(SavedRun, CoordinatorCommitsTheManifest) {
   auto o = Opts(d_.path());
-  o.commit_manifest_locally = false;
+  o.manifest_commit = ManifestCommit::kCoordinated;
   Make(o);
   SaveSteps(2);
-  EXPECT_EQ(c_->ShardDurableStep(), 1);
+  EXPECT_EQ(c_->DurableSteps(), (std::vector<int64_t>{0, 1}));
   EXPECT_EQ(ListCheckpoints(d_.path()).value().size(), 2u);
   EXPECT_FALSE(ListCheckpoints(d_.path()).value()[1].committed);
   EXPECT_EQ(c_->LoadLatest().status().code(), StatusCode::kNotFound);
-  ASSERT_TRUE(c_->CommitManifest(1, 1).ok());
+  ASSERT_TRUE(c_->Commit(1, 1).ok());
   EXPECT_TRUE(VerifyCheckpoint(d_.path(), 1, 1).ok());
-  EXPECT_EQ(c_->CommitManifest(1, 2).code(), StatusCode::kFailedPrecondition);  // rank 1's shard is absent
+  EXPECT_EQ(c_->Commit(1, 2).code(), StatusCode::kFailedPrecondition);  // rank 1's shard is absent
   Train(9);
   EXPECT_EQ(*c_->LoadLatest(), 1);
   EXPECT_EQ(counter_, 1);
@@ -736,17 +739,82 @@ TEST_F(SavedRun, InjectedWriterFaultIsReportedNotFatal) {
 
 TEST_F(SavedRun, ManifestCommitFaultBecomesAStatus) {
   auto o = Opts(d_.path());
-  o.commit_manifest_locally = false;  // a coordinator commits (the guard on rank 0)
+  o.manifest_commit = ManifestCommit::kCoordinated;  // the guard on rank 0 commits
   Make(o);
   SaveSteps(2);
   EXPECT_EQ(c_->DurableSteps(), (std::vector<int64_t>{0, 1})) << "shards count as durable before any manifest";
   ASSERT_TRUE(SetFaultRules("host_oom@step=1,site=ckpt_manifest").ok());
-  Status s = c_->CommitDurable(1, 1);  // must not throw
+  Status s = c_->Commit(1, 1);  // must not throw
   ClearFaultRules();
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
   EXPECT_FALSE(fs::exists(d_.path() + "/step-00000001/MANIFEST.json"));
-  ASSERT_TRUE(c_->CommitDurable(1, 1).ok());
+  ASSERT_TRUE(c_->Commit(1, 1).ok());
   EXPECT_TRUE(fs::exists(d_.path() + "/step-00000001/MANIFEST.json"));
+}
+
+// A multi-rank checkpointer left at its defaults never commits alone: a rank
+// must not mark a step complete that the others may not have written.
+TEST_F(SavedRun, SeveralRanksDefaultToCoordinatedCommit) {
+  auto o = Opts(d_.path());
+  o.world_size = 2;
+  Make(o);
+  SaveSteps(1);
+  EXPECT_FALSE(fs::exists(d_.path() + "/step-00000000/MANIFEST.json"));
+  EXPECT_EQ(c_->DurableSteps(), std::vector<int64_t>{0});
+}
+
+// Piece mode: a staging failure after the writer began consuming pieces must
+// release the writer, so that Wait, the next save and the destructor return.
+TEST_F(SavedRun, StagingFailureInPieceModeDoesNotHangTheWriter) {
+  auto o = Opts(d_.path());
+  o.staging_budget_bytes = 3 * 4096;  // the tensor is 25.6 KB: staged in pieces
+  o.chunk_bytes = 4096;
+  Make(o);
+  Train(0);
+  ASSERT_TRUE(SetFaultRules("oom@step=0,site=ckpt_stage,micro=2").ok());
+  Status s = c_->SaveAsync(0);
+  ClearFaultRules();
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  auto waited = std::async(std::launch::async, [&] { return c_->Wait(); });
+  ASSERT_EQ(waited.wait_for(std::chrono::seconds(20)), std::future_status::ready) << "the writer hangs";
+  EXPECT_FALSE(waited.get().ok()) << "the aborted save is the newest: Wait reports it";
+  EXPECT_TRUE(c_->DurableSteps().empty());
+  Train(1);
+  ASSERT_TRUE(c_->SaveAsync(1).ok());
+  ASSERT_TRUE(c_->Wait().ok()) << "a later save succeeds";
+  EXPECT_EQ(c_->DurableSteps(), std::vector<int64_t>{1});
+}
+
+// A failure that Wait reports is not swallowed by anything that waits on the
+// way: a load, a restore from disk.
+TEST_F(SavedRun, LoadAndRestoreKeepTheNewestSaveFailureForWait) {
+  Make(Opts(d_.path()));
+  SaveSteps(1);
+  ASSERT_TRUE(SetFaultRules("oom@step=1,site=ckpt_write").ok());
+  Train(1);
+  ASSERT_TRUE(c_->SaveAsync(1).ok());
+  ASSERT_TRUE(c_->Load(0).ok());  // waits for the save in flight first
+  ClearFaultRules();
+  EXPECT_FALSE(c_->Wait().ok()) << "Load must not clear the error";
+  ASSERT_TRUE(c_->Restore(0).ok());
+  EXPECT_FALSE(c_->Wait().ok()) << "Restore must not clear the error";
+  EXPECT_FALSE(c_->Wait().ok()) << "nor Wait itself";
+}
+
+// SaveAsync never throws: what a save callback, a fault point or an
+// allocation throws comes back as a status.
+TEST_F(SavedRun, SaveAsyncTurnsExceptionsIntoStatuses) {
+  Make(Opts(d_.path()));
+  ASSERT_TRUE(SetFaultRules("host_oom@step=0,site=ckpt_stage").ok());
+  Status s = c_->SaveAsync(0);
+  ClearFaultRules();
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  ASSERT_TRUE(c_->AddObject("train/bad", [] () -> std::vector<uint8_t> { throw std::runtime_error("save failed"); },
+                            [](std::span<const uint8_t>) { return Status::Ok(); })
+                  .ok());
+  s = c_->SaveAsync(1);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("save failed"), std::string::npos) << s;
 }
 
 }  // namespace

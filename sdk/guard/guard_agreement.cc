@@ -174,7 +174,7 @@ void GuardImpl::CommitStep(Run& run) {
   if (coordinator_->rank() == 0) {
     for (int64_t step : run.vote.common_durable) {
       if (step <= committed_step_) continue;
-      Status c = Contained([&] { return store->CommitDurable(step, coordinator_->size()); });
+      Status c = Contained([&] { return store->Commit(step, coordinator_->size()); });
       if (!c.ok()) {
         Logger()->warn("committing checkpoint of step {} failed (retried at a later step): {}", step, c.ToString());
         break;

@@ -56,7 +56,7 @@ class FakeRecovery : public RecoveryStore {
     if (after) ++commits_after_recovery;
     return Status::Ok();
   }
-  Status CommitDurable(int64_t step, int) override {
+  Status Commit(int64_t step, int) override {
     committed_durable.push_back(step);
     return Status::Ok();
   }

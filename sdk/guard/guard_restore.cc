@@ -13,7 +13,7 @@ internal::RankPoints GuardImpl::MyPoints() {
   // Saves in flight may land a newer common step; their failures show as
   // steps missing from the list.
   Status w = Contained([&] {
-    Status waited = store->WaitDurable();
+    Status waited = store->Wait();
     mine.durable = store->DurableSteps();
     mine.snapshot = store->SnapshotStep();
     return waited;
@@ -36,7 +36,7 @@ StatusOr<int64_t> GuardImpl::RestoreAgreed(const std::vector<internal::RankPoint
     if (from_disk && world > 1) {
       int64_t code = 0;
       if (coordinator_->rank() == 0)
-        code = static_cast<int64_t>(Contained([&] { return store->CommitDurable(target, world); }).code());
+        code = static_cast<int64_t>(Contained([&] { return store->Commit(target, world); }).code());
       auto heard = channel_.Agree({&code, 1});
       if (!heard.ok()) return heard.status();
       if ((*heard)[0][0] != 0) {
@@ -135,7 +135,7 @@ StatusOr<int64_t> GuardImpl::Finish() {
   if (store != nullptr) {
     mine.has_store = true;
     try {
-      saved = store->WaitDurable();
+      saved = store->Wait();
       mine.durable = store->DurableSteps();
     } catch (const std::exception& e) {
       saved = Status::Internal(std::string("waiting for the last checkpoint: ") + e.what());
@@ -154,7 +154,7 @@ StatusOr<int64_t> GuardImpl::Finish() {
   Status commit;
   if (coordinator_->rank() == 0) {
     for (int64_t step : common) {
-      commit = Contained([&] { return store->CommitDurable(step, coordinator_->size()); });
+      commit = Contained([&] { return store->Commit(step, coordinator_->size()); });
       if (!commit.ok()) break;
       committed_step_ = step;
     }

@@ -63,6 +63,15 @@ def _torch_distributed_world() -> Tuple[Optional[int], Optional[int]]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _torch_current_streams() -> list:
+    """torch's current CUDA stream, when torch is in use with CUDA (else none:
+    the copies then wait for the default stream)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return [torch.cuda.current_stream().cuda_stream]
+
+
 class Checkpointer:
     """Sharded checkpoints in format oomguard-ckpt/1 (HDF5 + shuffle + zstd).
 
@@ -94,7 +103,7 @@ class Checkpointer:
         stage_threads: int = 0,
         staging_budget_bytes: int = 0,
         keep_snapshot: bool = True,
-        commit_manifest_locally: Optional[bool] = None,
+        manifest_commit: str = "auto",
         fsync: bool = True,
         verify_file_checksum: bool = True,
     ) -> None:
@@ -122,10 +131,14 @@ class Checkpointer:
         o.stage_threads = stage_threads
         o.staging_budget_bytes = staging_budget_bytes
         o.keep_snapshot = keep_snapshot
-        # Several ranks: rank 0 commits once every shard is durable (the guard's vote says when).
-        o.commit_manifest_locally = world_size == 1 if commit_manifest_locally is None else commit_manifest_locally
+        # "auto": one rank commits its own manifests; with several, rank 0
+        # commits once every shard is durable (the guard's vote says when).
+        o.manifest_commit = manifest_commit
         o.fsync = fsync
         o.verify_file_checksum = verify_file_checksum
+        # CUDA tensors are copied after the work torch queued on its current
+        # stream, which is not always the default one.
+        o.cuda_streams = _torch_current_streams
         self.native = _C.Checkpointer(o)
         self.registered: dict = {}  # path -> what register_state put there (tensor, optimizer, ...)
 

@@ -57,9 +57,45 @@ void BindCheckpoint(py::module_& m) {
       .def_readwrite("stage_threads", &CheckpointOptions::stage_threads)
       .def_readwrite("staging_budget_bytes", &CheckpointOptions::staging_budget_bytes)
       .def_readwrite("keep_snapshot", &CheckpointOptions::keep_snapshot)
-      .def_readwrite("commit_manifest_locally", &CheckpointOptions::commit_manifest_locally)
+      .def_property(
+          "manifest_commit",
+          [](const CheckpointOptions& o) {
+            return o.manifest_commit == ManifestCommit::kLocal         ? "local"
+                   : o.manifest_commit == ManifestCommit::kCoordinated ? "coordinated"
+                                                                        : "auto";
+          },
+          [](CheckpointOptions& o, const std::string& v) {
+            if (v == "auto") o.manifest_commit = ManifestCommit::kAuto;
+            else if (v == "local") o.manifest_commit = ManifestCommit::kLocal;
+            else if (v == "coordinated") o.manifest_commit = ManifestCommit::kCoordinated;
+            else throw py::value_error("manifest_commit: '" + v + "' (expected auto, local or coordinated)");
+          })
       .def_readwrite("fsync", &CheckpointOptions::fsync)
-      .def_readwrite("verify_file_checksum", &CheckpointOptions::verify_file_checksum);
+      .def_readwrite("verify_file_checksum", &CheckpointOptions::verify_file_checksum)
+      .def_property(
+          "cuda_streams", [](const CheckpointOptions& o) { return static_cast<bool>(o.cuda_streams); },
+          [](CheckpointOptions& o, const py::object& fn) {
+            // A Python callable returning the cudaStream_t values (ints) that the
+            // staging and restore copies of CUDA tensors must wait for.
+            if (fn.is_none()) {
+              o.cuda_streams = nullptr;
+              return;
+            }
+            PyCallable call(fn);
+            o.cuda_streams = [call]() {
+              py::gil_scoped_acquire gil;
+              std::vector<void*> out;
+              try {
+                for (py::handle h : call.get()())
+                  out.push_back(reinterpret_cast<void*>(h.cast<uintptr_t>()));
+              } catch (py::error_already_set& e) {
+                // Ordering after the default stream is the safe fallback.
+                e.discard_as_unraisable("oomguard Checkpointer cuda_streams");
+              }
+              return out;
+            };
+          },
+          "Callable returning the CUDA streams (cudaStream_t ints) whose work checkpoint copies wait for.");
 
   py::class_<CheckpointStats>(m, "CheckpointStats")
       .def_readonly("saves_started", &CheckpointStats::saves_started)
@@ -130,13 +166,13 @@ void BindCheckpoint(py::module_& m) {
       .def(
           "load", [](Checkpointer& c, int64_t step) { return ValueOrThrow(WithoutGil([&] { return c.Load(step); })); },
           py::arg("step"))
-      .def_property_readonly("shard_durable_step", &Checkpointer::ShardDurableStep)
       .def(
-          "commit_manifest",
+          "commit",
           [](Checkpointer& c, int64_t step, int world_size) {
-            ThrowIfError(WithoutGil([&] { return c.CommitManifest(step, world_size); }));
+            ThrowIfError(WithoutGil([&] { return c.Commit(step, world_size); }));
           },
-          py::arg("step"), py::arg("world_size"))
+          py::arg("step"), py::arg("world_size"),
+          "Coordinated commit (rank 0): writes the manifest of `step` once every rank's shard is durable.")
       .def_property_readonly("stats", &Checkpointer::Stats)
       .def_property_readonly("options", [](const Checkpointer& c) { return c.options(); });
 

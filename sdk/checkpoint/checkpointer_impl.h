@@ -1,0 +1,400 @@
+// CheckpointerImpl: the Checkpointer, shared by the files that implement its
+// jobs (private to sdk/checkpoint):
+//   checkpointer.cc  creation, registration of the state, options
+//   staging.cc       the blocking part of a save: copying the registered state
+//                    into staging buffers (whole, or in pieces beyond the
+//                    staging budget), and the in-memory snapshot
+//   writer.cc        the background writer thread: one shard per save
+//   commit.cc        manifests (the commit marker), retention, durable steps
+//   loader.cc        loading a checkpoint and restoring a step
+//
+// Staging buffers (struct StagedState) are recycled: at steady state one holds
+// the retained snapshot (instant rollback) and one is being written or spare,
+// so a save copies into memory that is already faulted in. The staging budget
+// bounds the bytes of all of them together.
+//
+// Thread-safety: see include/oomguard/checkpoint.h; mu_ guards what the
+// writer thread and the training thread share.
+#ifndef OOMGUARD_SDK_CHECKPOINT_CHECKPOINTER_IMPL_H_
+#define OOMGUARD_SDK_CHECKPOINT_CHECKPOINTER_IMPL_H_
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include "oomguard/checkpoint.h"
+#include "oomguard/device.h"
+#include "oomguard/faults.h"
+#include "oomguard/incident.h"
+#include "oomguard/logging.h"
+#include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/device_copy.h"
+#include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/shard_check.h"
+#include "sdk/checkpoint/thread_pool.h"
+#include "sdk/core/ids.h"
+
+namespace oomguard::ckpt_internal {
+
+namespace fs = std::filesystem;
+using ckpt::ShardTensor;
+using Clock = std::chrono::steady_clock;
+
+inline double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// The dtype under which an object's bytes are stored.
+constexpr std::string_view kObjectDType = "uint8";
+
+struct Entry {
+  std::string path;  // without leading '/'
+  bool is_object = false;
+  DType dtype = DType::kUInt8;
+  std::vector<int64_t> shape;
+  void* data = nullptr;
+  bool on_cuda = false;  // data is device memory: copies go through the DeviceCopier
+  int64_t bytes = 0;
+  std::function<std::vector<uint8_t>()> save;
+  std::function<Status(std::span<const uint8_t>)> load;
+};
+
+// One staged copy of the registered state (one buffer per entry).
+struct StagedState {
+  ~StagedState() {
+    for (void* p : pinned) ckpt::UnpinHost(p, device);
+  }
+  int64_t step = -1;
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<void*> pinned;  // page-locked buffers of CUDA entries (index = entry); null: pageable
+  int device = 0;             // the CUDA device the buffers were pinned for
+  int64_t bytes = 0;
+  bool writing = false;  // guarded by CheckpointerImpl::mu_
+};
+
+class SnapshotSource final : public ckpt::ChunkSource {
+ public:
+  explicit SnapshotSource(std::shared_ptr<StagedState> s) : s_(std::move(s)) {}
+  const uint8_t* Acquire(size_t t, int64_t begin, int64_t) override { return s_->data[t].data() + begin; }
+  void Release(size_t, int64_t, int64_t) override {}
+
+ private:
+  std::shared_ptr<StagedState> s_;
+};
+
+// Piece-wise staging for a state larger than the budget: the training thread
+// publishes chunk copies (blocking while the budget is used up); the writer
+// consumes them in the same order and releases each after compression.
+class PieceSource final : public ckpt::ChunkSource {
+ public:
+  PieceSource(int64_t budget, std::vector<std::vector<uint8_t>> whole)
+      : budget_(budget), whole_(std::move(whole)) {}
+
+  // Training thread. Copies [begin, begin+len) of entry t from `src`.
+  void Publish(size_t t, int64_t begin, const uint8_t* src, int64_t len) {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return used_ == 0 || used_ + len <= budget_ || aborted_; });
+    if (aborted_) return;
+    used_ += len;
+    lk.unlock();
+    std::vector<uint8_t> buf(src, src + len);
+    lk.lock();
+    pieces_[{t, begin}] = std::move(buf);
+    cv_.notify_all();
+  }
+  // Either side, on failure: unblocks the other.
+  void Abort() {
+    std::lock_guard<std::mutex> lk(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+  // Writer thread. Blocks until the range is published; throws once the save
+  // was aborted by either side (the writer's catch turns it into the save's
+  // failure), so that neither side waits for the other forever.
+  const uint8_t* Acquire(size_t t, int64_t begin, int64_t) override {
+    if (!whole_[t].empty()) return whole_[t].data() + begin;
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return pieces_.count({t, begin}) > 0 || aborted_; });
+    auto it = pieces_.find({t, begin});
+    if (it == pieces_.end()) throw std::runtime_error("checkpoint staging was aborted before this piece was staged");
+    return it->second.data();
+  }
+  bool Ready(size_t t, int64_t begin) override {
+    if (!whole_[t].empty()) return true;
+    std::lock_guard<std::mutex> lk(mu_);
+    return pieces_.count({t, begin}) > 0;
+  }
+  void Release(size_t t, int64_t begin, int64_t len) override {
+    if (!whole_[t].empty()) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    pieces_.erase({t, begin});
+    used_ -= len;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const int64_t budget_;
+  int64_t used_ = 0;                                                   // guarded by mu_
+  bool aborted_ = false;                                               // guarded by mu_
+  std::map<std::pair<size_t, int64_t>, std::vector<uint8_t>> pieces_;  // guarded by mu_
+  const std::vector<std::vector<uint8_t>> whole_;                      // objects and scalars, staged up front
+};
+
+struct CopyRange {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t bytes;
+};
+
+// Copies every range on the calling thread and the helpers of `pool` (if
+// any), in slices handed out through one atomic counter. Small copies stay on
+// the calling thread: waking helpers costs more than it saves.
+void ParallelCopy(const std::vector<CopyRange>& ranges, ckpt::ThreadPool* pool);
+
+struct WriteJob {
+  int64_t step = -1;
+  std::vector<ShardTensor> tensors;
+  std::shared_ptr<ckpt::ChunkSource> source;
+  std::shared_ptr<StagedState> snapshot;  // null in piece mode
+  std::shared_ptr<PieceSource> pieces;
+  Clock::time_point started;
+};
+
+// Committed step directories under `dir` (MANIFEST.json present), ascending.
+std::vector<int64_t> CommittedSteps(const std::string& dir);
+
+class CheckpointerImpl final : public Checkpointer {
+ public:
+  explicit CheckpointerImpl(const CheckpointOptions& o) : o_(o) {
+    int threads =
+        o.threads > 0 ? o.threads : std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
+    pool_ = std::make_unique<ckpt::ThreadPool>(std::max(1, threads));
+    const int stagers = o.stage_threads > 0
+                            ? o.stage_threads
+                            : std::min(4, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+    if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
+    for (int64_t step : CommittedSteps(o_.dir))
+      if (fs::exists(ShardPath(step))) durable_.insert(step);
+    writer_ = std::thread([this] { WriterLoop(); });
+  }
+
+  ~CheckpointerImpl() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    writer_.join();
+  }
+
+  Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
+                   MemoryLocation location) override {
+    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+    int64_t elems = 1;
+    for (int64_t d : shape) {
+      if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
+      elems *= d;
+    }
+    if (data == nullptr && elems > 0) return Status::InvalidArgument("AddTensor(" + path + "): data is null");
+    if (location == MemoryLocation::kCuda) OOMGUARD_RETURN_IF_ERROR(UseDeviceOf(path, data));
+    Entry e;
+    e.path = std::move(path);
+    e.dtype = dtype;
+    e.shape = std::move(shape);
+    e.data = data;
+    e.on_cuda = location == MemoryLocation::kCuda;
+    e.bytes = elems * static_cast<int64_t>(DTypeSize(dtype));
+    entries_.push_back(std::move(e));
+    return Status::Ok();
+  }
+
+  Status AddObject(std::string path, std::function<std::vector<uint8_t>()> save,
+                   std::function<Status(std::span<const uint8_t>)> load) override {
+    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+    if (!save || !load) return Status::InvalidArgument("AddObject(" + path + "): save and load must be set");
+    Entry e;
+    e.path = std::move(path);
+    e.is_object = true;
+    e.save = std::move(save);
+    e.load = std::move(load);
+    entries_.push_back(std::move(e));
+    return Status::Ok();
+  }
+
+  Status SaveAsync(int64_t step) override;
+  Status Wait() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+    return pending_error_;
+  }
+  Status Commit(int64_t step, int world_size) override;
+
+  StatusOr<int64_t> LoadLatest() override;
+  StatusOr<int64_t> Load(int64_t step) override {
+    (void)Wait();
+    Status s = LoadStep(step);
+    if (!s.ok()) return s;
+    return step;
+  }
+
+  // Bytes [begin, begin + len) of a registered tensor, wherever it lives.
+  Status CopyOut(const Entry& e, int64_t begin, int64_t len, std::vector<uint8_t>* out) {
+    out->resize(static_cast<size_t>(len));
+    if (len == 0) return Status::Ok();
+    const auto* src = static_cast<const uint8_t*>(e.data) + begin;
+    if (!e.on_cuda) {
+      std::memcpy(out->data(), src, static_cast<size_t>(len));
+      return Status::Ok();
+    }
+    OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
+    OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(out->data(), src, static_cast<size_t>(len)));
+    return copier_->Sync();
+  }
+
+  // The copier for a CUDA tensor's device: every CUDA tensor of one
+  // checkpointer lives on one device (a rank's).
+  Status UseDeviceOf(const std::string& path, const void* data) {
+    auto device = ckpt::DeviceOfPointer(data);
+    if (!device.ok()) {
+      // Without a GPU (or a CUDA build) say that, rather than "not device memory".
+      auto probe = ckpt::DeviceCopier::Create(0);
+      const Status& why = probe.ok() ? device.status() : probe.status();
+      return Status(why.code(), "AddTensor(" + path + "): " + why.message());
+    }
+    if (copier_ != nullptr) {
+      if (copier_->device() == *device) return Status::Ok();
+      return Status::InvalidArgument("AddTensor(" + path + "): on CUDA device " + std::to_string(*device) +
+                                     ", other tensors on device " + std::to_string(copier_->device()) +
+                                     " (one checkpointer holds one rank's state, on one device)");
+    }
+    auto c = ckpt::DeviceCopier::Create(*device);
+    if (!c.ok()) return Status(c.status().code(), "AddTensor(" + path + "): " + c.status().message());
+    copier_ = std::move(c).value();
+    return Status::Ok();
+  }
+
+  // Starts a batch of device copies after the streams that write the tensors.
+  Status BeginDeviceCopies() {
+    std::vector<void*> streams;
+    if (o_.cuda_streams) streams = o_.cuda_streams();
+    return copier_->Begin(streams);
+  }
+
+
+  CheckpointStats Stats() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return stats_;
+  }
+  const CheckpointOptions& options() const override { return o_; }
+
+  std::vector<int64_t> DurableSteps() override;
+  std::optional<int64_t> SnapshotStep() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (retained_ == nullptr) return std::nullopt;
+    return retained_->step;
+  }
+  Status Snapshot(int64_t step) override;
+  Status Restore(int64_t step) override;
+  Status OnStepCommitted(int64_t step, bool after_recovery) override {
+    const bool by_count = o_.every_steps > 0 && (step + 1) % o_.every_steps == 0;
+    if (!by_count && !(after_recovery && o_.save_after_recovery)) return Status::Ok();
+    return SaveAsync(step);
+  }
+
+ private:
+  Status CheckNewPath(const std::string& path) const {
+    if (path.empty() || path.front() == '/' || path.back() == '/' || path.find("//") != std::string::npos ||
+        path.find('.') == 0)
+      return Status::InvalidArgument("state path '" + path + "' must look like 'model/fc1.weight'");
+    for (const auto& e : entries_)
+      if (e.path == path) return Status::InvalidArgument("state path '" + path + "' is registered twice");
+    return Status::Ok();
+  }
+  std::string StepDir(int64_t step) const { return o_.dir + "/" + ckpt::StepDirName(step); }
+  std::string ShardPath(int64_t step) const { return StepDir(step) + "/" + ckpt::ShardFileName(o_.rank); }
+  // Serialises the objects and copies the registered state into a staging
+  // buffer (the blocking part of a save). REQUIRES: the state fits the
+  // staging budget beside what is in flight (or there is no budget).
+  StatusOr<std::shared_ptr<StagedState>> StageWithinBudget(int64_t step, std::vector<std::vector<uint8_t>>& object_bytes,
+                                                        int64_t need);
+  std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const {
+    std::vector<ShardTensor> out;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      ShardTensor t;
+      t.path = e.path;
+      if (e.is_object) {
+        t.dtype = DType::kUInt8;
+        t.bytes = static_cast<int64_t>((*object_bytes)[i].size());
+        t.shape = {t.bytes};
+      } else {
+        t.dtype = e.dtype;
+        t.shape = e.shape;
+        t.bytes = e.bytes;
+      }
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  // This process writes its manifests (one rank, or ManifestCommit::kLocal).
+  bool CommitsLocally() const {
+    return o_.manifest_commit == ManifestCommit::kLocal ||
+           (o_.manifest_commit == ManifestCommit::kAuto && o_.world_size == 1);
+  }
+  // SaveAsync's body; may throw (user save callbacks, fault points, bad_alloc).
+  Status Stage(int64_t step);
+  void WriterLoop();
+  Status Write(WriteJob& job);
+  // Writes <dir>/step-S/MANIFEST.json naming `world_size` shards, then
+  // applies retention. Checks that every shard file exists. Any thread.
+  Status CommitManifest(int64_t step, int world_size);
+  Status LoadStep(int64_t step);
+  void ApplyRetention(int64_t newest_committed);
+  void RecordCorrupt(int64_t step, const Status& why);
+
+  const CheckpointOptions o_;
+  std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
+  std::unique_ptr<ckpt::ThreadPool> pool_;
+  std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
+  ckpt::FramePool frames_;                        // compressed-frame buffers, reused by every save
+  std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
+  bool pin_warned_ = false;                     // training thread only
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<WriteJob> queue_;                         // guarded by mu_
+  bool busy_ = false;                                  // guarded by mu_: the writer holds a job
+  bool stop_ = false;                                  // guarded by mu_
+  std::shared_ptr<StagedState> retained_;              // guarded by mu_: newest complete staged state
+  std::shared_ptr<StagedState> spare_;                 // guarded by mu_: a buffer set to reuse
+  int64_t inflight_bytes_ = 0;                         // guarded by mu_: snapshots queued or being written
+  std::set<int64_t> durable_;                          // guarded by mu_: steps whose shard of this rank is durable
+  std::map<int64_t, ckpt::ManifestShard> own_shards_;  // guarded by mu_: durable, not yet committed
+  Status pending_error_;                               // guarded by mu_: the newest save's failure
+  int64_t pending_error_step_ = -1;                    // guarded by mu_: the step that failed
+  CheckpointStats stats_;                              // guarded by mu_
+  std::mutex commit_mu_;                               // serialises CommitManifest + retention
+  std::thread writer_;
+};
+
+
+}  // namespace oomguard::ckpt_internal
+
+#endif  // OOMGUARD_SDK_CHECKPOINT_CHECKPOINTER_IMPL_H_

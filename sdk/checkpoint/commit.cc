@@ -1,0 +1,123 @@
+// The commit of a checkpoint: MANIFEST.json, written last, names every rank's
+// shard (its size and whole-file hash); retention keeps the newest committed
+// ones; DurableSteps says which steps this rank can load.
+#include "sdk/checkpoint/checkpointer_impl.h"
+
+namespace oomguard::ckpt_internal {
+
+std::vector<int64_t> CommittedSteps(const std::string& dir) {
+  std::vector<int64_t> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    auto step = ckpt::ParseStepDirName(e.path().filename().string());
+    if (step && fs::exists(e.path() / ckpt::kManifestName, ec)) out.push_back(*step);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+
+Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
+  std::lock_guard<std::mutex> commit_lock(commit_mu_);
+  FaultPoint(FaultSite::kCkptManifest, FaultContext{step, o_.rank, -1, 0});
+  const std::string dir = StepDir(step);
+  ckpt::Manifest m;
+  m.format = std::string(kCheckpointFormat);
+  m.step = step;
+  m.world_size = world_size;
+  m.created_unix = internal::NowUnixMs() / 1000;
+  for (int r = 0; r < world_size; ++r) {
+    std::optional<ckpt::ManifestShard> own;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = own_shards_.find(step);
+      if (it != own_shards_.end() && it->second.rank == r) own = it->second;
+    }
+    if (own) {
+      m.shards.push_back(*own);
+      continue;
+    }
+    // Another rank's shard (shared filesystem): its bytes and hash from disk.
+    ckpt::ManifestShard sh{r, ckpt::ShardFileName(r), 0, ""};
+    uint64_t h = 0;
+    Status s = ckpt::HashFile(dir + "/" + sh.file, &h, &sh.bytes);
+    if (!s.ok())
+      return Status::FailedPrecondition("cannot commit step " + std::to_string(step) + ": " + s.message());
+    sh.xxh3 = ckpt::Hex64(h);
+    m.shards.push_back(std::move(sh));
+  }
+  OOMGUARD_RETURN_IF_ERROR(
+      ckpt::WriteFileDurably(dir + "/" + ckpt::kManifestName, ckpt::ManifestToJson(m), o_.fsync));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (fs::exists(ShardPath(step))) durable_.insert(step);
+    own_shards_.erase(own_shards_.begin(), own_shards_.upper_bound(step));
+    ++stats_.manifests_committed;
+  }
+  ApplyRetention(step);
+  return Status::Ok();
+}
+
+void CheckpointerImpl::ApplyRetention(int64_t newest_committed) {
+  std::error_code ec;
+  std::vector<int64_t> committed = CommittedSteps(o_.dir);
+  std::vector<int64_t> doomed;
+  if (o_.keep > 0 && static_cast<int>(committed.size()) > o_.keep)
+    doomed.assign(committed.begin(), committed.end() - o_.keep);
+  // Incomplete directories older than a committed step are crash leftovers;
+  // newer ones may be saves in progress (here or on other ranks).
+  for (const auto& e : fs::directory_iterator(o_.dir, ec)) {
+    auto step = ckpt::ParseStepDirName(e.path().filename().string());
+    if (step && *step < newest_committed && !fs::exists(e.path() / ckpt::kManifestName, ec))
+      doomed.push_back(*step);
+  }
+  for (int64_t s : doomed) {
+    if (s == newest_committed) continue;
+    // Remove the manifest first: a crash mid-delete leaves an uncommitted directory, never a
+    // committed one with shards missing.
+    fs::remove(StepDir(s) + "/" + ckpt::kManifestName, ec);
+    fs::remove_all(StepDir(s), ec);
+    if (ec) Logger()->warn("retention: cannot remove {}: {}", StepDir(s), ec.message());
+  }
+  if (!doomed.empty() && o_.fsync) (void)ckpt::FsyncPath(o_.dir, true);
+}
+
+std::vector<int64_t> CheckpointerImpl::DurableSteps() {
+  // The newest ones are what a rollback wants; older shards may have been
+  // removed by retention on another rank's behalf, so each is checked.
+  constexpr size_t kMostRecent = 16;
+  std::vector<int64_t> candidates;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = durable_.rbegin(); it != durable_.rend() && candidates.size() < kMostRecent; ++it)
+      candidates.push_back(*it);
+  }
+  std::vector<int64_t> out, gone;
+  for (int64_t step : candidates) {
+    struct stat st {};
+    (::stat(ShardPath(step).c_str(), &st) == 0 ? out : gone).push_back(step);
+  }
+  if (!gone.empty()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int64_t step : gone) durable_.erase(step);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
+
+
+Status CheckpointerImpl::Commit(int64_t step, int world_size) {
+  if (CommitsLocally()) return Status::Ok();  // the writer commits its own saves
+  // The guard calls this between collectives: an exception here (an injected
+  // fault, bad_alloc) must become a status that reaches every rank.
+  try {
+    return CommitManifest(step, world_size);
+  } catch (const std::bad_alloc& e) {
+    return Status::ResourceExhausted("committing checkpoint of step " + std::to_string(step) +
+                                     " ran out of host memory: " + e.what());
+  } catch (const std::exception& e) {
+    return Status::Internal("committing checkpoint of step " + std::to_string(step) + " failed: " + e.what());
+  }
+}
+
+}  // namespace oomguard::ckpt_internal

@@ -1,0 +1,248 @@
+// The blocking part of a save: copying the registered state into staging
+// buffers — whole, on the calling thread and the stage pool's helpers (host)
+// or through the device copier (CUDA), or in pieces that the writer consumes
+// when the state is larger than the staging budget — and the in-memory
+// snapshot kept for instant rollback.
+#include "sdk/checkpoint/checkpointer_impl.h"
+
+namespace oomguard::ckpt_internal {
+
+// Copies every range on the calling thread and the helpers of `pool` (if
+// any), in slices handed out through one atomic counter. Small copies stay on
+// the calling thread: waking helpers costs more than it saves.
+void ParallelCopy(const std::vector<CopyRange>& ranges, ckpt::ThreadPool* pool) {
+  constexpr size_t kSlice = size_t{4} << 20;
+  size_t total = 0;
+  for (const auto& r : ranges) total += r.bytes;
+  if (pool == nullptr || total < 4 * kSlice) {
+    for (const auto& r : ranges) std::memcpy(r.dst, r.src, r.bytes);
+    return;
+  }
+  std::vector<CopyRange> slices;
+  slices.reserve(total / kSlice + ranges.size());
+  for (const auto& r : ranges)
+    for (size_t off = 0; off < r.bytes; off += kSlice)
+      slices.push_back({r.dst + off, r.src + off, std::min(kSlice, r.bytes - off)});
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next.fetch_add(1); i < slices.size(); i = next.fetch_add(1))
+      std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
+  };
+  std::vector<std::future<void>> helpers;
+  for (int h = 0; h < pool->size(); ++h) helpers.push_back(pool->Submit(work));
+  work();
+  for (auto& f : helpers) f.wait();
+}
+
+StatusOr<std::shared_ptr<StagedState>> CheckpointerImpl::StageWithinBudget(
+    int64_t step, std::vector<std::vector<uint8_t>>& object_bytes, int64_t need) {
+  const int64_t budget = o_.staging_budget_bytes;
+  std::shared_ptr<StagedState> snap;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      const int64_t retained_idle = (retained_ && !retained_->writing) ? retained_->bytes : 0;
+      if (budget == 0 || inflight_bytes_ + retained_idle + need <= budget) break;
+      if (retained_idle > 0) {
+        // Its step is durable by now; rollback falls back to disk.
+        if (!spare_) spare_ = std::move(retained_);
+        retained_.reset();
+        continue;
+      }
+      cv_.wait(lk);  // back-pressure: a write must finish first
+    }
+    snap = std::move(spare_);
+  }
+  if (!snap) snap = std::make_shared<StagedState>();
+  snap->data.resize(entries_.size());
+  snap->pinned.resize(entries_.size(), nullptr);
+  snap->step = step;
+  snap->bytes = need;
+  bool device_copies = false;
+  std::vector<CopyRange> host_copies;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    if (e.is_object) {
+      snap->data[i] = std::move(object_bytes[i]);
+      continue;
+    }
+    auto& buf = snap->data[i];
+    if (static_cast<int64_t>(buf.size()) != e.bytes) {
+      // Resize without value-initialising what memcpy overwrites anyway.
+      ckpt::UnpinHost(snap->pinned[i], snap->device);
+      snap->pinned[i] = nullptr;
+      buf = std::vector<uint8_t>();
+      buf.resize(static_cast<size_t>(e.bytes));
+    }
+    if (e.bytes == 0) continue;
+    if (e.on_cuda) {
+      if (!device_copies) OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
+      // Pinned once per buffer; buffers are recycled between saves. A buffer
+      // the driver would not pin stays pageable (slower, still correct).
+      if (snap->pinned[i] == nullptr) {
+        snap->device = copier_->device();
+        if (ckpt::PinHost(buf.data(), buf.size(), snap->device)) {
+          snap->pinned[i] = buf.data();
+        } else if (!pin_warned_) {
+          pin_warned_ = true;
+          Logger()->warn("checkpoint staging: could not page-lock {} bytes of host memory for {}: device copies "
+                         "of this state run from pageable memory (slower)", buf.size(), e.path);
+        }
+      }
+      OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(buf.data(), e.data, static_cast<size_t>(e.bytes)));
+      device_copies = true;
+    } else {
+      host_copies.push_back({buf.data(), static_cast<const uint8_t*>(e.data), static_cast<size_t>(e.bytes)});
+    }
+  }
+  ParallelCopy(host_copies, stage_pool_.get());
+  // The stall ends when the device copies landed: training may then change the tensors.
+  if (device_copies) OOMGUARD_RETURN_IF_ERROR(copier_->Sync());
+  return snap;
+}
+
+Status CheckpointerImpl::Snapshot(int64_t step) {
+  if (!o_.keep_snapshot) return Status::FailedPrecondition("CheckpointOptions.keep_snapshot is off");
+  std::vector<std::vector<uint8_t>> object_bytes(entries_.size());
+  int64_t need = 0;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].is_object) object_bytes[i] = entries_[i].save();
+    need += entries_[i].is_object ? static_cast<int64_t>(object_bytes[i].size()) : entries_[i].bytes;
+  }
+  if (o_.staging_budget_bytes > 0 && need > o_.staging_budget_bytes)
+    return Status::ResourceExhausted("the state (" + std::to_string(need) + " bytes) exceeds the staging budget (" +
+                                     std::to_string(o_.staging_budget_bytes) + " bytes): no in-memory snapshot");
+  auto snap = StageWithinBudget(step, object_bytes, need);
+  if (!snap.ok()) return snap.status();
+  std::lock_guard<std::mutex> lk(mu_);
+  std::shared_ptr<StagedState> old = std::move(retained_);
+  retained_ = *snap;
+  if (old && !old->writing && !spare_) spare_ = std::move(old);
+  return Status::Ok();
+}
+
+Status CheckpointerImpl::SaveAsync(int64_t step) {
+  // Never throws: the guard calls it between collectives, and a user's save
+  // callback, a fault point or an allocation may throw inside.
+  try {
+    return Stage(step);
+  } catch (const std::bad_alloc& e) {
+    return Status::ResourceExhausted("staging checkpoint of step " + std::to_string(step) +
+                                     " ran out of host memory: " + e.what());
+  } catch (const DeviceOomError& e) {
+    return Status::ResourceExhausted("staging checkpoint of step " + std::to_string(step) +
+                                     " ran out of device memory: " + e.what());
+  } catch (const std::exception& e) {
+    return Status::Internal("checkpoint of step " + std::to_string(step) + " failed: " + e.what());
+  } catch (...) {
+    return Status::Internal("checkpoint of step " + std::to_string(step) + " failed: a non-standard exception");
+  }
+}
+
+Status CheckpointerImpl::Stage(int64_t step) {
+  const auto t0 = Clock::now();
+  FaultPoint(FaultSite::kCkptStage, FaultContext{step, o_.rank, -1, 0});
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.saves_started;
+  }
+  // Objects serialise first: their size is part of the state's size.
+  std::vector<std::vector<uint8_t>> object_bytes(entries_.size());
+  int64_t need = 0;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].is_object) object_bytes[i] = entries_[i].save();
+    need += entries_[i].is_object ? static_cast<int64_t>(object_bytes[i].size()) : entries_[i].bytes;
+  }
+  WriteJob job;
+  job.step = step;
+  job.tensors = Layout(&object_bytes);
+  const int64_t budget = o_.staging_budget_bytes;
+
+  if (budget == 0 || need <= budget) {
+    auto staged = StageWithinBudget(step, object_bytes, need);
+    if (!staged.ok()) return staged.status();
+    std::shared_ptr<StagedState> snap = std::move(staged).value();
+    job.snapshot = snap;
+    job.source = std::make_shared<SnapshotSource>(snap);
+    job.started = Clock::now();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      snap->writing = true;
+      inflight_bytes_ += snap->bytes;
+      if (o_.keep_snapshot) {
+        std::shared_ptr<StagedState> old = std::move(retained_);
+        retained_ = snap;
+        if (old && !old->writing && !spare_) spare_ = std::move(old);
+      }
+      stats_.state_bytes = need;
+      stats_.stall_ms.push_back(MsSince(t0));
+      queue_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  } else {
+    // Larger than the budget: wait until nothing else holds staging memory,
+    // then stream chunk copies to the writer.
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+      retained_.reset();
+      spare_.reset();
+    }
+    std::vector<std::vector<uint8_t>> whole(entries_.size());
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      if (e.is_object) {
+        whole[i] = std::move(object_bytes[i]);
+      } else if (e.shape.empty() && e.bytes > 0) {
+        OOMGUARD_RETURN_IF_ERROR(CopyOut(e, 0, e.bytes, &whole[i]));
+      }
+    }
+    auto pieces = std::make_shared<PieceSource>(budget, whole);
+    job.pieces = pieces;
+    job.source = pieces;
+    job.started = Clock::now();
+    std::vector<ShardTensor> tensors = job.tensors;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stats_.state_bytes = need;
+      queue_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+    // From here the writer waits for pieces: any way out of this function
+    // that does not publish them all must tell it so.
+    struct AbortUnlessDone {
+      std::shared_ptr<PieceSource> pieces;
+      bool done = false;
+      ~AbortUnlessDone() {
+        if (!done) pieces->Abort();
+      }
+    } abort_unless_done{pieces};
+    std::vector<hsize_t> offset;
+    int64_t pieces_published = 0;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (!whole[i].empty() || entries_[i].bytes == 0) continue;
+      ckpt::ChunkLayout L = ckpt::PlanChunks(tensors[i].shape, DTypeSize(tensors[i].dtype), o_.chunk_bytes);
+      for (int64_t c = 0; c < L.count; ++c) {
+        int64_t begin = 0, len = 0;
+        ckpt::ChunkPosition(tensors[i].shape, L, c, &offset, &begin, &len);
+        // Before each piece, with the piece's number as the micro index: a
+        // fault here is a staging failure after the writer began consuming.
+        FaultPoint(FaultSite::kCkptStage, FaultContext{step, o_.rank, static_cast<int>(pieces_published), 0});
+        ++pieces_published;
+        if (entries_[i].on_cuda) {
+          std::vector<uint8_t> host;
+          OOMGUARD_RETURN_IF_ERROR(CopyOut(entries_[i], begin, len, &host));
+          pieces->Publish(i, begin, host.data(), len);
+        } else {
+          pieces->Publish(i, begin, static_cast<const uint8_t*>(entries_[i].data) + begin, len);
+        }
+      }
+    }
+    abort_unless_done.done = true;
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.stall_ms.push_back(MsSince(t0));
+  }
+  return Status::Ok();
+}
+
+}  // namespace oomguard::ckpt_internal

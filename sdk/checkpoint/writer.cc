@@ -1,0 +1,103 @@
+// The background writer thread: takes staged saves off the queue in order,
+// writes each as this rank's shard (compression on the pool, outside the HDF5
+// lock), and with local commit writes the manifest too. Its failures are
+// counted and kept for Wait(); a later durable save supersedes them.
+#include "sdk/checkpoint/checkpointer_impl.h"
+
+namespace oomguard::ckpt_internal {
+
+void CheckpointerImpl::WriterLoop() {
+  for (;;) {
+    WriteJob job;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      job = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    Status s;
+    try {
+      s = Write(job);
+    } catch (const std::bad_alloc& e) {
+      // Injected faults (ckpt_write/ckpt_manifest oom rules) and allocation failures.
+      s = Status::ResourceExhausted(std::string("checkpoint writer: ") + e.what());
+    } catch (const std::exception& e) {
+      s = (dynamic_cast<const DeviceOomError*>(&e) != nullptr)
+              ? Status::ResourceExhausted(std::string("checkpoint writer: ") + e.what())
+              : Status::Internal(std::string("checkpoint writer: ") + e.what());
+    }
+    if (!s.ok() && job.pieces) job.pieces->Abort();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      busy_ = false;
+      stats_.last_write_ms = MsSince(job.started);
+      if (job.snapshot) {
+        job.snapshot->writing = false;
+        inflight_bytes_ -= job.snapshot->bytes;
+        if (job.snapshot != retained_ && !spare_) spare_ = job.snapshot;
+        // A snapshot whose write failed is not a checkpoint, but it is still
+        // a complete copy of that step's state: it stays usable for rollback.
+      }
+      if (!s.ok()) {
+        ++stats_.save_failures;
+        stats_.last_error = s;
+        pending_error_ = s;
+        pending_error_step_ = job.step;
+      } else if (job.step >= pending_error_step_) {
+        // A newer state is durable: the earlier failure no longer matters to
+        // anyone who waits for the newest save (Stats() keeps it).
+        pending_error_ = Status::Ok();
+        pending_error_step_ = -1;
+      }
+    }
+    if (!s.ok()) Logger()->error("checkpoint of step {} failed: {}", job.step, s.ToString());
+    cv_.notify_all();
+  }
+}
+
+Status CheckpointerImpl::Write(WriteJob& job) {
+  const std::string dir = StepDir(job.step);
+  {
+    // Whatever this rank held of the step before is being replaced.
+    std::lock_guard<std::mutex> lk(mu_);
+    durable_.erase(job.step);
+    own_shards_.erase(job.step);
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::Internal("cannot create " + dir + ": " + ec.message());
+  // Re-saving a step that was committed before (a run resumed from an older
+  // checkpoint): retract the old commit first, so that a crash in between
+  // never pairs the old manifest with a new shard.
+  if (fs::exists(dir + "/" + ckpt::kManifestName, ec)) {
+    fs::remove(dir + "/" + ckpt::kManifestName, ec);
+    if (o_.fsync) OOMGUARD_RETURN_IF_ERROR(ckpt::FsyncPath(dir, true));
+  }
+  ckpt::ShardWriteOptions wo;
+  wo.step = job.step;
+  wo.rank = o_.rank;
+  wo.world_size = o_.world_size;
+  wo.level = o_.compression_level;
+  wo.chunk_bytes = o_.chunk_bytes;
+  wo.fsync = o_.fsync;
+  wo.frames = &frames_;
+  const FaultContext ctx{job.step, o_.rank, -1, 0};
+  wo.midway = [ctx] { FaultPoint(FaultSite::kCkptWrite, ctx); };
+  const std::string file = ckpt::ShardFileName(o_.rank);
+  auto res = ckpt::WriteShard(dir + "/" + file, job.tensors, job.source.get(), pool_.get(), wo);
+  if (!res.ok()) return res.status();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    // With local commit a step counts once its manifest is written (below).
+    if (!CommitsLocally()) durable_.insert(job.step);
+    own_shards_[job.step] = ckpt::ManifestShard{o_.rank, file, res->file_bytes, res->file_xxh3};
+    ++stats_.checkpoints_written;
+    stats_.last_file_bytes = res->file_bytes;
+  }
+  if (CommitsLocally()) return CommitManifest(job.step, o_.world_size);
+  return Status::Ok();
+}
+
+}  // namespace oomguard::ckpt_internal
