@@ -126,6 +126,10 @@ struct CheckpointStats {
   int64_t state_bytes = 0;       // uncompressed bytes of one save
   int64_t last_file_bytes = 0;   // bytes of the last shard written
   std::vector<double> stall_ms;  // blocking time of each SaveAsync
+  // Staging buffers SaveAsync had to allocate and fault in inside its stall.
+  // The writer prepares the next one in the background, so after the first
+  // save this stays put unless the staging budget forbids a spare.
+  int64_t stall_allocations = 0;
   double last_write_ms = 0;      // background time of the last save (compress + write + commit)
   Status last_error;             // the newest background failure
 };

@@ -411,6 +411,33 @@ TEST_F(SavedRun, SaveOverlapsTrainingAndEachSaveHoldsItsOwnStep) {
   EXPECT_EQ(c_->Stats().stall_ms.size(), 6u);
 }
 
+// The stall copies into buffers that exist already: the first save allocates
+// one, the writer prepares the second in the background (the retained
+// snapshot keeps the first), and later saves alternate between the two.
+TEST_F(SavedRun, OnlyTheFirstSaveAllocatesStagingInsideItsStall) {
+  for (bool keep_snapshot : {true, false}) {
+    TempDir d;
+    auto o = Opts(d.path());
+    o.keep_snapshot = keep_snapshot;
+    Make(o);
+    for (int s = 0; s < 5; ++s) {
+      Train(s);
+      ASSERT_TRUE(c_->SaveAsync(s).ok());
+      ASSERT_TRUE(c_->Wait().ok());
+    }
+    EXPECT_EQ(c_->Stats().stall_allocations, 1) << "keep_snapshot " << keep_snapshot;
+    if (keep_snapshot) {
+      ASSERT_TRUE(c_->Restore(4).ok());
+      EXPECT_EQ(counter_, 4);
+      EXPECT_FLOAT_EQ(w_[5], static_cast<float>(std::sin(0.005 + 4)));
+    }
+    ASSERT_TRUE(c_->Load(3).ok());
+    EXPECT_EQ(counter_, 3);
+    EXPECT_FLOAT_EQ(w_[5], static_cast<float>(std::sin(0.005 + 3)));
+    c_.reset();
+  }
+}
+
 TEST_F(SavedRun, SnapshotRestoresWithoutDisk) {
   Make(Opts(d_.path()));
   SaveSteps(3);

@@ -108,6 +108,7 @@ void BindCheckpoint(py::module_& m) {
       .def_readonly("state_bytes", &CheckpointStats::state_bytes)
       .def_readonly("last_file_bytes", &CheckpointStats::last_file_bytes)
       .def_readonly("stall_ms", &CheckpointStats::stall_ms)
+      .def_readonly("stall_allocations", &CheckpointStats::stall_allocations)
       .def_readonly("last_write_ms", &CheckpointStats::last_write_ms)
       .def_readonly("last_error", &CheckpointStats::last_error);
 
