@@ -48,7 +48,11 @@ namespace oomguard {
 
 class IncidentSink;
 
-inline constexpr std::string_view kCheckpointFormat = "oomguard-ckpt/1";
+// The format this version writes. Format 2 adds per-chunk hashes and a
+// digest of the shard built from them (docs/checkpoints.md); format 1
+// checkpoints are still read.
+inline constexpr std::string_view kCheckpointFormat = "oomguard-ckpt/2";
+inline constexpr std::string_view kCheckpointFormatV1 = "oomguard-ckpt/1";
 // The HDF5 filter id registered for Zstandard.
 inline constexpr int kZstdFilterId = 32015;
 

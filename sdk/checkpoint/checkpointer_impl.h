@@ -46,6 +46,7 @@
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
 #include "sdk/checkpoint/shard_check.h"
+#include "sdk/checkpoint/shard_digest.h"
 #include "sdk/checkpoint/thread_pool.h"
 #include "sdk/core/ids.h"
 

@@ -165,11 +165,33 @@ TEST(ManifestTest, ParsesAndRejects) {
   m.format = std::string(kCheckpointFormat);
   m.step = 7;
   m.world_size = 1;
-  m.shards.push_back({0, "rank-00000.h5", 10, "00000000000000ff"});
+  ckpt::ManifestShard sh;
+  sh.file = "rank-00000.h5";
+  sh.bytes = 10;
+  sh.digest = "00000000000000ff";
+  sh.compression = "zstd-3";
+  sh.auto_choice = R"({"write_MBps":100.0})";
+  m.shards.push_back(sh);
   auto back = ckpt::ParseManifest(ckpt::ManifestToJson(m));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->step, 7);
-  EXPECT_EQ(back->shards[0].xxh3, "00000000000000ff");
+  EXPECT_EQ(back->shards[0].digest, "00000000000000ff");
+  EXPECT_EQ(back->shards[0].compression, "zstd-3");
+  EXPECT_EQ(back->shards[0].auto_choice, R"({"write_MBps":100.0})");
+  // Format 1 manifests still parse, with their whole-file xxh3.
+  ckpt::Manifest v1 = m;
+  v1.format = std::string(kCheckpointFormatV1);
+  v1.shards[0].xxh3 = "00000000000000ee";
+  auto old = ckpt::ParseManifest(ckpt::ManifestToJson(v1));
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(old->shards[0].xxh3, "00000000000000ee");
+  EXPECT_TRUE(old->shards[0].digest.empty());
+  m.shards[0].compression = "gzip";
+  EXPECT_EQ(ckpt::ParseManifest(ckpt::ManifestToJson(m)).status().code(), StatusCode::kDataLoss);
+  m.shards[0].compression = "zstd-0";
+  EXPECT_EQ(ckpt::ParseManifest(ckpt::ManifestToJson(m)).status().code(), StatusCode::kDataLoss);
+  m.shards[0].compression = "none";
+  EXPECT_TRUE(ckpt::ParseManifest(ckpt::ManifestToJson(m)).ok());
   EXPECT_EQ(ckpt::ParseManifest("{").status().code(), StatusCode::kDataLoss);
   m.world_size = 2;
   EXPECT_EQ(ckpt::ParseManifest(ckpt::ManifestToJson(m)).status().code(), StatusCode::kDataLoss);
@@ -686,7 +708,10 @@ TEST_F(SavedRun, ManifestNamingAnotherWorldSizeIsRefused) {
   // Rewrite step 2's manifest as if two ranks had written it.
   auto m = ckpt::ReadManifest(d_.path() + "/step-00000002").value();
   m.world_size = 2;
-  m.shards.push_back({1, "rank-00001.h5", m.shards[0].bytes, m.shards[0].xxh3});
+  ckpt::ManifestShard other = m.shards[0];
+  other.rank = 1;
+  other.file = "rank-00001.h5";
+  m.shards.push_back(other);
   ASSERT_TRUE(
       ckpt::WriteFileDurably(d_.path() + "/step-00000002/MANIFEST.json", ckpt::ManifestToJson(m), false)
           .ok());

@@ -122,7 +122,13 @@ Status CheckpointerImpl::Write(WriteJob& job) {
     std::lock_guard<std::mutex> lk(mu_);
     // With local commit a step counts once its manifest is written (below).
     if (!CommitsLocally()) durable_.insert(job.step);
-    own_shards_[job.step] = ckpt::ManifestShard{o_.rank, file, res->file_bytes, res->file_xxh3};
+    ckpt::ManifestShard own;
+    own.rank = o_.rank;
+    own.file = file;
+    own.bytes = res->file_bytes;
+    own.digest = res->digest;
+    own.compression = res->compression;
+    own_shards_[job.step] = std::move(own);
     ++stats_.checkpoints_written;
     stats_.last_file_bytes = res->file_bytes;
   }

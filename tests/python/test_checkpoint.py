@@ -69,7 +69,7 @@ json.dump(out, sys.stdout)
 """
     proc = run_python(["-c", script], HDF5_PLUGIN_PATH=str(HDF5_PLUGINS))
     read = json.loads(proc.stdout)
-    assert read["format"] == "oomguard-ckpt/1"
+    assert read["format"] == "oomguard-ckpt/2"
     for name in ("0.weight", "0.bias", "1.running_mean", "2.weight"):
         assert read[name]["dtype"] == "float64"
         assert read[name]["values"] == saved[name].reshape(-1).tolist(), name
