@@ -40,6 +40,7 @@
 #include "oomguard/incident.h"
 #include "oomguard/logging.h"
 #include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/device_copy.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/host_buffer.h"
@@ -393,6 +394,13 @@ class CheckpointerImpl final : public Checkpointer {
   std::unique_ptr<ckpt::ThreadPool> pool_;
   std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
   ckpt::FramePool frames_;                        // compressed-frame buffers, reused by every save
+  // compression = auto's measurements (writer thread only): the write +
+  // fsync throughput of the last save large enough to measure it, and the
+  // last sample of compression (piece-wise saves cannot take one).
+  std::optional<double> write_bytes_per_s_;
+  std::optional<ckpt::CompressionSample> last_sample_;
+  // Chooses the compression of `job` (writer thread).
+  void ChooseCompression(const WriteJob& job, ckpt::ShardWriteOptions* wo);
   std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
   bool pin_warned_ = false;                     // training thread only
 

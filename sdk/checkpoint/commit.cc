@@ -49,6 +49,7 @@ Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
     sh.bytes = d->bytes;
     sh.digest = d->digest;
     sh.compression = d->compression;
+    sh.auto_choice = d->compression_auto;
     m.shards.push_back(std::move(sh));
   }
   OOMGUARD_RETURN_IF_ERROR(

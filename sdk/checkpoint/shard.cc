@@ -116,6 +116,8 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     OOMGUARD_RETURN_IF_ERROR(
         WriteStringAttr(file.get(), kCompressionAttr,
                         ShardCompressionName(o.compress ? std::optional<int>(o.level) : std::nullopt)));
+    if (!o.compression_auto.empty())
+      OOMGUARD_RETURN_IF_ERROR(WriteStringAttr(file.get(), kCompressionAutoAttr, o.compression_auto));
     // The inventory: a reader that only saw the datasets present could not
     // tell a shard with a tensor deleted from a complete one.
     nlohmann::json inventory = nlohmann::json::array();
@@ -257,6 +259,15 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
   Status status;
   const size_t midway = jobs.size() / 2;
   int64_t unflushed = 0;
+  // Time this thread spends handing bytes to the kernel and waiting for the
+  // disk (writes, writeback starts, the final fsync): what compression =
+  // auto weighs compression against.
+  std::chrono::steady_clock::duration io_time{};
+  struct IoTimer {
+    std::chrono::steady_clock::duration* total;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    ~IoTimer() { *total += std::chrono::steady_clock::now() - start; }
+  };
   // Starts writeback of what was written so far and returns at once.
   auto start_writeback = [&] {
 #ifdef SYNC_FILE_RANGE_WRITE
@@ -288,6 +299,7 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
         status = Status::Internal(tmp + ": zstd compression failed for /" + tensors[j.t].path);
       } else {
         Hdf5Lock lock;
+        IoTimer timed{&io_time};
         if (H5Dwrite_chunk(planned[j.t].dset.get(), H5P_DEFAULT, 0, j.offset.data(), enc.size, enc.bytes) < 0)
           status = Status::Internal(tmp + ": H5Dwrite_chunk failed for /" + tensors[j.t].path + " chunk " +
                                     std::to_string(j.i));
@@ -403,8 +415,12 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
       ::close(fd);
       if (digested.ok()) res.digest = Hex64(CombineDigest(regions, region_hashes));
     });
-    if (o.fsync) status = FsyncPath(tmp, false);
+    if (o.fsync) {
+      IoTimer timed{&io_time};
+      status = FsyncPath(tmp, false);
+    }
   }
+  res.io_seconds = std::chrono::duration<double>(io_time).count();
   if (status.ok()) status = digested;
   if (!status.ok()) {
     std::remove(tmp.c_str());

@@ -85,6 +85,10 @@ struct ShardWriteOptions {
   // Shuffle + zstd at `level`, or stored as they are (no filters).
   bool compress = true;
   int level = 1;
+  // compression = auto: why it chose `compress` (a JSON object), kept in the
+  // root attribute kCompressionAutoAttr for the coordinated commit; empty:
+  // a fixed choice.
+  std::string compression_auto;
   int64_t chunk_bytes = 1 << 20;
   bool fsync = true;
   // Where frame buffers come from (a pool local to the call when null).
@@ -98,6 +102,10 @@ struct ShardWriteResult {
   int64_t file_bytes = 0;
   std::string digest;       // shard_digest.h, 16 lowercase hex digits
   std::string compression;  // "none" or "zstd-<level>"
+  // Seconds the writing thread spent in writes, writeback and the final
+  // fsync of the file (not compression): file_bytes / io_seconds is the
+  // write throughput compression = auto compares with.
+  double io_seconds = 0;
 };
 
 // Writes <final_path>.tmp, fsyncs, renames to final_path, fsyncs the directory.
@@ -120,6 +128,9 @@ struct StoredChunk {
 
 // Root attribute of a format-2 shard: "none" or "zstd-<level>".
 inline constexpr const char* kCompressionAttr = "compression";
+// Optional root attribute of format 2: why compression = auto chose the
+// shard's compression (a JSON object, as in the manifest's "auto").
+inline constexpr const char* kCompressionAutoAttr = "compression_auto";
 // Dataset attribute of format 2: XXH3_64bits of each chunk's tensor bytes
 // [begin, begin + len), in chunk order (a 1-D uint64 array).
 inline constexpr const char* kChunkHashAttr = "chunk_xxh3";

@@ -89,6 +89,10 @@ StatusOr<ShardFileDigest> DigestShardFile(const std::string& path) {
   out.bytes = static_cast<int64_t>(mapped->size());
   out.digest = Hex64(CombineDigest(regions, hashes));
   out.compression = r.compression();
+  {
+    Hdf5Lock lock;
+    if (auto why = ReadStringAttr(r.hdf5_file(), kCompressionAutoAttr, 4096)) out.compression_auto = *why;
+  }
   return out;
 }
 

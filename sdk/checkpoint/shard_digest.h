@@ -43,6 +43,7 @@ struct ShardFileDigest {
   int64_t bytes = 0;
   std::string digest;       // 16 lowercase hex digits
   std::string compression;  // the shard's `compression` attribute
+  std::string compression_auto;  // its `compression_auto` attribute, if any
 };
 
 // Reads a format-2 shard on disk whole and computes its digest: the

@@ -110,6 +110,7 @@ Status CheckpointerImpl::Write(WriteJob& job) {
   wo.rank = o_.rank;
   wo.world_size = o_.world_size;
   wo.level = o_.compression_level;
+  ChooseCompression(job, &wo);
   wo.chunk_bytes = o_.chunk_bytes;
   wo.fsync = o_.fsync;
   wo.frames = &frames_;
@@ -118,6 +119,9 @@ Status CheckpointerImpl::Write(WriteJob& job) {
   const std::string file = ckpt::ShardFileName(o_.rank);
   auto res = ckpt::WriteShard(dir + "/" + file, job.tensors, job.source.get(), pool_.get(), wo);
   if (!res.ok()) return res.status();
+  // Only a large, fsynced file measures the disk rather than latency.
+  if (o_.fsync && res->file_bytes >= ckpt::kAutoMinBytes && res->io_seconds > 0)
+    write_bytes_per_s_ = static_cast<double>(res->file_bytes) / res->io_seconds;
   {
     std::lock_guard<std::mutex> lk(mu_);
     // With local commit a step counts once its manifest is written (below).
@@ -128,12 +132,42 @@ Status CheckpointerImpl::Write(WriteJob& job) {
     own.bytes = res->file_bytes;
     own.digest = res->digest;
     own.compression = res->compression;
+    own.auto_choice = wo.compression_auto;
+    stats_.last_compression = res->compression;
+    stats_.last_compression_auto = wo.compression_auto;
     own_shards_[job.step] = std::move(own);
     ++stats_.checkpoints_written;
     stats_.last_file_bytes = res->file_bytes;
   }
   if (CommitsLocally()) return CommitManifest(job.step, o_.world_size);
   return Status::Ok();
+}
+
+void CheckpointerImpl::ChooseCompression(const WriteJob& job, ckpt::ShardWriteOptions* wo) {
+  if (o_.compression != CheckpointCompression::kAuto) {
+    wo->compress = o_.compression == CheckpointCompression::kZstd;
+    return;
+  }
+  int64_t state_bytes = 0;
+  for (const auto& t : job.tensors) state_bytes += t.bytes;
+  std::optional<ckpt::CompressionSample> sample = last_sample_;
+  // The sample is taken only when there is a choice to make (the staged
+  // snapshot is whole in memory; piece-wise saves reuse the last sample).
+  if (state_bytes >= ckpt::kAutoMinBytes && write_bytes_per_s_ && job.snapshot) {
+    std::vector<ckpt::SampleSource> state;
+    for (size_t t = 0; t < job.tensors.size(); ++t) {
+      const DType d = job.tensors[t].dtype;
+      state.push_back(
+          {job.snapshot->data[t], std::max<size_t>(1, DTypeSize(d)),
+           d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat32 || d == DType::kFloat64});
+    }
+    sample = ckpt::SampleCompression(state, o_.compression_level, o_.chunk_bytes, pool_.get());
+    last_sample_ = sample;
+  }
+  const ckpt::AutoCompression c =
+      ckpt::ChooseCompression(state_bytes, o_.compression_level, write_bytes_per_s_, sample);
+  wo->compress = c.compress;
+  wo->compression_auto = c.why;
 }
 
 }  // namespace oomguard::ckpt_internal
