@@ -1,4 +1,4 @@
-// Chunk codec of format oomguard-ckpt/1: HDF5's byte shuffle (filter id 2)
+// Chunk codec of formats oomguard-ckpt/1 and /2: HDF5's byte shuffle (filter id 2)
 // followed by one Zstandard frame that records its content size (filter id
 // 32015, cd_values[0] = level). Shared by the writer, the loader, the
 // in-process HDF5 filter and the h5py/h5dump plugin, so that every reader

@@ -1,4 +1,4 @@
-// Names, the manifest and durable file operations of format oomguard-ckpt/1.
+// Names, the manifest and durable file operations of formats oomguard-ckpt/2 and /1.
 //
 // Durability protocol (crash consistency): a file is written as <name>.tmp,
 // fsynced, renamed over <name>, and its directory fsynced; MANIFEST.json is
