@@ -18,7 +18,9 @@
 // more than `overhead_too_small`, a share an OOM showed not to suffice. The
 // limit is the largest size that fits with the upper share; every grow_after
 // clean steps a probe tries the middle of the bracket (its verdict: an OOM
-// within kProbeSteps steps), until the bracket is within `tolerance` in size.
+// within kProbeSteps steps), until the bracket is within `tolerance` in size
+// (k+1 times that after k failed probes: each costs an OOM, and one that
+// failed says the limit is already close).
 // A caching allocator that hoards when it has room shows a larger share than
 // it needs under pressure, which the probes find. The headroom follows the
 // fit's residuals (allocator rounding), at least 0.2% of the room.
@@ -246,6 +248,7 @@ class OOMGUARD_EXPORT SizeController {
   double probe_share_ = 0;          // the share a probe tries (probe_ true)
   bool probe_ = false;
   int probe_steps_ = 0;             // clean steps of the probe so far
+  int probes_failed_ = 0;           // failed probes since one was proven
   // A size the model may not predict: below what failed without figures or
   // in a way the model could not explain (forgotten with `bad`).
   std::optional<int64_t> cap_;

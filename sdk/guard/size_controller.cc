@@ -66,6 +66,7 @@ bool SizeController::OnOom(int64_t size, const MicroBatchMemory& memory) {
     TooSmall((static_cast<double>(memory.capacity - memory.base) - over_bytes_) / needed - 1.0);
     if (was_probe) {
       TooSmall(probe_share_);
+      ++probes_failed_;
     } else if (was_model && ++misses_ >= kMaxMisses) {
       // The model keeps being wrong about this device: the search takes over
       // growth, from the model's size after this failure, with the model
@@ -185,6 +186,7 @@ void SizeController::OnSuccess(int64_t largest, bool limit_bound) {
     // suffices (its figures, now the largest size's, usually say so too).
     if (raised_ > probe_share_) raised_ = probe_share_;
     probe_ = false;
+    probes_failed_ = 0;
   }
   if (probing_) {
     // The probe completed: it becomes the new proven size.
@@ -242,7 +244,8 @@ bool SizeController::MaybeProbe() {
   const double share = Share();
   if (share <= too_small_) return false;
   const int64_t top = SizeFor(too_small_);
-  if (static_cast<double>(top - safe) <= std::max(1.0, options_.tolerance * static_cast<double>(top))) return false;
+  const double tolerance = options_.tolerance * (1 + probes_failed_);
+  if (static_cast<double>(top - safe) <= std::max(1.0, tolerance * static_cast<double>(top))) return false;
   const double middle = (too_small_ + share) / 2;
   const int64_t size = SizeFor(middle);
   if (size <= limit_) return false;
