@@ -162,6 +162,10 @@ void GuardImpl::CommitStep(Run& run) {
   if (options_.priors != nullptr && !options_.workload.empty() && run.largest > 0) {
     Status p = options_.priors->RecordCleanMicroBatch(options_.workload, run.largest);
     if (!p.ok()) Logger()->debug("recording the clean micro-batch failed: {}", p.ToString());
+    if (auto model = controller_.model()) {
+      p = options_.priors->RecordModel(options_.workload, *model);
+      if (!p.ok()) Logger()->debug("recording the memory model failed: {}", p.ToString());
+    }
   }
   const int64_t done = step_++;
   if (done >= rollback_from_) rollback_repeats_ = 0;

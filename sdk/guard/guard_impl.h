@@ -119,8 +119,17 @@ class GuardImpl final : public Guard {
         coordinator_(o.coordinator != nullptr ? o.coordinator : own_coordinator_.get()),
         channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)) {
     if (options_.priors != nullptr && !options_.workload.empty()) {
-      if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
-          prior && *prior >= 1 && *prior < controller_.limit()) {
+      // A learned model gives the size that fits on this device at the first
+      // step's figures; without one (or a device), the learned size.
+      std::optional<SizeModel> model;
+      if (controller_.options().policy == SizePolicy::kPredictive && options_.device != nullptr)
+        model = options_.priors->PriorModel(options_.workload);
+      if (model && model->unit_bytes > 0) {
+        controller_.AdoptPrior(*model);
+        Logger()->info("workload '{}': starting from the learned memory model ({} per unit)", options_.workload,
+                       FormatBytes(model->unit_bytes));
+      } else if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+                 prior && *prior >= 1 && *prior < controller_.limit()) {
         controller_.AdoptPrior(*prior);
         Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
       }
