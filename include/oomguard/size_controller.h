@@ -16,11 +16,13 @@
 // held that much and fitted), through the smallest and the largest size seen.
 // The share is bracketed: at least that, unless a probe proved less; and
 // more than `overhead_too_small`, a share an OOM showed not to suffice. The
-// limit is the largest size that fits with the upper share; every grow_after
-// clean steps a probe tries the middle of the bracket (its verdict: an OOM
-// within kProbeSteps steps), until the bracket is within `tolerance` in size
-// (k+1 times that after k failed probes: each costs an OOM, and one that
-// failed says the limit is already close).
+// limit is the largest size that fits with the upper share. Every grow_after
+// clean steps a probe tries tolerance/2 more (its verdict: an OOM within
+// kProbeSteps steps; else the share it needed is proven and becomes the
+// upper one), below what fits with the lower share. The first probe that
+// fails ends the probing until the failure is forgotten: an OOM costs more
+// than a step's size, and the limit is then within a probe's step of the
+// largest size that fits.
 // A caching allocator that hoards when it has room shows a larger share than
 // it needs under pressure, which the probes find. The headroom follows the
 // fit's residuals (allocator rounding), at least 0.2% of the room.
@@ -55,6 +57,7 @@
 #define OOMGUARD_SIZE_CONTROLLER_H_
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -201,13 +204,18 @@ class OOMGUARD_EXPORT SizeController {
   double Bytes(int64_t size) const { return fit_.fixed_bytes + fit_.unit_bytes * static_cast<double>(size); }
   // The largest size that fits the latest room with overhead share `share`.
   int64_t SizeFor(double share) const;
-  // The overhead share believed to suffice (the bracket's top): what was
-  // observed or learned, and in any case a little above a share an OOM
-  // showed not to suffice (observations can be stale after one).
+  // The share with which `size` just fits the latest room.
+  double ShareAt(int64_t size) const;
+  // The overhead share believed to suffice (the bracket's top): the lower of
+  // what was observed and what a probe proved, above the floor that OOMs set
+  // (a little above a share shown not to suffice; observations can be stale).
   double Share() const;
   // Whether the overhead was observed or learned: without it a larger size
   // is a guess, and the limit does not rise on its own.
-  bool KnowsOverhead() const { return has_over_ || raised_ > 0; }
+  bool KnowsOverhead() const { return has_over_ || std::isfinite(raised_) || std::isfinite(proven_); }
+  // The largest size whose peak alone fits the latest room: nothing above it
+  // can fit, whatever the allocator's overhead.
+  int64_t Ceiling() const;
   double Headroom() const;
   // An OOM showed `share` not to suffice: raises the bracket's floor and,
   // when the share believed to suffice is not above it, that too.
@@ -242,13 +250,16 @@ class OOMGUARD_EXPORT SizeController {
   double over_bytes_ = 0;           // the allocator's overhead as observed (valid when has_over_)
   double share_ = 0;
   bool has_over_ = false;
-  double raised_ = 0;               // a share the OOMs and probes set, above observations (0: none)
-  double too_small_ = 0;            // known not to suffice
+  // Shares are relative to the fitted overhead_bytes, so they may be
+  // negative (a probe proved that the fixed part was overestimated).
+  double raised_ = -INFINITY;       // a floor an OOM at a size believed safe set
+  double proven_ = INFINITY;        // the smallest share a probe proved to suffice
+  double too_small_ = -INFINITY;    // known not to suffice
   int64_t too_small_at_ = 0;        // the step it was last raised
   double probe_share_ = 0;          // the share a probe tries (probe_ true)
   bool probe_ = false;
   int probe_steps_ = 0;             // clean steps of the probe so far
-  int probes_failed_ = 0;           // failed probes since one was proven
+  int probes_failed_ = 0;           // failed probes since the bracket's floor was forgotten
   // A size the model may not predict: below what failed without figures or
   // in a way the model could not explain (forgotten with `bad`).
   std::optional<int64_t> cap_;

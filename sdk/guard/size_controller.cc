@@ -4,6 +4,7 @@
 #include "oomguard/size_controller.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace oomguard {
 
@@ -147,8 +148,10 @@ void SizeController::OnStepStart(int64_t base, int64_t capacity) {
   if (options_.policy != SizePolicy::kPredictive || capacity <= 0 || base < 0) return;
   base_ = base;
   capacity_ = capacity;
-  if (too_small_ > 0 && options_.forget_bad_after > 0 && steps_ - too_small_at_ >= options_.forget_bad_after) {
-    too_small_ = 0;  // conditions change: the bracket opens again
+  if (std::isfinite(too_small_) && options_.forget_bad_after > 0 &&
+      steps_ - too_small_at_ >= options_.forget_bad_after) {
+    too_small_ = -INFINITY;  // conditions change: the bracket opens again
+    probes_failed_ = 0;
   }
   if (!predicting()) return;
   const int64_t next = SizeFor(Share());
@@ -182,11 +185,13 @@ void SizeController::OnSuccess(int64_t largest, bool limit_bound) {
   if (largest > good_) good_ = largest;
   cold_ = false;
   if (probe_ && ++probe_steps_ >= kProbeSteps) {
-    // The probe ran clean long enough for fragmentation to show: its share
-    // suffices (its figures, now the largest size's, usually say so too).
-    if (raised_ > probe_share_) raised_ = probe_share_;
+    // The probe ran clean long enough for fragmentation to show: the share
+    // that its largest micro-batch needed suffices (a balanced split may not
+    // reach the limit itself).
+    const double share = ModelUsable() ? ShareAt(std::max<int64_t>(1, largest)) : probe_share_;
+    proven_ = std::min(proven_, share);
+    if (raised_ > share) raised_ = share;
     probe_ = false;
-    probes_failed_ = 0;
   }
   if (probing_) {
     // The probe completed: it becomes the new proven size.
@@ -230,7 +235,9 @@ void SizeController::SearchGrow() {
   if (options_.policy == SizePolicy::kPredictive && ModelUsable()) {
     // A probe the model predicts to fail even with the least overhead it
     // thinks possible is not tried: it would only cost an OOM.
-    next = std::min(next, std::max(options_.min, SizeFor(too_small_) - 1));
+    int64_t top = Ceiling();
+    if (std::isfinite(too_small_)) top = std::min(top, SizeFor(too_small_));
+    next = std::min(next, std::max(options_.min, top - 1));
   }
   if (next > limit_) {
     limit_ = next;
@@ -240,19 +247,20 @@ void SizeController::SearchGrow() {
 }
 
 bool SizeController::MaybeProbe() {
-  const int64_t safe = SizeFor(Share());
-  const double share = Share();
-  if (share <= too_small_) return false;
-  const int64_t top = SizeFor(too_small_);
-  const double tolerance = options_.tolerance * (1 + probes_failed_);
-  if (static_cast<double>(top - safe) <= std::max(1.0, tolerance * static_cast<double>(top))) return false;
-  const double middle = (too_small_ + share) / 2;
-  const int64_t size = SizeFor(middle);
-  if (size <= limit_) return false;
+  // One failed probe says the limit is within a step of what fits; another
+  // would only cost another OOM.
+  if (probes_failed_ > 0) return false;
+  // Below what fits with the least overhead not shown too small, and below
+  // what cannot fit at all.
+  int64_t top = Ceiling();
+  if (std::isfinite(too_small_)) top = std::min(top, SizeFor(too_small_));
+  const int64_t size = std::max(limit_ + 1, static_cast<int64_t>(static_cast<double>(limit_) *
+                                                                  (1.0 + options_.tolerance / 2)));
+  if (size >= top) return false;
   limit_ = size;
   room_at_limit_ = Room();
   probe_ = true;
-  probe_share_ = middle;
+  probe_share_ = ShareAt(size);
   probe_steps_ = 0;
   probing_ = true;
   model_limit_ = true;
@@ -291,8 +299,9 @@ void SizeController::AdoptPrior(const SizeModel& model) {
     return;
   }
   prior_ = model;
-  raised_ = 0;
-  too_small_ = std::min(model.overhead_too_small, model.overhead);
+  raised_ = -INFINITY;
+  proven_ = INFINITY;
+  too_small_ = model.overhead_too_small > 0 ? std::min(model.overhead_too_small, model.overhead) : -INFINITY;
   too_small_at_ = steps_;
   Refit();
 }

@@ -205,7 +205,8 @@ double SizeController::Headroom() const {
 int64_t SizeController::SizeFor(double share) const {
   if (!ModelUsable()) return limit_;
   const double room = static_cast<double>(Room()) - Headroom() - over_bytes_;
-  const double units = std::floor((room / (1.0 + std::max(0.0, share)) - fit_.fixed_bytes) / fit_.unit_bytes);
+  // (A share may be negative, relative to an overestimated fixed part.)
+  const double units = std::floor((room / (1.0 + std::max(-0.9, share)) - fit_.fixed_bytes) / fit_.unit_bytes);
   int64_t size = options_.min;
   if (units >= static_cast<double>(options_.max)) {
     size = options_.max;
@@ -223,13 +224,25 @@ void SizeController::CapBelow(int64_t size) {
 }
 
 double SizeController::Share() const {
-  double share = std::max(raised_, has_over_ ? share_ : 0.0);
-  if (too_small_ > 0) share = std::max(share, (1.0 + too_small_) * (1.0 + options_.tolerance / 4) - 1.0);
+  double share = has_over_ ? std::min(share_, proven_) : (std::isfinite(proven_) ? proven_ : 0.0);
+  share = std::max(share, raised_);
+  if (std::isfinite(too_small_)) share = std::max(share, (1.0 + too_small_) * (1.0 + options_.tolerance / 4) - 1.0);
   return share;
 }
 
+int64_t SizeController::Ceiling() const {
+  if (!ModelUsable()) return limit_;
+  const double units = std::floor((static_cast<double>(Room()) - Headroom() - fit_.fixed_bytes) / fit_.unit_bytes);
+  if (units >= static_cast<double>(options_.max)) return options_.max;
+  return units > static_cast<double>(options_.min) ? static_cast<int64_t>(units) : options_.min;
+}
+
+double SizeController::ShareAt(int64_t size) const {
+  return (static_cast<double>(Room()) - Headroom() - over_bytes_) / Bytes(size) - 1.0;
+}
+
 void SizeController::TooSmall(double share) {
-  if (!(share > too_small_)) return;
+  if (!std::isfinite(share) || (std::isfinite(too_small_) && share <= too_small_)) return;
   too_small_ = share;
   too_small_at_ = steps_;
   if (Share() > too_small_) return;
@@ -247,8 +260,8 @@ std::optional<SizeModel> SizeController::model() const {
   if (!fitted_ || n_points_ == 0) return std::nullopt;
   SizeModel m = fit_;
   m.overhead_bytes = over_bytes_;
-  m.overhead = Share();
-  m.overhead_too_small = too_small_;
+  m.overhead = std::max(0.0, Share());
+  m.overhead_too_small = std::isfinite(too_small_) && too_small_ > 0 ? too_small_ : 0.0;
   return m;
 }
 
