@@ -69,18 +69,22 @@ namespace {
 using oomguard::DeviceOomError;
 using oomguard::MemoryStats;
 using oomguard::MicroBatch;
+using oomguard::testing::Calibrate;
+using oomguard::testing::CostOracleLimit;
 using oomguard::testing::ForeignMemoryDevice;
 using oomguard::testing::GpuSimDevice;
 using oomguard::testing::kGiB;
-using oomguard::testing::RunsClean;
+using oomguard::testing::kSimGpuCapacity;
+using oomguard::testing::LargestCost;
 using oomguard::testing::SimWorkload;
 using oomguard::testing::SimWorkloadShape;
+using oomguard::testing::SplitOracle;
+using oomguard::testing::StepCosts;
 
-constexpr int64_t kCapacity = 80 * kGiB;
+constexpr int64_t kCapacity = kSimGpuCapacity;
 constexpr int64_t kMax = 8192;
 constexpr int kDropStep = 150;
 constexpr double kDropShare = 0.3;
-constexpr int kFitSteps = 5;  // steps in a row that make a size "fit"
 
 // A size policy as a training loop would hold it.
 class Policy {
@@ -136,84 +140,6 @@ struct Trace {
   int last_oom_step = -1;
   bool failed = false;
 };
-
-// The per-sample costs of step `step` (1..16, a pure function of its coordinates).
-std::vector<int64_t> StepCosts(int64_t n, int step) {
-  std::vector<int64_t> c(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    uint64_t x = (static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(i) ^ 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    c[static_cast<size_t>(i)] = 1 + static_cast<int64_t>(x % 16);
-  }
-  return c;
-}
-
-// The per-unit bytes for which L is the largest single micro-batch that fits.
-SimWorkloadShape Calibrate(int64_t L, int spread) {
-  SimWorkloadShape shape;
-  shape.layer_spread = spread;
-  int64_t lo = 1 << 16, hi = kCapacity;
-  while (hi - lo > 4096) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    shape.unit_bytes = mid;
-    (RunsClean(shape, kCapacity, L, {}, L, kFitSteps, [](ForeignMemoryDevice&) {}) ? lo : hi) = mid;
-  }
-  shape.unit_bytes = lo;
-  return shape;
-}
-
-// The largest balanced split of n that fits (with `foreign` bytes taken by
-// another process).
-int64_t SplitOracle(const SimWorkloadShape& shape, int64_t n, int64_t foreign) {
-  auto fits = [&](int64_t pieces) {
-    const int64_t size = (n + pieces - 1) / pieces;
-    return RunsClean(shape, kCapacity, n, {}, size, kFitSteps, [&](ForeignMemoryDevice& d) {
-      if (foreign > 0) d.TakeForeign(foreign);
-    });
-  };
-  int64_t lo = 1, hi = n;  // the fewest pieces that fit
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (fits(mid)) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  return (n + lo - 1) / lo;
-}
-
-// The largest cost limit up to L (the largest single micro-batch that fits)
-// that fits the first steps' samples. Packing by cost mixes sizes, so
-// fitting is not monotone in the limit: scan down rather than bisect.
-int64_t CostOracleLimit(const SimWorkloadShape& shape, int64_t n, int64_t L) {
-  auto fits = [&](int64_t limit) {
-    ForeignMemoryDevice dev(GpuSimDevice(kCapacity));
-    SimWorkload w(&dev, shape);
-    try {
-      w.Setup();
-      for (int s = 0; s < kFitSteps; ++s) {
-        const std::vector<int64_t> costs = StepCosts(n, s);
-        for (const MicroBatch& mb : oomguard::PlanByCost(costs, limit).value()) w.Micro(mb.cost);
-        w.Apply();
-      }
-    } catch (const DeviceOomError&) {
-      return false;
-    }
-    return true;
-  };
-  int64_t limit = L;
-  while (limit > 1 && !fits(limit)) --limit;
-  return limit;
-}
-
-int64_t LargestCost(const std::vector<MicroBatch>& plan) {
-  int64_t top = 0;
-  for (const MicroBatch& mb : plan) top = std::max(top, mb.cost);
-  return top;
-}
 
 // What the guard tells its controller, for the bare runs.
 oomguard::MicroBatchMemory Clean(const MemoryStats& before, const MemoryStats& after) {

@@ -19,6 +19,11 @@
 // the guard then sees the free memory shrink while its own allocated and
 // reserved bytes stay as they were, which is how cudaMemGetInfo shows it.
 //
+// The oracles say what fits, as the device decides it: a plan fits when it
+// runs kFitSteps steps in a row on a fresh device without an OOM (the
+// first step at a size can fit where later ones, with the cache fragmented,
+// do not).
+//
 // Thread-safety: a SimWorkload is driven by one thread; ForeignMemoryDevice
 // is as thread-safe as the device it wraps, except TakeForeign (one thread,
 // between steps).
@@ -41,6 +46,8 @@ namespace oomguard::testing {
 
 inline constexpr int64_t kMiB = int64_t{1} << 20;
 inline constexpr int64_t kGiB = int64_t{1} << 30;
+inline constexpr int64_t kSimGpuCapacity = 80 * kGiB;  // an 80 GiB GPU
+inline constexpr int kFitSteps = 5;                     // steps in a row that make a plan fit
 
 struct SimWorkloadShape {
   int layers = 6;
@@ -199,6 +206,91 @@ bool RunsClean(const SimWorkloadShape& shape, int64_t capacity, int64_t n, std::
     return false;
   }
   return true;
+}
+
+
+// ---- Oracles ----
+
+// The per-sample costs of step `step` (1..16, as token counts; a pure
+// function of the step and the sample's index).
+inline std::vector<int64_t> StepCosts(int64_t n, int step) {
+  std::vector<int64_t> c(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t x = (static_cast<uint64_t>(step) << 32) ^ static_cast<uint64_t>(i) ^ 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    c[static_cast<size_t>(i)] = 1 + static_cast<int64_t>(x % 16);
+  }
+  return c;
+}
+
+inline int64_t LargestCost(const std::vector<MicroBatch>& plan) {
+  int64_t top = 0;
+  for (const MicroBatch& mb : plan) top = std::max(top, mb.cost);
+  return top;
+}
+
+// The unit bytes for which L is the largest single micro-batch that fits
+// (layers differing by `spread` percent).
+inline SimWorkloadShape Calibrate(int64_t L, int spread, int64_t capacity = kSimGpuCapacity) {
+  SimWorkloadShape shape;
+  shape.layer_spread = spread;
+  int64_t lo = 1 << 16, hi = capacity;
+  while (hi - lo > 4096) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    shape.unit_bytes = mid;
+    (RunsClean(shape, capacity, L, {}, L, kFitSteps, [](ForeignMemoryDevice&) {}) ? lo : hi) = mid;
+  }
+  shape.unit_bytes = lo;
+  return shape;
+}
+
+// The largest balanced split of n samples that fits, with `foreign` bytes
+// taken by another process.
+inline int64_t SplitOracle(const SimWorkloadShape& shape, int64_t n, int64_t foreign,
+                           int64_t capacity = kSimGpuCapacity) {
+  auto fits = [&](int64_t pieces) {
+    const int64_t size = (n + pieces - 1) / pieces;
+    return RunsClean(shape, capacity, n, {}, size, kFitSteps, [&](ForeignMemoryDevice& d) {
+      if (foreign > 0) d.TakeForeign(foreign);
+    });
+  };
+  int64_t lo = 1, hi = n;  // the fewest pieces that fit
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (fits(mid)) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return (n + lo - 1) / lo;
+}
+
+// The largest cost limit up to L (the largest single micro-batch that fits)
+// that fits the first steps of StepCosts(n, step). Packing by cost mixes
+// sizes, so fitting is not monotone in the limit: scan down.
+inline int64_t CostOracleLimit(const SimWorkloadShape& shape, int64_t n, int64_t L,
+                               int64_t capacity = kSimGpuCapacity) {
+  auto fits = [&](int64_t limit) {
+    ForeignMemoryDevice dev(GpuSimDevice(capacity));
+    SimWorkload w(&dev, shape);
+    try {
+      w.Setup();
+      for (int s = 0; s < kFitSteps; ++s) {
+        const std::vector<int64_t> costs = StepCosts(n, s);
+        for (const MicroBatch& mb : PlanByCost(costs, limit).value()) w.Micro(mb.cost);
+        w.Apply();
+      }
+    } catch (const DeviceOomError&) {
+      return false;
+    }
+    return true;
+  };
+  int64_t limit = L;
+  while (limit > 1 && !fits(limit)) --limit;
+  return limit;
 }
 
 }  // namespace oomguard::testing
