@@ -68,9 +68,12 @@ def panel(w, title, top, h, y, yticks, x, steps, pw, limit, ok, ooms, clip_id):
     for pol, _, colour in reversed(POLICIES):  # the predictive policy on top
         pts = []
         for s in sorted(ok[pol]):
+            yy = y(ok[pol][s])
+            if pts and abs(yy - pts[-1][1]) < 0.05:
+                continue  # a step line needs a point only where it moves
             if pts:
                 pts.append((x(s), pts[-1][1]))
-            pts.append((x(s), y(ok[pol][s])))
+            pts.append((x(s), yy))
         if pts:
             pts.append((x(steps - 1), pts[-1][1]))
         coords = " ".join(f"{a:.1f},{b:.1f}" for a, b in pts)
@@ -232,10 +235,14 @@ def panels(runs, path):
                     continue
                 pts = []
                 for s in sorted(r["ok"]):
-                    ratio = r["ok"][s] / r["oracle"].get(s, 1)
+                    yy = y(r["ok"][s] / r["oracle"].get(s, 1))
+                    if pts and abs(yy - pts[-1][1]) < 0.05:
+                        continue  # a step line needs a point only where it moves
                     if pts:
                         pts.append((x(s), pts[-1][1]))
-                    pts.append((x(s), y(ratio)))
+                    pts.append((x(s), yy))
+                if pts:
+                    pts.append((x(steps - 1), pts[-1][1]))
                 coords = " ".join(f"{a:.1f},{b:.1f}" for a, b in pts)
                 w(f'<polyline points="{coords}" fill="none" stroke="{colour}" '
                   f'stroke-width="{2.4 if pol == "predictive" else 1.6}" stroke-linejoin="round" opacity="0.9"/>')
