@@ -88,12 +88,17 @@ def predictive_misses(ctl):
     return misses
 
 
-def controller_section(ctl):
+def controller_section(ctl, commit=""):
     """The size controller's section of RESULTS.md, as lines."""
     md = []
     w = md.append
     w(f"{CONTROLLER_HEADING}: predictive vs the search, halving and Accelerate's ×0.9 rule")
     w("")
+    if commit:
+        w(f"Measured at commit {commit} (where it differs from the commit under Machine, the other sections "
+          "are from that one). The figures are counts and sizes from a deterministic simulation: they do not "
+          "depend on the machine or its load.")
+        w("")
     w(f"One run of `controller_bench`, {ctl['steps']} steps per run, on a simulated {ctl['capacity_gib']} GiB GPU: "
       "`SimulatedDevice` with PyTorch's rounding (512 B), 2 MiB segments, caching and fragmentation, running a "
       "transformer-like step (`tests/integration/sim_workload.h`: per layer a temporary and a saved activation, "
@@ -175,13 +180,13 @@ def controller_target_row(ctl):
             f"{yes(not predictive_misses(ctl))} |")
 
 
-def replace_controller(path, ctl):
+def replace_controller(path, ctl, commit=""):
     """Replaces the controller's section and its targets row of an existing RESULTS.md."""
     with open(path) as f:
         lines = f.read().split("\n")
     start = next(i for i, l in enumerate(lines) if l.startswith(CONTROLLER_HEADING))
     end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
-    lines[start:end] = controller_section(ctl)
+    lines[start:end] = controller_section(ctl, commit)
     for i, l in enumerate(lines):
         if l.startswith("| controller"):
             lines[i] = controller_target_row(ctl)
@@ -202,7 +207,7 @@ def main():
     with open(args.controller) as f:
         ctl = json.load(f)
     if args.controller_only:
-        replace_controller(args.out, ctl)
+        replace_controller(args.out, ctl, args.commit)
         return
     if not args.overhead:
         ap.error("--overhead is required unless --controller-only")
