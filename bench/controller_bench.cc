@@ -42,6 +42,9 @@
 //                         [--limits=37,300,1000,4000]
 //                         [--csv=controller.csv] [--json=controller.json]
 // The CSV has one row per attempt: scenario,L,start,policy,step,size,oracle,event (ok|oom).
+#include <spdlog/logger.h>
+#include <spdlog/sinks/null_sink.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -52,9 +55,6 @@
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <spdlog/logger.h>
-#include <spdlog/sinks/null_sink.h>
 
 #include "oomguard/device.h"
 #include "oomguard/guard.h"
@@ -272,8 +272,8 @@ Trace RunE2E(const std::string& policy, const E2E& e, int steps) {
       if (e.costs) req.costs = costs;
       const oomguard::Status s = guard->Step(req, &report);
       if (!s.ok()) {
-        std::fprintf(stderr, "%s %s L=%lld: %s\n", e.scenario.c_str(), policy.c_str(), static_cast<long long>(e.L),
-                     s.ToString().c_str());
+        std::fprintf(stderr, "%s %s L=%lld: %s\n", e.scenario.c_str(), policy.c_str(),
+                     static_cast<long long>(e.L), s.ToString().c_str());
         t.failed = true;
         break;
       }
@@ -384,16 +384,16 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const bool limits_ok = !limits.empty() && std::all_of(limits.begin(), limits.end(), [](int64_t L) {
-    return L >= 2 && L <= kMax;
-  });
+  const bool limits_ok = !limits.empty() && std::all_of(limits.begin(), limits.end(),
+                                                        [](int64_t L) { return L >= 2 && L <= kMax; });
   if (steps < kDropStep + 50 || global < 1 || cost_global < 1 || !limits_ok) {
     std::fprintf(stderr, "--steps must be >= %d, --global and --cost-global >= 1, --limits in [2, %lld]\n",
                  kDropStep + 50, static_cast<long long>(kMax));
     return 2;
   }
   // The guard warns on every OOM; the baselines make hundreds.
-  oomguard::SetLogger(std::make_shared<spdlog::logger>("oomguard", std::make_shared<spdlog::sinks::null_sink_mt>()));
+  oomguard::SetLogger(
+      std::make_shared<spdlog::logger>("oomguard", std::make_shared<spdlog::sinks::null_sink_mt>()));
 
   const char* kPolicies[] = {"predictive", "search", "halving", "accel_x0.9"};
   FILE* csv = std::fopen(csv_path.c_str(), "w");
@@ -403,13 +403,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(csv, "scenario,L,start,policy,step,size,oracle,event\n");
-  std::fprintf(json,
-               "{\"steps\": %d, \"global\": %lld, \"cost_global\": %lld, \"capacity_gib\": %lld, \"max\": %lld, "
-               "\"drop_step\": %d, \"drop_share\": %.2f, \"runs\": [\n",
-               steps, static_cast<long long>(global), static_cast<long long>(cost_global),
-               static_cast<long long>(kCapacity / kGiB), static_cast<long long>(kMax), kDropStep, kDropShare);
-  std::printf("%-6s %5s %5s  %-11s %7s %5s %6s %8s %7s %7s %7s %s\n", "scen", "L", "start", "policy", "oracle",
-              "OOMs", "after", "lastOOM", "final", "steady", "mean", "");
+  std::fprintf(
+      json,
+      "{\"steps\": %d, \"global\": %lld, \"cost_global\": %lld, \"capacity_gib\": %lld, \"max\": %lld, "
+      "\"drop_step\": %d, \"drop_share\": %.2f, \"runs\": [\n",
+      steps, static_cast<long long>(global), static_cast<long long>(cost_global),
+      static_cast<long long>(kCapacity / kGiB), static_cast<long long>(kMax), kDropStep, kDropShare);
+  std::printf("%-6s %5s %5s  %-11s %7s %5s %6s %8s %7s %7s %7s %s\n", "scen", "L", "start", "policy",
+              "oracle", "OOMs", "after", "lastOOM", "final", "steady", "mean", "");
   bool first = true;
   bool met = true;
   auto emit = [&](const Trace& t, int64_t oracle_shown, int64_t oracle_after = 0) {
@@ -419,16 +420,16 @@ int main(int argc, char** argv) {
                 static_cast<long long>(oracle_shown), static_cast<long long>(t.ooms),
                 static_cast<long long>(t.ooms_after_drop), t.last_oom_step, s.final_ratio, s.steady, s.mean,
                 t.failed ? "FAILED" : "");
-    std::fprintf(json,
-                 "%s  {\"scenario\": \"%s\", \"L\": %lld, \"start\": %lld, \"policy\": \"%s\", \"oracle\": %lld, "
-                 "\"oracle_after\": %lld, \"ooms\": %lld, \"ooms_after_drop\": %lld, \"last_oom_step\": %d, "
-                 "\"final\": %lld, \"final_ratio\": %.4f, \"steady\": %.4f, \"mean\": %.4f, \"failed\": %s}",
-                 first ? "" : ",\n", t.scenario.c_str(), static_cast<long long>(t.L), static_cast<long long>(t.start),
-                 t.policy.c_str(), static_cast<long long>(oracle_shown), static_cast<long long>(oracle_after),
-                 static_cast<long long>(t.ooms),
-                 static_cast<long long>(t.ooms_after_drop), t.last_oom_step,
-                 static_cast<long long>(t.size.empty() ? 0 : t.size.back()), s.final_ratio, s.steady, s.mean,
-                 t.failed ? "true" : "false");
+    std::fprintf(
+        json,
+        "%s  {\"scenario\": \"%s\", \"L\": %lld, \"start\": %lld, \"policy\": \"%s\", \"oracle\": %lld, "
+        "\"oracle_after\": %lld, \"ooms\": %lld, \"ooms_after_drop\": %lld, \"last_oom_step\": %d, "
+        "\"final\": %lld, \"final_ratio\": %.4f, \"steady\": %.4f, \"mean\": %.4f, \"failed\": %s}",
+        first ? "" : ",\n", t.scenario.c_str(), static_cast<long long>(t.L), static_cast<long long>(t.start),
+        t.policy.c_str(), static_cast<long long>(oracle_shown), static_cast<long long>(oracle_after),
+        static_cast<long long>(t.ooms), static_cast<long long>(t.ooms_after_drop), t.last_oom_step,
+        static_cast<long long>(t.size.empty() ? 0 : t.size.back()), s.final_ratio, s.steady, s.mean,
+        t.failed ? "true" : "false");
     first = false;
     for (const Attempt& a : t.attempts) {
       const size_t i = std::min(static_cast<size_t>(a.step), t.oracle.empty() ? 0 : t.oracle.size() - 1);
@@ -486,7 +487,8 @@ int main(int argc, char** argv) {
   std::fclose(csv);
   std::fclose(json);
   std::printf(
-      "targets (predictive, every scenario but frag: <= 2 OOMs to converge, or to re-converge after the drop; "
+      "targets (predictive, every scenario but frag: <= 2 OOMs to converge, or to re-converge after the "
+      "drop; "
       "steady >= 0.97 of the oracle; mean >= 0.95): %s\n",
       met ? "met" : "NOT met");
   return 0;

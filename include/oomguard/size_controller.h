@@ -75,12 +75,12 @@ enum class SizePolicy : int {
 OOMGUARD_EXPORT std::string_view SizePolicyName(SizePolicy p);
 
 struct SizeControllerOptions {
-  int64_t initial = 1;             // starting limit
-  int64_t min = 1;                 // smallest micro-batch (samples or cost units)
-  int64_t max = INT64_MAX;         // largest micro-batch ever tried
-  int grow_after = 10;             // clean limit-bound steps before a growth probe; 0: never grow
-  double tolerance = 0.05;         // stop probing when bad - limit <= tolerance * bad
-  int forget_bad_after = 500;      // steps after which `bad` (and what failures taught) is forgotten; 0: never
+  int64_t initial = 1;         // starting limit
+  int64_t min = 1;             // smallest micro-batch (samples or cost units)
+  int64_t max = INT64_MAX;     // largest micro-batch ever tried
+  int grow_after = 10;         // clean limit-bound steps before a growth probe; 0: never grow
+  double tolerance = 0.05;     // stop probing when bad - limit <= tolerance * bad
+  int forget_bad_after = 500;  // steps after which `bad` (and what failures taught) is forgotten; 0: never
   SizePolicy policy = SizePolicy::kPredictive;
 };
 
@@ -126,9 +126,9 @@ class OOMGUARD_EXPORT SizeController {
   explicit SizeController(const SizeControllerOptions& options);
 
   int64_t limit() const { return limit_; }
-  int64_t good() const { return good_; }                 // 0: nothing completed yet
+  int64_t good() const { return good_; }  // 0: nothing completed yet
   std::optional<int64_t> bad() const { return bad_; }
-  bool probing() const { return probing_; }              // limit is an unproven growth probe
+  bool probing() const { return probing_; }  // limit is an unproven growth probe
   int64_t ooms() const { return ooms_; }
   const SizeControllerOptions& options() const { return options_; }
 
@@ -181,8 +181,8 @@ class OOMGUARD_EXPORT SizeController {
  private:
   struct Point {
     int64_t size = 0;
-    int64_t bytes = 0;   // largest peak - base
-    int64_t over = -1;   // reserved - peak after the latest unflushed one (-1: none)
+    int64_t bytes = 0;  // largest peak - base
+    int64_t over = -1;  // reserved - peak after the latest unflushed one (-1: none)
   };
   struct Failure {
     int64_t size = 0;
@@ -244,7 +244,7 @@ class OOMGUARD_EXPORT SizeController {
   int n_points_ = 0;
   std::array<Failure, kFailures> failures_{};
   int n_failures_ = 0;
-  SizeModel fit_;                   // fixed, unit and noise; valid when fitted_
+  SizeModel fit_;  // fixed, unit and noise; valid when fitted_
   bool fitted_ = false;
   std::optional<SizeModel> prior_;  // an adopted model, until this run has figures of its own
   double over_bytes_ = 0;           // the allocator's overhead as observed (valid when has_over_)
@@ -252,24 +252,24 @@ class OOMGUARD_EXPORT SizeController {
   bool has_over_ = false;
   // Shares are relative to the fitted overhead_bytes, so they may be
   // negative (a probe proved that the fixed part was overestimated).
-  double raised_ = -INFINITY;       // a floor an OOM at a size believed safe set
-  double proven_ = INFINITY;        // the smallest share a probe proved to suffice
-  double too_small_ = -INFINITY;    // known not to suffice
-  int64_t too_small_at_ = 0;        // the step it was last raised
-  double probe_share_ = 0;          // the share a probe tries (probe_ true)
+  double raised_ = -INFINITY;     // a floor an OOM at a size believed safe set
+  double proven_ = INFINITY;      // the smallest share a probe proved to suffice
+  double too_small_ = -INFINITY;  // known not to suffice
+  int64_t too_small_at_ = 0;      // the step it was last raised
+  double probe_share_ = 0;        // the share a probe tries (probe_ true)
   bool probe_ = false;
-  int probe_steps_ = 0;             // clean steps of the probe so far
-  int probes_failed_ = 0;           // failed probes since the bracket's floor was forgotten
+  int probe_steps_ = 0;    // clean steps of the probe so far
+  int probes_failed_ = 0;  // failed probes since the bracket's floor was forgotten
   // A size the model may not predict: below what failed without figures or
   // in a way the model could not explain (forgotten with `bad`).
   std::optional<int64_t> cap_;
-  int64_t base_ = 0;                // the latest figures
+  int64_t base_ = 0;  // the latest figures
   int64_t capacity_ = 0;
-  int64_t room_at_limit_ = 0;       // Room() when the limit was last set by the model or proven
-  bool model_limit_ = false;        // the limit is the model's (an OOM there is a miss)
-  bool cold_ = false;               // the limit is a cold measurement (kColdShrink)
-  int misses_ = 0;                  // OOMs at the model's sizes since one was proven
-  int64_t search_since_ = -1;       // the step the model handed over to kSearch (-1: it did not)
+  int64_t room_at_limit_ = 0;  // Room() when the limit was last set by the model or proven
+  bool model_limit_ = false;   // the limit is the model's (an OOM there is a miss)
+  bool cold_ = false;          // the limit is a cold measurement (kColdShrink)
+  int misses_ = 0;             // OOMs at the model's sizes since one was proven
+  int64_t search_since_ = -1;  // the step the model handed over to kSearch (-1: it did not)
 };
 
 }  // namespace oomguard

@@ -169,9 +169,12 @@ void CmdStats(const KbArgs& a) {
     for (const auto& p : priors) {
       json model = nullptr;
       if (p.model) {
-        model = {{"fixed_bytes", p.model->fixed_bytes}, {"unit_bytes", p.model->unit_bytes},
-                 {"overhead_bytes", p.model->overhead_bytes}, {"overhead", p.model->overhead},
-                 {"overhead_too_small", p.model->overhead_too_small}, {"noise_bytes", p.model->noise_bytes}};
+        model = {{"fixed_bytes", p.model->fixed_bytes},
+                 {"unit_bytes", p.model->unit_bytes},
+                 {"overhead_bytes", p.model->overhead_bytes},
+                 {"overhead", p.model->overhead},
+                 {"overhead_too_small", p.model->overhead_too_small},
+                 {"noise_bytes", p.model->noise_bytes}};
       }
       pj.push_back({{"workload", p.workload},
                     {"micro_batch", p.micro_batch},
@@ -206,8 +209,8 @@ void CmdStats(const KbArgs& a) {
     if (p.model) {
       char share[32];
       std::snprintf(share, sizeof(share), "%.1f%%", 100.0 * p.model->overhead);
-      model = FormatBytes(p.model->fixed_bytes) + " + " + FormatBytes(p.model->unit_bytes) + "/unit, overhead " +
-              FormatBytes(p.model->overhead_bytes) + " + " + share;
+      model = FormatBytes(p.model->fixed_bytes) + " + " + FormatBytes(p.model->unit_bytes) +
+              "/unit, overhead " + FormatBytes(p.model->overhead_bytes) + " + " + share;
     }
     t.AddRow({p.workload, std::to_string(p.micro_batch), model, FormatTime(p.updated_unix_ms)});
   }

@@ -253,7 +253,8 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   std::optional<MicroBatchMemory> figures;
   if (device != nullptr && at_failure && !info.injected && info.requested_bytes > 0 && before.total > 0 &&
       where == Where::kLocal && run.pos < run.plan.size() && run.mem_base >= 0) {
-    figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes, before.reserved + before.free};
+    figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes,
+                               before.reserved + before.free};
   }
   if (at_failure) run.step_peak = std::max(run.step_peak, before.peak_allocated);
   run.mem_base = -1;  // memory is released below: read the base again

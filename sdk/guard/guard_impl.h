@@ -126,8 +126,13 @@ class GuardImpl final : public Guard {
         model = options_.priors->PriorModel(options_.workload);
       if (model && model->unit_bytes > 0) {
         controller_.AdoptPrior(*model);
-        Logger()->info("workload '{}': starting from the learned memory model ({} per unit)", options_.workload,
-                       FormatBytes(model->unit_bytes));
+        // Until the first step's figures give the size for this device, the
+        // learned size is the best guess (what micro_limit() reports).
+        if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+            prior && *prior >= 1 && *prior < controller_.limit())
+          controller_.SetLimit(*prior);
+        Logger()->info("workload '{}': starting from the learned memory model ({} per unit)",
+                       options_.workload, FormatBytes(model->unit_bytes));
       } else if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
                  prior && *prior >= 1 && *prior < controller_.limit()) {
         controller_.AdoptPrior(*prior);

@@ -10,8 +10,10 @@ namespace oomguard {
 
 std::string_view SizePolicyName(SizePolicy p) {
   switch (p) {
-    case SizePolicy::kPredictive: return "predictive";
-    case SizePolicy::kSearch: return "search";
+    case SizePolicy::kPredictive:
+      return "predictive";
+    case SizePolicy::kSearch:
+      return "search";
   }
   return "unknown";
 }
@@ -120,7 +122,8 @@ bool SizeController::OnMicroBatch(int64_t size, const MicroBatchMemory& memory) 
   // allocator release anything, so it suffices. A micro-batch during which
   // it did release says little: its reserve was just compacted.
   // (An allocator without a cache holds nothing beyond the peak.)
-  const int64_t over = !memory.flushed && memory.reserved > 0 ? std::max<int64_t>(0, memory.reserved - memory.used) : -1;
+  const int64_t over =
+      !memory.flushed && memory.reserved > 0 ? std::max<int64_t>(0, memory.reserved - memory.used) : -1;
   AddPoint(size, memory.used - memory.base, over);
   if (!predicting() || !KnowsOverhead()) return false;
   // A probe whose own figures show that more than it tries fits has nothing
@@ -178,7 +181,8 @@ void SizeController::OnSuccess(int64_t largest, bool limit_bound) {
     bad_.reset();
     cap_.reset();
   }
-  if (search_since_ >= 0 && options_.forget_bad_after > 0 && steps_ - search_since_ >= options_.forget_bad_after) {
+  if (search_since_ >= 0 && options_.forget_bad_after > 0 &&
+      steps_ - search_since_ >= options_.forget_bad_after) {
     search_since_ = -1;  // conditions may have changed: the model may drive again
     misses_ = 0;
   }
@@ -254,8 +258,8 @@ bool SizeController::MaybeProbe() {
   // what cannot fit at all.
   int64_t top = Ceiling();
   if (std::isfinite(too_small_)) top = std::min(top, SizeFor(too_small_));
-  const int64_t size = std::max(limit_ + 1, static_cast<int64_t>(static_cast<double>(limit_) *
-                                                                  (1.0 + options_.tolerance / 2)));
+  const int64_t size = std::max(
+      limit_ + 1, static_cast<int64_t>(static_cast<double>(limit_) * (1.0 + options_.tolerance / 2)));
   if (size >= top) return false;
   limit_ = size;
   room_at_limit_ = Room();
@@ -287,15 +291,16 @@ void SizeController::SetLimit(int64_t limit) {
 void SizeController::AdoptPrior(int64_t size) {
   SetLimit(size);
   good_ = limit_;
-  const int64_t above = std::max<int64_t>(
-      1, static_cast<int64_t>(options_.tolerance * static_cast<double>(limit_)));
+  const int64_t above =
+      std::max<int64_t>(1, static_cast<int64_t>(options_.tolerance * static_cast<double>(limit_)));
   bad_ = limit_ > options_.max - above ? options_.max : limit_ + above;
   bad_set_at_ = steps_;
 }
 
 void SizeController::AdoptPrior(const SizeModel& model) {
   if (options_.policy != SizePolicy::kPredictive || !(model.unit_bytes > 0) || model.fixed_bytes < 0 ||
-      model.overhead < 0 || model.overhead_bytes < 0 || model.overhead_too_small < 0 || model.noise_bytes < 0) {
+      model.overhead < 0 || model.overhead_bytes < 0 || model.overhead_too_small < 0 ||
+      model.noise_bytes < 0) {
     return;
   }
   prior_ = model;

@@ -187,7 +187,8 @@ struct ToyDevice {
     m.used = static_cast<int64_t>(base + Bytes(s));
     m.capacity = static_cast<int64_t>(capacity - hidden);
     const double room = m.capacity - (base + over + (1 + share) * Bytes(s));
-    m.reserved = static_cast<int64_t>(base + over + (1 + share) * Bytes(s) + std::min(room, hoard * Bytes(s)));
+    m.reserved =
+        static_cast<int64_t>(base + over + (1 + share) * Bytes(s) + std::min(room, hoard * Bytes(s)));
     return m;
   }
   // The request that failed came 70% into the micro-batch.
@@ -236,7 +237,8 @@ struct Drive {
 TEST(PredictiveController, WithoutFiguresItIsTheSearch) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 200; ++trial) {
-    SizeControllerOptions o = Opts(1 + static_cast<int64_t>(rng() % 4096), 1, 4096, 1 + static_cast<int>(rng() % 3));
+    SizeControllerOptions o =
+        Opts(1 + static_cast<int64_t>(rng() % 4096), 1, 4096, 1 + static_cast<int>(rng() % 3));
     SizeControllerOptions s = o;
     s.policy = SizePolicy::kSearch;
     SizeController predictive(o), search(s);

@@ -62,8 +62,8 @@ void SizeController::AddPoint(int64_t size, int64_t bytes, int64_t over) {
     int nearest = 0;
     double best = INFINITY;
     for (int i = 0; i < n_points_; ++i) {
-      const double d = std::fabs(std::log(static_cast<double>(points_[static_cast<size_t>(i)].size) /
-                                          static_cast<double>(size)));
+      const double d = std::fabs(
+          std::log(static_cast<double>(points_[static_cast<size_t>(i)].size) / static_cast<double>(size)));
       if (d < best) {
         best = d;
         nearest = i;
@@ -95,7 +95,8 @@ void SizeController::Refit() {
   fitted_ = false;
   // Failures older than forget_bad_after no longer constrain the slope.
   for (int i = 0; i < n_failures_;) {
-    if (options_.forget_bad_after > 0 && steps_ - failures_[static_cast<size_t>(i)].step >= options_.forget_bad_after) {
+    if (options_.forget_bad_after > 0 &&
+        steps_ - failures_[static_cast<size_t>(i)].step >= options_.forget_bad_after) {
       failures_[static_cast<size_t>(i)] = failures_[static_cast<size_t>(--n_failures_)];
     } else {
       ++i;
@@ -155,7 +156,8 @@ void SizeController::Refit() {
   double noise = n_points_ == 0 && prior_ ? prior_->noise_bytes : 0.0;
   for (int i = 0; i < n_points_; ++i) {
     const Point& p = points_[static_cast<size_t>(i)];
-    noise = std::max(noise, std::fabs(static_cast<double>(p.bytes) - fixed - unit * static_cast<double>(p.size)));
+    noise =
+        std::max(noise, std::fabs(static_cast<double>(p.bytes) - fixed - unit * static_cast<double>(p.size)));
   }
   fit_ = SizeModel{};
   fit_.fixed_bytes = fixed;
@@ -206,7 +208,8 @@ int64_t SizeController::SizeFor(double share) const {
   if (!ModelUsable()) return limit_;
   const double room = static_cast<double>(Room()) - Headroom() - over_bytes_;
   // (A share may be negative, relative to an overestimated fixed part.)
-  const double units = std::floor((room / (1.0 + std::max(-0.9, share)) - fit_.fixed_bytes) / fit_.unit_bytes);
+  const double units =
+      std::floor((room / (1.0 + std::max(-0.9, share)) - fit_.fixed_bytes) / fit_.unit_bytes);
   int64_t size = options_.min;
   if (units >= static_cast<double>(options_.max)) {
     size = options_.max;
@@ -226,13 +229,15 @@ void SizeController::CapBelow(int64_t size) {
 double SizeController::Share() const {
   double share = has_over_ ? std::min(share_, proven_) : (std::isfinite(proven_) ? proven_ : 0.0);
   share = std::max(share, raised_);
-  if (std::isfinite(too_small_)) share = std::max(share, (1.0 + too_small_) * (1.0 + options_.tolerance / 4) - 1.0);
+  if (std::isfinite(too_small_))
+    share = std::max(share, (1.0 + too_small_) * (1.0 + options_.tolerance / 4) - 1.0);
   return share;
 }
 
 int64_t SizeController::Ceiling() const {
   if (!ModelUsable()) return limit_;
-  const double units = std::floor((static_cast<double>(Room()) - Headroom() - fit_.fixed_bytes) / fit_.unit_bytes);
+  const double units =
+      std::floor((static_cast<double>(Room()) - Headroom() - fit_.fixed_bytes) / fit_.unit_bytes);
   if (units >= static_cast<double>(options_.max)) return options_.max;
   return units > static_cast<double>(options_.min) ? static_cast<int64_t>(units) : options_.min;
 }

@@ -138,7 +138,8 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
     std::lock_guard<std::mutex> lock(reader_mu_);
     auto m = reader_store_->PriorModel(workload);
     if (!m.ok()) {
-      Logger()->warn("knowledge base: cannot read the prior model of '{}': {}", workload, m.status().ToString());
+      Logger()->warn("knowledge base: cannot read the prior model of '{}': {}", workload,
+                     m.status().ToString());
       return std::nullopt;
     }
     return *m;
@@ -200,10 +201,13 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
 
   // Within 1% (or 1 KiB, or a share of 0.001) in every field.
   static bool Close(const SizeModel& a, const SizeModel& b) {
-    auto near = [](double x, double y, double floor) { return std::fabs(x - y) <= std::max(floor, 0.01 * std::fabs(y)); };
+    auto near = [](double x, double y, double floor) {
+      return std::fabs(x - y) <= std::max(floor, 0.01 * std::fabs(y));
+    };
     return near(a.fixed_bytes, b.fixed_bytes, 1024) && near(a.unit_bytes, b.unit_bytes, 1) &&
            near(a.overhead_bytes, b.overhead_bytes, 1024) && near(a.overhead, b.overhead, 0.001) &&
-           near(a.overhead_too_small, b.overhead_too_small, 0.001) && near(a.noise_bytes, b.noise_bytes, 1024);
+           near(a.overhead_too_small, b.overhead_too_small, 0.001) &&
+           near(a.noise_bytes, b.noise_bytes, 1024);
   }
 
   // REQUIRES: mu_ held.

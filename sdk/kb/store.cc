@@ -5,9 +5,8 @@
 
 #include <chrono>
 #include <cmath>
-#include <thread>
-
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "sdk/core/ids.h"
 

@@ -41,10 +41,10 @@ struct Trajectory {
 
 struct Scenario {
   SimWorkloadShape shape;
-  int64_t n = 2048;             // samples per step
+  int64_t n = 2048;  // samples per step
   int64_t start = 4096;
   bool costs = false;
-  int drop_step = -1;           // another process takes 30% of the device here
+  int drop_step = -1;  // another process takes 30% of the device here
   int steps = 200;
   oomguard::SizePolicy policy = oomguard::SizePolicy::kPredictive;
   // Oracles: the largest balanced split (before and after the drop), or the
@@ -80,7 +80,8 @@ Trajectory Train(const Scenario& s) {
   req.apply = [&] { w.Apply(); };
   oomguard::StepReport report;
   for (; step < s.steps; ++step) {
-    if (step == s.drop_step) dev.TakeForeign(static_cast<int64_t>(0.3 * static_cast<double>(kSimGpuCapacity)));
+    if (step == s.drop_step)
+      dev.TakeForeign(static_cast<int64_t>(0.3 * static_cast<double>(kSimGpuCapacity)));
     if (s.costs) {
       costs = StepCosts(s.n, step);
       req.costs = costs;
@@ -100,7 +101,8 @@ class ControllerE2E : public ::testing::TestWithParam<int64_t> {
  protected:
   static void SetUpTestSuite() {
     // The guard warns on every OOM; the search makes dozens.
-    oomguard::SetLogger(std::make_shared<spdlog::logger>("oomguard", std::make_shared<spdlog::sinks::null_sink_mt>()));
+    oomguard::SetLogger(
+        std::make_shared<spdlog::logger>("oomguard", std::make_shared<spdlog::sinks::null_sink_mt>()));
   }
   static void TearDownTestSuite() { oomguard::SetLogger(nullptr); }
 };
@@ -141,7 +143,8 @@ TEST_F(ControllerE2E, AfterAnotherProcessTakesMemoryItReconvergesInTwoOomsAtMost
   s.shape = Calibrate(300, 0);
   s.drop_step = 100;
   s.oracle = SplitOracle(s.shape, s.n, 0);
-  s.oracle_after = SplitOracle(s.shape, s.n, static_cast<int64_t>(0.3 * static_cast<double>(kSimGpuCapacity)));
+  s.oracle_after =
+      SplitOracle(s.shape, s.n, static_cast<int64_t>(0.3 * static_cast<double>(kSimGpuCapacity)));
   ASSERT_LT(s.oracle_after, s.oracle);
   const Trajectory r = Train(s);
   EXPECT_LE(r.ooms_from_drop, 2);

@@ -47,7 +47,7 @@ namespace oomguard::testing {
 inline constexpr int64_t kMiB = int64_t{1} << 20;
 inline constexpr int64_t kGiB = int64_t{1} << 30;
 inline constexpr int64_t kSimGpuCapacity = 80 * kGiB;  // an 80 GiB GPU
-inline constexpr int kFitSteps = 5;                     // steps in a row that make a plan fit
+inline constexpr int kFitSteps = 5;                    // steps in a row that make a plan fit
 
 struct SimWorkloadShape {
   int layers = 6;
@@ -207,7 +207,6 @@ bool RunsClean(const SimWorkloadShape& shape, int64_t capacity, int64_t n, std::
   }
   return true;
 }
-
 
 // ---- Oracles ----
 
