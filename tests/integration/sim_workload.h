@@ -279,7 +279,10 @@ inline int64_t CostOracleLimit(const SimWorkloadShape& shape, int64_t n, int64_t
       w.Setup();
       for (int s = 0; s < kFitSteps; ++s) {
         const std::vector<int64_t> costs = StepCosts(n, s);
-        for (const MicroBatch& mb : PlanByCost(costs, limit).value()) w.Micro(mb.cost);
+        // (A named plan: a range-for over PlanByCost(...).value() would walk
+        // a destroyed temporary.)
+        const std::vector<MicroBatch> plan = PlanByCost(costs, limit).value();
+        for (const MicroBatch& mb : plan) w.Micro(mb.cost);
         w.Apply();
       }
     } catch (const DeviceOomError&) {
