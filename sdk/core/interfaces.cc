@@ -9,6 +9,8 @@ namespace oomguard {
 IncidentSink::~IncidentSink() = default;
 RecoveryStore::~RecoveryStore() = default;
 MicroBatchPriors::~MicroBatchPriors() = default;
+std::optional<SizeModel> MicroBatchPriors::PriorModel(const std::string&) { return std::nullopt; }
+Status MicroBatchPriors::RecordModel(const std::string&, const SizeModel&) { return Status::Ok(); }
 
 std::string_view LadderActionName(LadderAction a) {
   switch (a) {
