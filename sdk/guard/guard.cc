@@ -60,7 +60,10 @@ MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device, bool* at
     }
   } catch (...) {
   }
-  return device != nullptr ? device->Stats() : MemoryStats{};
+  if (device == nullptr) return MemoryStats{};
+  MemoryStats s = device->Stats();
+  if (at_failure != nullptr) *at_failure = s.total > 0;
+  return s;
 }
 
 bool IsCommunicatorFailure(std::string_view message) {
@@ -267,9 +270,10 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   MemoryStats before = StatsAtFailure(error, device, &at_failure);
   // What the size controller learns from an OOM inside a micro-batch: what
   // it had allocated on top of its base when the request failed (not from
-  // injected faults, which say nothing about memory).
+  // injected faults, which say nothing about memory, nor from a host OOM,
+  // which says nothing about the device's).
   std::optional<MicroBatchMemory> figures;
-  if (device != nullptr && at_failure && !info.injected && info.requested_bytes > 0 && before.total > 0 &&
+  if (device != nullptr && at_failure && !info.injected && info.kind == OomKind::kDevice && info.requested_bytes > 0 && before.total > 0 &&
       where == Where::kLocal && run.pos < run.plan.size() && run.mem_base >= 0) {
     figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes,
                                before.reserved + before.free};

@@ -47,8 +47,12 @@ inline double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// The memory figures at the moment of failure when the exception carries them
-// (the SDK's own error; *at_failure true), otherwise what the device says now.
+// The memory figures at the moment of failure: the exception's when it
+// carries them (the SDK's own error), otherwise what the device says now,
+// while the exception (and, from Python, the frames its traceback holds) is
+// still alive. *at_failure is true either way when there are figures; from
+// the device they may miss what unwinding already freed, so allocated plus
+// the request is a lower bound of what the micro-batch needed.
 MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device, bool* at_failure = nullptr);
 
 // Fault sites that MarkPhase arms, one per phase (unknown/data/checkpoint have none).

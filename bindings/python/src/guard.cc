@@ -224,6 +224,20 @@ void BindGuard(py::module_& m) {
       .def_readwrite("grow_after", &GuardOptions::grow_after)
       .def_readwrite("grow_tolerance", &GuardOptions::grow_tolerance)
       .def_readwrite("forget_bad_after", &GuardOptions::forget_bad_after)
+      // "predictive" (fit the device's memory figures) or "search" (halve,
+      // then binary search): size_controller.h.
+      .def_property(
+          "controller", [](const GuardOptions& o) { return std::string(SizePolicyName(o.controller)); },
+          [](GuardOptions& o, const std::string& name) {
+            if (name == "predictive") {
+              o.controller = SizePolicy::kPredictive;
+            } else if (name == "search") {
+              o.controller = SizePolicy::kSearch;
+            } else {
+              throw py::value_error("GuardOptions.controller: '" + name +
+                                    "' is not a policy; use 'predictive' or 'search'");
+            }
+          })
       .def_readwrite("max_ooms_per_step", &GuardOptions::max_ooms_per_step)
       .def_readwrite("max_rollbacks_per_step", &GuardOptions::max_rollbacks_per_step)
       .def_readwrite("retry_after_release", &GuardOptions::retry_after_release)
