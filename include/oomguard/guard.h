@@ -55,9 +55,6 @@
 
 namespace oomguard {
 
-enum class Phase { kUnknown, kData, kForward, kBackward, kOptimizer, kCommit, kCheckpoint };
-OOMGUARD_EXPORT std::string_view PhaseName(Phase p);  // "forward", ...
-
 struct StepRequest {
   // This rank's samples for this optimizer step (>= 1).
   int64_t samples = 0;

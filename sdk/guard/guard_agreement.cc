@@ -237,9 +237,9 @@ State GuardImpl::EndCoordination(Run& run, const Status& why) {
     none.index = -1;
     Incident inc = NewIncident(info, options_.device != nullptr ? options_.device->Stats() : MemoryStats{}, none,
                                run.req);
-    inc.kind = "coordination";
-    inc.phase = "vote";
-    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
+    inc.kind = IncidentKind::kCoordination;
+    inc.phase = Phase::kComm;
+    inc.action = LadderAction::kGiveUp;
     RecordIncident(run, std::move(inc));
     Logger()->error("coordination failed at step {}: {}; exit with code {} so that the launcher restarts every rank",
                     step_, why.ToString(), kExitCoordinationTimeout);

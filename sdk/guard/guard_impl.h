@@ -35,6 +35,7 @@
 #include "oomguard/size_controller.h"
 #include "sdk/core/format.h"
 #include "sdk/core/ids.h"
+#include "sdk/memory/incident_kind.h"
 #include "sdk/guard/step_protocol.h"
 
 namespace oomguard::guard_internal {
@@ -281,8 +282,8 @@ class GuardImpl final : public Guard {
     inc.world_size = coordinator_->size();
     inc.step = step_;
     inc.micro_index = mb.index;
-    inc.phase = std::string(PhaseName(phase_));
-    inc.kind = std::string(OomKindName(info.kind));
+    inc.phase = phase_;
+    inc.kind = internal::IncidentKindOf(info.kind);
     inc.exception_type = info.exception_type;
     inc.message = info.message;
     inc.requested_bytes = info.requested_bytes;
@@ -301,7 +302,7 @@ class GuardImpl final : public Guard {
     inc.micro_before = mb.cost;
     inc.workload = options_.workload;
     inc.injected = info.injected;
-    inc.outcome = std::string(IncidentOutcomeName(IncidentOutcome::kPending));
+    inc.outcome = IncidentOutcome::kPending;
     return inc;
   }
 
@@ -319,8 +320,8 @@ class GuardImpl final : public Guard {
 
   void FinishIncidents(std::vector<Incident>& incs, IncidentOutcome outcome) {
     for (auto& inc : incs) {
-      if (inc.outcome != IncidentOutcomeName(IncidentOutcome::kPending)) continue;
-      inc.outcome = std::string(IncidentOutcomeName(outcome));
+      if (inc.outcome != IncidentOutcome::kPending) continue;
+      inc.outcome = outcome;
       if (options_.incidents != nullptr) {
         try {
           options_.incidents->UpdateOutcome(inc);

@@ -184,7 +184,7 @@ TEST_F(MultiRank, OomAtCommitOrSyncOnOneRankRedoesTheStepOnEveryRank) {
       EXPECT_DOUBLE_EQ(ranks_[r]->synced, 2.5) << "the redo's sum has no trace of the failed one";
     }
     EXPECT_EQ(ranks_[3]->reports[1].ooms, 1);
-    EXPECT_EQ(ranks_[3]->reports[1].incidents.at(0).phase, "commit");
+    EXPECT_EQ(ranks_[3]->reports[1].incidents.at(0).phase, Phase::kCommit);
   }
 }
 
@@ -519,8 +519,8 @@ TEST_F(MultiRank, SilentRankTurnsIntoUnavailableWithAnIncident) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(got[r].code(), StatusCode::kUnavailable) << got[r];
     ASSERT_EQ(reps[r].incidents.size(), 1u);
-    EXPECT_EQ(reps[r].incidents[0].kind, "coordination");
-    EXPECT_EQ(reps[r].incidents[0].outcome, "failed");
+    EXPECT_EQ(reps[r].incidents[0].kind, IncidentKind::kCoordination);
+    EXPECT_EQ(reps[r].incidents[0].outcome, IncidentOutcome::kFailed);
   }
 }
 

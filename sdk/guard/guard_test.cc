@@ -129,18 +129,18 @@ TEST_F(FaultsCleared, OomInBackwardResetsAndRedoesTheStep) {
   EXPECT_EQ(rep.micro_batches, 4);
   ASSERT_EQ(rep.incidents.size(), 1u);
   const Incident& inc = rep.incidents[0];
-  EXPECT_EQ(inc.phase, "backward");
-  EXPECT_EQ(inc.kind, "device");
-  EXPECT_EQ(inc.action, "halve");
-  EXPECT_EQ(inc.outcome, "recovered");
+  EXPECT_EQ(inc.phase, Phase::kBackward);
+  EXPECT_EQ(inc.kind, IncidentKind::kDevice);
+  EXPECT_EQ(inc.action, LadderAction::kHalve);
+  EXPECT_EQ(inc.outcome, IncidentOutcome::kRecovered);
   EXPECT_EQ(inc.micro_before, 32);
   EXPECT_EQ(inc.micro_after, 16);
   EXPECT_TRUE(inc.injected);
   EXPECT_EQ(inc.id.size(), 16u);
   ASSERT_EQ(sink.recorded.size(), 1u);
-  EXPECT_EQ(sink.recorded[0].outcome, "pending");
+  EXPECT_EQ(sink.recorded[0].outcome, IncidentOutcome::kPending);
   ASSERT_EQ(sink.updated.size(), 1u);
-  EXPECT_EQ(sink.updated[0].outcome, "recovered");
+  EXPECT_EQ(sink.updated[0].outcome, IncidentOutcome::kRecovered);
   EXPECT_EQ(sink.updated[0].id, inc.id);
 }
 
@@ -191,8 +191,8 @@ TEST_F(FaultsCleared, OomAtMinimumGivesUpNamingTheIncident) {
   ASSERT_FALSE(rep.incidents.empty());
   EXPECT_NE(s.message().find(rep.incidents.back().id), std::string::npos);
   EXPECT_NE(s.message().find("remedies"), std::string::npos);
-  EXPECT_EQ(rep.incidents.back().action, "give_up");
-  EXPECT_EQ(rep.incidents.back().outcome, "failed");
+  EXPECT_EQ(rep.incidents.back().action, LadderAction::kGiveUp);
+  EXPECT_EQ(rep.incidents.back().outcome, IncidentOutcome::kFailed);
   EXPECT_EQ(rep.ooms, 3);  // 8 -> 4 -> 2 -> give up
   EXPECT_EQ(acc.commits, 0);
   EXPECT_EQ(g->step(), 0) << "a failed step does not advance";
@@ -215,7 +215,7 @@ TEST_F(FaultsCleared, OomAtMinimumRollsBackWithARecoveryStore) {
   EXPECT_EQ(*rep.rolled_back_to, 3);
   EXPECT_EQ(g->step(), 4);
   EXPECT_EQ(rec.restores, 1);
-  EXPECT_EQ(rep.incidents.back().outcome, "rolled_back");
+  EXPECT_EQ(rep.incidents.back().outcome, IncidentOutcome::kRolledBack);
   EXPECT_EQ(g->micro_limit(), 1) << "resume at the reduced size";
 }
 
@@ -247,7 +247,7 @@ TEST_F(FaultsCleared, OomInCommitRollsBackFromSnapshotOrGivesUp) {
   EXPECT_EQ(rep.rolled_back_to, 1);
   EXPECT_EQ(g->step(), 2);
   EXPECT_EQ(g->micro_limit(), 4) << "the redo runs at a smaller micro-batch";
-  EXPECT_EQ(rep.incidents.at(0).phase, "optimizer");
+  EXPECT_EQ(rep.incidents.at(0).phase, Phase::kOptimizer);
 }
 
 struct MyError : std::runtime_error {
@@ -421,7 +421,7 @@ TEST_F(FaultsCleared, ReleaseThatFreesMemoryRetriesAtTheSameSize) {
   StepReport rep;
   ASSERT_TRUE(g->Step(Request(g.get(), &acc, 64), &rep).ok());
   ASSERT_EQ(rep.incidents.size(), 1u);
-  EXPECT_EQ(rep.incidents[0].action, "release");
+  EXPECT_EQ(rep.incidents[0].action, LadderAction::kRelease);
   EXPECT_EQ(rep.limit_after, 32);
   ExpectEachSampleOnce(acc, 64);
 }
