@@ -285,7 +285,6 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<oomguard::Guard> guard = std::move(guard_or).value();
   guard->SetStep(resumed_from + 1);
-  guard->SetResetHook([&] { optimizer->zero_grad(); });
 #ifdef OOMGUARD_EXAMPLE_TORCH_CUDA
   if (cuda) {
     // Blocks cached by torch's allocator are invisible to cudaMalloc; the

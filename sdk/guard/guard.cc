@@ -73,6 +73,18 @@ Status GuardImpl::ValidateRequest(const StepRequest& req) const {
         return Status::InvalidArgument("StepRequest.units[" + std::to_string(i) + "] is negative (" +
                                        std::to_string(req.units[i]) + ")");
   }
+  // A redo needs the reset hook. Found here, on the first step, rather than at
+  // the first OOM in backward or the first peer failure (in production, at
+  // the worst moment). A training step (apply or sync) accumulates gradients
+  // across micro-batches; with several ranks any step may be redone because
+  // another rank failed.
+  if (!req.reset && (req.apply || req.sync || coordinator_->size() > 1))
+    return Status::FailedPrecondition(
+        std::string("StepRequest.reset must be set: ") +
+        (coordinator_->size() > 1 ? "with " + std::to_string(coordinator_->size()) +
+                                        " ranks a step is redone when another rank fails"
+                                  : std::string("a step with apply or sync is redone after an OOM in backward")) +
+        ", and the redo must start from zeroed gradients");
   return Status::Ok();
 }
 
@@ -103,7 +115,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   rep.step = step_;
   rep.checkpoint_step = committed_step_;
   Run run(req, rep);
-  run.reset = req.reset ? req.reset : reset_;
+  run.reset = req.reset;
   if (options_.device != nullptr) options_.device->ResetPeak();
   fault_ctx_ = FaultContext{step_, coordinator_->rank(), -1, 0};
   phase_ = Phase::kUnknown;
@@ -232,8 +244,8 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     inc.action = LadderAction::kGiveUp;
     run.failure = Status::FailedPrecondition(
         "OOM in phase '" + std::string(PhaseName(phase)) + "' at step " + std::to_string(step_) +
-        " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset "
-        "or Guard::SetResetHook); incident " + inc.id);
+        " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset); "
+        "incident " + inc.id);
     inc.micro_after = EffectiveLimit(run.req);
     RecordIncident(run, std::move(inc));
     run.local = Local::kFailed;

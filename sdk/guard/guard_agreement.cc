@@ -106,7 +106,7 @@ State GuardImpl::Sync(Run& run) {
       run.local = Local::kFailed;
       run.failure = Status::FailedPrecondition(
           "another rank ran out of memory in the gradient sync of step " + std::to_string(step_) +
-          ": the step must be redone, and no reset hook is set (StepRequest.reset or Guard::SetResetHook)");
+          ": the step must be redone, and no reset hook is set (StepRequest.reset)");
       return State::kLocal;
     }
     if (Reset(run) && run.local == Local::kOk && !mine.oom) PlanAnew(run);

@@ -90,7 +90,7 @@ struct Run {
   const StepRequest& req;
   StepReport& rep;
   Clock::time_point started = Clock::now();
-  std::function<void()> reset;         // the request's or the guard's hook
+  std::function<void()> reset;         // the request's hook
   std::vector<int64_t> unit_prefix;    // prefix sums of req.units (empty: one per sample)
   int64_t local_units = 0;
   std::vector<MicroBatch> plan;
@@ -148,7 +148,6 @@ class GuardImpl final : public Guard {
     phase_ = phase;
     if (auto site = SiteOfPhase(phase)) FaultPoint(*site, fault_ctx_);
   }
-  void SetResetHook(std::function<void()> reset) override { reset_ = std::move(reset); }
   void AddCacheReleaser(std::string name, std::function<void()> release) override {
     releasers_.emplace_back(std::move(name), std::move(release));
   }
@@ -360,7 +359,6 @@ class GuardImpl final : public Guard {
   std::unique_ptr<Coordinator> own_coordinator_;
   Coordinator* coordinator_ = nullptr;
   internal::StepChannel channel_;
-  std::function<void()> reset_;
   std::vector<std::pair<std::string, std::function<void()>>> releasers_;
   int64_t step_ = 0;
   Phase phase_ = Phase::kUnknown;

@@ -1,3 +1,7 @@
+// Guard::Step on one rank: the ladder (release, halve, rollback, give up),
+// phases, the reset hook, user exceptions, the plan and the limit, against
+// a recording RecoveryStore and IncidentSink. Over 500 lines: one fixture
+// and its helpers serve every case, and splitting them would copy both.
 #include "oomguard/guard.h"
 
 #include <gtest/gtest.h>
@@ -167,15 +171,41 @@ TEST_F(FaultsCleared, OomInForwardKeepsCompletedMicroBatches) {
 }
 
 TEST_F(FaultsCleared, BackwardOomWithoutResetHookIsAPreconditionError) {
+  // A step without apply or sync on one rank may leave out the hook; an OOM
+  // in backward then cannot be redone.
   ASSERT_TRUE(SetFaultRules("oom@site=backward").ok());
+  auto g = MakeGuard(GuardOptions{});
+  Accumulator acc;
+  StepRequest r = Request(g.get(), &acc, 8);
+  r.reset = nullptr;
+  r.apply = nullptr;
+  Status s = g->Step(r);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("reset hook"), std::string::npos);
+  EXPECT_EQ(acc.commits, 0);
+}
+
+TEST_F(FaultsCleared, TrainingStepWithoutResetHookIsRefusedOnEntry) {
+  // No OOM happens: the missing hook is found before any micro-batch runs,
+  // not at the first OOM in backward.
   auto g = MakeGuard(GuardOptions{});
   Accumulator acc;
   StepRequest r = Request(g.get(), &acc, 8);
   r.reset = nullptr;
   Status s = g->Step(r);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
-  EXPECT_NE(s.message().find("reset hook"), std::string::npos);
+  EXPECT_NE(s.message().find("StepRequest.reset must be set"), std::string::npos) << s;
   EXPECT_EQ(acc.commits, 0);
+  EXPECT_TRUE(acc.kept.empty()) << "no micro-batch ran";
+  EXPECT_EQ(g->step(), 0);
+  r.reset = [&acc] { acc.kept.clear(); };
+  EXPECT_TRUE(g->Step(r).ok()) << "the same request with a hook runs";
+  StepRequest sync_only = Request(g.get(), &acc, 8);
+  sync_only.reset = nullptr;
+  sync_only.apply = nullptr;
+  double grad = 0;
+  sync_only.sync = [&grad] { return std::vector<SumBuffer>{SumBuffer::Host(&grad, 1)}; };
+  EXPECT_EQ(g->Step(sync_only).code(), StatusCode::kFailedPrecondition) << "sync alone also accumulates";
 }
 
 TEST_F(FaultsCleared, OomAtMinimumGivesUpNamingTheIncident) {
@@ -262,6 +292,7 @@ TEST_F(FaultsCleared, NonOomExceptionPassesThroughUnchanged) {
   EXPECT_THROW((void)g->Step(r), MyError);
   r.micro = [](const MicroBatch&) {};
   r.apply = [] { throw 42; };
+  r.reset = [] {};
   EXPECT_THROW((void)g->Step(r), int);
 }
 

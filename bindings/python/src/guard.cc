@@ -315,13 +315,6 @@ void BindGuard(py::module_& m) {
           },
           py::arg("phase"))
       .def(
-          "set_reset_hook",
-          [](Guard& g, const py::object& fn) {
-            PyCallable c(fn);
-            g.SetResetHook(c ? std::function<void()>([c] { CallGuarded(c); }) : std::function<void()>());
-          },
-          py::arg("reset"))
-      .def(
           "add_cache_releaser",
           [](Guard& g, std::string name, const py::function& fn) {
             g.AddCacheReleaser(name, Releaser(PyCallable(fn), name));
