@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds (if needed) and runs the benchmarks, then writes bench/RESULTS.md and
-# bench/controller.svg.
+# Builds (if needed) and runs the benchmarks, then writes bench/RESULTS.md,
+# bench/controller.svg and bench/controller_policies.svg.
 #
 # Usage: bench/run.sh [BUILD_DIR]   (default: build, relative to the repository root)
 # Raw results go to BUILD_DIR/bench-results/. Takes about a minute on 2 cores.
@@ -41,11 +41,11 @@ mkdir -p "$out"
 echo "== guard overhead and recovery (about 40 s; one line per benchmark)"
 "$build/bin/guard_overhead_bench" --benchmark_out="$out/guard_overhead.json" \
   --benchmark_out_format=json
-echo "== size controller simulation"
+echo "== size controller: the policies on a simulated GPU (about 30 s)"
 "$build/bin/controller_bench" --csv="$out/controller.csv" --json="$out/controller.json"
 
 $py "$root/bench/plot_controller.py" "$out/controller.csv" "$root/bench/controller.svg" \
-  --L 300 --start 4096
+  --L 300 --start 4096 --panels "$root/bench/controller_policies.svg"
 $py "$root/bench/make_report.py" --overhead "$out/guard_overhead.json" \
   --controller "$out/controller.json" --machine "$out/machine.txt" --out "$root/bench/RESULTS.md" \
   --commit "$(git -C "$root" describe --always --dirty 2>/dev/null || true)"
@@ -74,4 +74,4 @@ $py "$root/bench/append_sections.py" --results "$root/bench/RESULTS.md" --vote "
   --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md" \
   --diagnosis "$out/diagnosis.json" --reports-readme "$root/tests/kb/testdata/reports/README.md" \
   ${train_step_md:+--train-step "$train_step_md"}
-echo "== wrote $root/bench/RESULTS.md and $root/bench/controller.svg"
+echo "== wrote $root/bench/RESULTS.md, $root/bench/controller.svg and $root/bench/controller_policies.svg"

@@ -327,6 +327,7 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
   opts.priors = hooks.priors;
   opts.coordinator = coord;
   opts.uniform_micro_batch = cfg.uniform_micro_batch;
+  opts.controller = cfg.controller;
   opts.workload = WorkloadSignature(cfg);
   // Checkpoints: the guard's RecoveryStore (saves every N steps and after a
   // recovered OOM; rollbacks restore through it). With several ranks each

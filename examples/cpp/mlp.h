@@ -51,6 +51,8 @@ struct Config {
   // freed activation blocks are stranded in partly used segments.
   bool fragmentation = false;
   bool uniform_micro_batch = false;   // every rank uses the smallest limit (multi-rank)
+  // How the guard picks the micro-batch limit (GuardOptions::controller).
+  oomguard::SizePolicy controller = oomguard::SizePolicy::kPredictive;
   // Each sample carries UnitCount() loss units and the loss is the mean over
   // the global batch's units (the token-weighted loss of LLM training).
   bool token_weighted = false;

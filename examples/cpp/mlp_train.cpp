@@ -107,6 +107,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   app.add_option("--grow-after", cfg.grow_after, "clean steps before probing a larger micro-batch (0: never)")
       ->check(CLI::Range(0, 1 << 20));
+  std::string controller = "predictive";
+  app.add_option("--controller", controller,
+                 "predictive (fit the device's memory figures) or search (halve, then binary search)")
+      ->check(CLI::IsMember({"predictive", "search"}));
   app.add_option("--hidden", cfg.hidden, "hidden units per layer")->check(CLI::Range(1, 8192));
   app.add_option("--seed", cfg.seed, "data and initialisation seed");
   app.add_option("--optimizer", cfg.optimizer, "adam or sgd")->check(CLI::IsMember({"adam", "sgd"}));
@@ -154,6 +158,7 @@ int main(int argc, char** argv) {
     std::fputs(e.c_str(), stderr);
     return 2;
   }
+  cfg.controller = controller == "search" ? oomguard::SizePolicy::kSearch : oomguard::SizePolicy::kPredictive;
   if (cfg.micro_batch > 0 && cfg.micro_batch < cfg.min_micro_batch) {
     std::fprintf(stderr, "mlp_train: --micro-batch (%" PRId64 ") must be >= --min-micro-batch (%" PRId64 ")\n",
                  cfg.micro_batch, cfg.min_micro_batch);

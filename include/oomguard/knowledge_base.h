@@ -153,6 +153,7 @@ struct MicroBatchPrior {
   std::string workload;
   int64_t micro_batch = 0;
   int64_t updated_unix_ms = 0;
+  std::optional<SizeModel> model;  // the predictive controller's model, when one was recorded
 };
 
 // Totals of one file.
@@ -206,6 +207,14 @@ class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
   // largest clean size after that OOM replaces it (memory conditions changed).
   // kInvalidArgument when workload is empty or size < 1.
   Status RecordCleanMicroBatch(const std::string& workload, int64_t size) override = 0;
+
+  // The memory model last recorded for `workload`, or nullopt. Reads the file.
+  std::optional<SizeModel> PriorModel(const std::string& workload) override = 0;
+  // Notes the controller's model for `workload`; the latest replaces the
+  // stored one. Queued like Record; a model within 1% of the last one this
+  // session queued is not written again. kInvalidArgument when workload is
+  // empty or the model has no slope (unit_bytes <= 0) or a negative field.
+  Status RecordModel(const std::string& workload, const SizeModel& model) override = 0;
 
   virtual SinkStats sink_stats() const = 0;
 

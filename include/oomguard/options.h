@@ -9,6 +9,7 @@
 #include <string>
 
 #include "oomguard/export.h"
+#include "oomguard/size_controller.h"
 #include "oomguard/status.h"
 
 namespace oomguard {
@@ -33,6 +34,11 @@ struct GuardOptions {
   double grow_tolerance = 0.05;
   // Steps after which the smallest failing size is forgotten. 0: never.
   int forget_bad_after = 500;
+  // How the micro-batch limit is chosen (size_controller.h). kPredictive fits
+  // the device's memory figures and jumps to the largest size predicted to
+  // fit; without a device (or one with no capacity) it acts as kSearch.
+  // kSearch halves on OOM and binary-searches back up, ignoring figures.
+  SizePolicy controller = SizePolicy::kPredictive;
   // Hard bound on OOMs handled within one step before the guard gives up
   // (also bounds the redos of a step after other ranks failed to sync).
   int max_ooms_per_step = 32;

@@ -187,8 +187,21 @@ void CmdStats(const KbArgs& a) {
   const std::vector<MicroBatchPrior>& priors = st.priors;
   if (a.json) {
     json pj = json::array();
-    for (const auto& p : priors)
-      pj.push_back({{"workload", p.workload}, {"micro_batch", p.micro_batch}, {"updated_unix_ms", p.updated_unix_ms}});
+    for (const auto& p : priors) {
+      json model = nullptr;
+      if (p.model) {
+        model = {{"fixed_bytes", p.model->fixed_bytes},
+                 {"unit_bytes", p.model->unit_bytes},
+                 {"overhead_bytes", p.model->overhead_bytes},
+                 {"overhead", p.model->overhead},
+                 {"overhead_too_small", p.model->overhead_too_small},
+                 {"noise_bytes", p.model->noise_bytes}};
+      }
+      pj.push_back({{"workload", p.workload},
+                    {"micro_batch", p.micro_batch},
+                    {"updated_unix_ms", p.updated_unix_ms},
+                    {"model", model}});
+    }
     Print({{"files", files}, {"incidents", total}, {"dropped", dropped}, {"by_pattern", by_pattern},
            {"by_outcome", by_outcome}, {"by_kind", by_kind}, {"priors", pj}});
     return;
@@ -210,8 +223,18 @@ void CmdStats(const KbArgs& a) {
   counts("PATTERN", by_pattern);
   counts("OUTCOME", by_outcome);
   counts("KIND", by_kind);
-  Table t({"WORKLOAD", "PRIOR MICRO-BATCH", "UPDATED (UTC)"});
-  for (const auto& p : priors) t.AddRow({p.workload, std::to_string(p.micro_batch), FormatTime(p.updated_unix_ms)});
+  Table t({"WORKLOAD", "PRIOR MICRO-BATCH", "MEMORY MODEL", "UPDATED (UTC)"});
+  for (const auto& p : priors) {
+    // "fixed + per unit, allocator overhead": what the predictive controller fitted.
+    std::string model = "-";
+    if (p.model) {
+      char share[32];
+      std::snprintf(share, sizeof(share), "%.1f%%", 100.0 * p.model->overhead);
+      model = FormatBytes(p.model->fixed_bytes) + " + " + FormatBytes(p.model->unit_bytes) +
+              "/unit, overhead " + FormatBytes(p.model->overhead_bytes) + " + " + share;
+    }
+    t.AddRow({p.workload, std::to_string(p.micro_batch), model, FormatTime(p.updated_unix_ms)});
+  }
   t.Print(stdout);
 }
 

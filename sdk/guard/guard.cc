@@ -35,12 +35,16 @@ Guard::~Guard() = default;
 
 namespace guard_internal {
 
-MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device) {
+MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device, bool* at_failure) {
+  if (at_failure != nullptr) *at_failure = false;
   try {
     std::rethrow_exception(e);
   } catch (const DeviceOomError& oom) {
     const MemoryStats& s = oom.stats();
-    if (s.total > 0 || s.reserved > 0) return s;
+    if (s.total > 0 || s.reserved > 0) {
+      if (at_failure != nullptr) *at_failure = true;
+      return s;
+    }
   } catch (...) {
   }
   return device != nullptr ? device->Stats() : MemoryStats{};
@@ -116,7 +120,15 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   rep.checkpoint_step = committed_step_;
   Run run(req, rep);
   run.reset = req.reset;
-  if (options_.device != nullptr) options_.device->ResetPeak();
+  if (Device* device = options_.device; device != nullptr) {
+    device->ResetPeak();
+    // The room this step starts with, before it is planned: another
+    // process may have taken memory since the last step.
+    const MemoryStats st = device->Stats();
+    run.mem_base = st.allocated;
+    run.mem_retries = st.num_alloc_retries;
+    if (st.total > 0) controller_.OnStepStart(st.allocated, st.reserved + st.free);
+  }
   fault_ctx_ = FaultContext{step_, coordinator_->rank(), -1, 0};
   phase_ = Phase::kUnknown;
 
@@ -160,18 +172,22 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
 }
 
 State GuardImpl::RunLocal(Run& run) {
+  Device* device = options_.device;
   while (run.local == Local::kOk) {
     std::exception_ptr error;
     try {
-      for (; run.pos < run.plan.size(); ++run.pos) {
-        const MicroBatch& mb = run.plan[run.pos];
+      while (run.pos < run.plan.size()) {
+        const MicroBatch mb = run.plan[run.pos];  // a copy: a re-plan replaces the plan
         phase_ = Phase::kUnknown;
         fault_ctx_.micro = mb.index;
         fault_ctx_.size = mb.cost;
         SetCurrentFaultContext(fault_ctx_);
         FaultPoint(FaultSite::kMicroBatch, fault_ctx_);
+        if (device != nullptr) BeforeMicroBatch(run);
         run.req.micro(mb);
         run.largest = std::max(run.largest, mb.cost);
+        ++run.pos;
+        if (device != nullptr) AfterMicroBatch(run, mb);
       }
       // The end of local work: what the sync sums (allocated now, before the
       // vote, so that an OOM here is still this rank's own), then the vote site.
@@ -188,6 +204,31 @@ State GuardImpl::RunLocal(Run& run) {
     if (!HandleOom(run, std::move(error), Where::kLocal)) break;
   }
   return State::kVote;
+}
+
+void GuardImpl::AfterMicroBatch(Run& run, const MicroBatch& mb) {
+  const MemoryStats st = options_.device->Stats();
+  run.step_peak = std::max(run.step_peak, st.peak_allocated);
+  if (st.total > 0) {
+    MicroBatchMemory m;
+    m.base = run.mem_base;
+    m.used = st.peak_allocated;
+    m.capacity = st.reserved + st.free;
+    m.reserved = st.reserved;
+    m.flushed = st.num_alloc_retries > run.mem_retries;
+    // A completed micro-batch keeps its weight whatever the rest's split, so
+    // the rest of the step can take the new limit at once (not with uniform
+    // sizes: the ranks agree on a limit only at the vote).
+    if (controller_.OnMicroBatch(mb.cost, m) && run.pos < run.plan.size() && !options_.uniform_micro_batch) {
+      auto rest = MakePlan(run, mb.offset + mb.size, mb.index + 1);
+      if (rest.ok()) {
+        run.plan = std::move(rest).value();
+        run.pos = 0;
+      }
+    }
+  }
+  run.mem_base = st.allocated;
+  run.mem_retries = st.num_alloc_retries;
 }
 
 bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
@@ -221,7 +262,19 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     failed.size = failed.cost;
   }
   const Phase phase = phase_;
-  MemoryStats before = StatsAtFailure(error, device);
+  bool at_failure = false;
+  MemoryStats before = StatsAtFailure(error, device, &at_failure);
+  // What the size controller learns from an OOM inside a micro-batch: what
+  // it had allocated on top of its base when the request failed (not from
+  // injected faults, which say nothing about memory).
+  std::optional<MicroBatchMemory> figures;
+  if (device != nullptr && at_failure && !info.injected && info.requested_bytes > 0 && before.total > 0 &&
+      where == Where::kLocal && run.pos < run.plan.size() && run.mem_base >= 0) {
+    figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes,
+                               before.reserved + before.free};
+  }
+  if (at_failure) run.step_peak = std::max(run.step_peak, before.peak_allocated);
+  run.mem_base = -1;  // memory is released below: read the base again
   // Drop the exception before releasing memory: it (or, in Python, its
   // traceback's frames) may be what still holds the memory.
   error = nullptr;
@@ -256,14 +309,19 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   const int64_t free_after = device != nullptr ? device->Stats().free : 0;
   const int64_t need = std::max<int64_t>(1, info.requested_bytes);
   RecoveryStore* store = options_.recovery;
+  // With figures the predictive controller chooses the retry's size itself:
+  // a same-size retry after a release fits from the emptied cache and runs
+  // out again a step later, where fragmentation is what does not fit.
+  const bool model_sizes = figures && controller_.options().policy == SizePolicy::kPredictive;
   if (options_.retry_after_release && !run.release_retry_used && device != nullptr &&
-      free_after - free_before >= need) {
+      free_after - free_before >= need && !model_sizes) {
     // Releasing made room for the request: retry at the same size once.
     run.release_retry_used = true;
     action = LadderAction::kRelease;
   } else if (rep.ooms > options_.max_ooms_per_step) {
     action = LadderAction::kGiveUp;
-  } else if (controller_.OnOom(failed.cost) && failed.size > 1) {
+  } else if ((figures ? controller_.OnOom(failed.cost, *figures) : controller_.OnOom(failed.cost)) &&
+             failed.size > 1) {
     // (A lone sample cannot be split, whatever its cost: it escalates.)
     action = LadderAction::kHalve;
     inc.actions.push_back(action);
@@ -367,7 +425,8 @@ Status GuardImpl::Conclude(Run& run) {
   rep.status = run.status;
   rep.limit_after = EffectiveLimit(run.req);
   rep.wall_ms = MsSince(run.started);
-  if (options_.device != nullptr) rep.peak_allocated = options_.device->Stats().peak_allocated;
+  if (options_.device != nullptr)
+    rep.peak_allocated = std::max(run.step_peak, options_.device->Stats().peak_allocated);
   fault_ctx_.micro = -1;
   SetCurrentFaultContext(fault_ctx_);
   phase_ = Phase::kUnknown;

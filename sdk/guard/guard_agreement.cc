@@ -20,7 +20,7 @@ internal::RankVote GuardImpl::MyVote(const Run& run) {
     MemoryStats m = options_.device->Stats();
     v.allocated = m.allocated;
     v.reserved = m.reserved;
-    v.peak_allocated = m.peak_allocated;
+    v.peak_allocated = std::max(run.step_peak, m.peak_allocated);  // the peak restarts per micro-batch
   }
   v.committed = committed_step_;
   if (RecoveryStore* store = options_.recovery; store != nullptr) {
@@ -155,13 +155,17 @@ void GuardImpl::CommitStep(Run& run) {
   controller_.OnSuccess(run.largest, /*limit_bound=*/rep.micro_batches > 1);
   rep.largest_micro = run.largest;
   if (options_.device != nullptr) {
-    peaks_.push_back(options_.device->Stats().peak_allocated);
+    peaks_.push_back(std::max(run.step_peak, options_.device->Stats().peak_allocated));
     while (static_cast<int>(peaks_.size()) > options_.history_steps) peaks_.pop_front();
   }
   ++steps_ok_since_oom_;
   if (options_.priors != nullptr && !options_.workload.empty() && run.largest > 0) {
     Status p = options_.priors->RecordCleanMicroBatch(options_.workload, run.largest);
     if (!p.ok()) Logger()->debug("recording the clean micro-batch failed: {}", p.ToString());
+    if (auto model = controller_.model()) {
+      p = options_.priors->RecordModel(options_.workload, *model);
+      if (!p.ok()) Logger()->debug("recording the memory model failed: {}", p.ToString());
+    }
   }
   const int64_t done = step_++;
   if (done >= rollback_from_) rollback_repeats_ = 0;

@@ -49,8 +49,8 @@ inline double MsSince(Clock::time_point t0) {
 }
 
 // The memory figures at the moment of failure when the exception carries them
-// (the SDK's own error), otherwise what the device says now.
-MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device);
+// (the SDK's own error; *at_failure true), otherwise what the device says now.
+MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device, bool* at_failure = nullptr);
 
 // Fault sites that MarkPhase arms, one per phase (unknown/data/checkpoint have none).
 inline std::optional<FaultSite> SiteOfPhase(Phase p) {
@@ -96,6 +96,13 @@ struct Run {
   std::vector<MicroBatch> plan;
   size_t pos = 0;                      // next micro-batch of `plan` to run
   int64_t largest = 0;                 // largest micro-batch that completed
+  // Device figures between micro-batches (the size controller's input):
+  // allocated and the allocator's retry count when the next micro-batch
+  // starts (mem_base -1: read them again, memory was released), and the
+  // step's peak, since the peak is reset before each micro-batch.
+  int64_t mem_base = -1;
+  int64_t mem_retries = 0;
+  int64_t step_peak = 0;
   bool release_retry_used = false;
   Local local = Local::kOk;
   Status failure;                      // why this rank failed (local == kFailed)
@@ -119,8 +126,22 @@ class GuardImpl final : public Guard {
         coordinator_(o.coordinator != nullptr ? o.coordinator : own_coordinator_.get()),
         channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)) {
     if (options_.priors != nullptr && !options_.workload.empty()) {
-      if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
-          prior && *prior >= 1 && *prior < controller_.limit()) {
+      // A learned model gives the size that fits on this device at the first
+      // step's figures; without one (or a device), the learned size.
+      std::optional<SizeModel> model;
+      if (controller_.options().policy == SizePolicy::kPredictive && options_.device != nullptr)
+        model = options_.priors->PriorModel(options_.workload);
+      if (model && model->unit_bytes > 0) {
+        controller_.AdoptPrior(*model);
+        // Until the first step's figures give the size for this device, the
+        // learned size is the best guess (what micro_limit() reports).
+        if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+            prior && *prior >= 1 && *prior < controller_.limit())
+          controller_.SetLimit(*prior);
+        Logger()->info("workload '{}': starting from the learned memory model ({} per unit)",
+                       options_.workload, FormatBytes(model->unit_bytes));
+      } else if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+                 prior && *prior >= 1 && *prior < controller_.limit()) {
         controller_.AdoptPrior(*prior);
         Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
       }
@@ -137,6 +158,11 @@ class GuardImpl final : public Guard {
     c.grow_after = o.grow_after;
     c.tolerance = o.grow_tolerance;
     c.forget_bad_after = o.forget_bad_after;
+    // Ranks that must use equal sizes agree on the limit once per step, at
+    // the vote: they stay equal as long as they grow together, on the
+    // search's probe schedule. Predictions differ by rank (a protocol that
+    // agrees on them is for later).
+    c.policy = o.uniform_micro_batch ? SizePolicy::kSearch : o.controller;
     return c;
   }
 
@@ -170,6 +196,20 @@ class GuardImpl final : public Guard {
   Status Conclude(Run& run);
 
   // ---- the pieces they share ----
+  // Device figures around each micro-batch, for the size controller (only
+  // with a device). Before: the base and a fresh peak. After: the figures go
+  // to the controller; true when it changed the limit and the rest of the
+  // step was re-planned.
+  void BeforeMicroBatch(Run& run) {
+    Device* device = options_.device;
+    if (run.mem_base < 0) {
+      const MemoryStats st = device->Stats();
+      run.mem_base = st.allocated;
+      run.mem_retries = st.num_alloc_retries;
+    }
+    device->ResetPeak();
+  }
+  void AfterMicroBatch(Run& run, const MicroBatch& mb);
   // The one OOM handler before the apply: records the incident, releases
   // caches and walks the ladder. True when the work was re-planned and can be
   // retried; false when this rank stops (run.local says how).

@@ -32,6 +32,8 @@ Status ValidateGuardOptions(const GuardOptions& o) {
   if (!(o.grow_tolerance > 0.0 && o.grow_tolerance < 1.0) || !std::isfinite(o.grow_tolerance))
     return Bad("grow_tolerance", "must be in (0, 1)", o.grow_tolerance);
   if (o.forget_bad_after < 0) return Bad("forget_bad_after", "must be >= 0 (0: never)", o.forget_bad_after);
+  if (o.controller != SizePolicy::kPredictive && o.controller != SizePolicy::kSearch)
+    return Bad("controller", "must be SizePolicy::kPredictive or kSearch", static_cast<int>(o.controller));
   if (o.max_ooms_per_step < 1) return Bad("max_ooms_per_step", "must be >= 1", o.max_ooms_per_step);
   if (o.max_rollbacks_per_step < 1)
     return Bad("max_rollbacks_per_step", "must be >= 1", o.max_rollbacks_per_step);
@@ -58,6 +60,8 @@ Status ValidateSizeControllerOptions(const SizeControllerOptions& o) {
   if (o.grow_after < 0) return bad("grow_after", "must be >= 0", o.grow_after);
   if (!(o.tolerance > 0.0 && o.tolerance < 1.0)) return bad("tolerance", "must be in (0, 1)", o.tolerance);
   if (o.forget_bad_after < 0) return bad("forget_bad_after", "must be >= 0", o.forget_bad_after);
+  if (o.policy != SizePolicy::kPredictive && o.policy != SizePolicy::kSearch)
+    return bad("policy", "must be SizePolicy::kPredictive or kSearch", static_cast<int>(o.policy));
   return Status::Ok();
 }
 

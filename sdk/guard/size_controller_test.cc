@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 
 namespace oomguard {
 namespace {
@@ -144,6 +145,271 @@ TEST(SizeController, ValidatesOptions) {
   SizeControllerOptions o = Opts(4);
   o.tolerance = 1.5;
   EXPECT_NE(ValidateSizeControllerOptions(o).message().find("tolerance"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace oomguard
+
+// ---- kPredictive ----
+
+namespace oomguard {
+namespace {
+
+constexpr double kMiB = 1 << 20;
+
+// A device in arithmetic: a micro-batch of size s needs fixed + unit * s
+// bytes on top of `base`; the allocator holds `over + share * bytes` beyond
+// its peak (plus `hoard * bytes` more while it has room, as caching
+// allocators do), and the step fits when base + over + (1 + share) * bytes
+// fits the capacity. `hidden` is memory the figures do not show (a
+// consumer outside the allocator) that still takes capacity.
+struct ToyDevice {
+  double base = 8 * 1024 * kMiB;
+  double fixed = 96 * kMiB;
+  double unit = 200 * kMiB;
+  double over = 512 * kMiB;
+  double share = 0.07;
+  double hoard = 0;
+  double capacity = 80 * 1024 * kMiB;
+  double hidden = 0;
+
+  double Bytes(int64_t s) const { return fixed + unit * static_cast<double>(s); }
+  bool Fits(int64_t s) const { return base + hidden + over + (1 + share) * Bytes(s) <= capacity; }
+  // The largest size that fits.
+  int64_t Largest() const {
+    int64_t s = 0;
+    while (Fits(s + 1)) ++s;
+    return s;
+  }
+  MicroBatchMemory Clean(int64_t s) const {
+    MicroBatchMemory m;
+    m.base = static_cast<int64_t>(base);
+    m.used = static_cast<int64_t>(base + Bytes(s));
+    m.capacity = static_cast<int64_t>(capacity - hidden);
+    const double room = m.capacity - (base + over + (1 + share) * Bytes(s));
+    m.reserved =
+        static_cast<int64_t>(base + over + (1 + share) * Bytes(s) + std::min(room, hoard * Bytes(s)));
+    return m;
+  }
+  // The request that failed came 70% into the micro-batch.
+  MicroBatchMemory Failed(int64_t s) const {
+    MicroBatchMemory m;
+    m.base = static_cast<int64_t>(base);
+    m.used = static_cast<int64_t>(base + 0.7 * Bytes(s));
+    m.capacity = static_cast<int64_t>(capacity - hidden);
+    return m;
+  }
+};
+
+SizeControllerOptions Predictive(int64_t initial, int grow_after = 10) {
+  SizeControllerOptions o;
+  o.initial = initial;
+  o.max = 1 << 20;
+  o.grow_after = grow_after;
+  return o;
+}
+
+// Steps of one micro-batch at the limit, fed as the guard feeds them.
+struct Drive {
+  int64_t ooms = 0;
+  int64_t largest_tried = 0;
+  void Run(SizeController& c, const ToyDevice& d, int steps) {
+    for (int s = 0; s < steps; ++s) {
+      const MicroBatchMemory start = d.Clean(0);
+      c.OnStepStart(start.base, start.capacity);
+      for (int tries = 0;; ++tries) {
+        ASSERT_LT(tries, 64) << "a step must not loop forever";
+        const int64_t size = c.limit();
+        largest_tried = std::max(largest_tried, size);
+        if (!d.Fits(size)) {
+          ++ooms;
+          ASSERT_TRUE(c.OnOom(size, d.Failed(size)));
+          continue;
+        }
+        c.OnMicroBatch(size, d.Clean(size));
+        c.OnSuccess(size, true);
+        break;
+      }
+    }
+  }
+};
+
+TEST(PredictiveController, WithoutFiguresItIsTheSearch) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    SizeControllerOptions o =
+        Opts(1 + static_cast<int64_t>(rng() % 4096), 1, 4096, 1 + static_cast<int>(rng() % 3));
+    SizeControllerOptions s = o;
+    s.policy = SizePolicy::kSearch;
+    SizeController predictive(o), search(s);
+    for (int i = 0; i < 100; ++i) {
+      if (rng() % 3 == 0) {
+        const int64_t size = std::max<int64_t>(1, predictive.limit() - static_cast<int64_t>(rng() % 3));
+        ASSERT_EQ(predictive.OnOom(size), search.OnOom(size));
+      } else {
+        predictive.OnSuccess(predictive.limit(), true);
+        search.OnSuccess(search.limit(), true);
+      }
+      ASSERT_EQ(predictive.limit(), search.limit()) << "trial " << trial << " event " << i;
+      ASSERT_FALSE(predictive.predicting());
+    }
+  }
+}
+
+TEST(PredictiveController, SearchPolicyIgnoresFigures) {
+  ToyDevice d;
+  SizeControllerOptions o = Predictive(4096);
+  o.policy = SizePolicy::kSearch;
+  SizeController with(o), without(o);
+  EXPECT_TRUE(with.OnOom(4096, d.Failed(4096)));
+  EXPECT_TRUE(without.OnOom(4096));
+  EXPECT_FALSE(with.OnMicroBatch(2048, d.Clean(2048)));
+  EXPECT_EQ(with.limit(), without.limit());
+  EXPECT_EQ(with.limit(), 2048);
+  EXPECT_FALSE(with.Predict().has_value());
+}
+
+TEST(PredictiveController, ColdOomMeasuresSmallThenJumpsToWhatFits) {
+  ToyDevice d;
+  const int64_t largest = d.Largest();
+  SizeController c(Predictive(4096));
+  EXPECT_TRUE(c.OnOom(4096, d.Failed(4096)));
+  EXPECT_EQ(c.limit(), 4096 / SizeController::kColdShrink) << "no slope yet: a size that surely fits";
+  EXPECT_TRUE(c.OnMicroBatch(c.limit(), d.Clean(c.limit()))) << "the rest of the step is re-planned";
+  EXPECT_TRUE(c.predicting());
+  // One size seen: the whole overhead counts as a share, which errs low.
+  EXPECT_LE(c.limit(), largest);
+  EXPECT_GE(c.limit(), largest / 2);
+  const int64_t second = c.limit();
+  c.OnMicroBatch(second, d.Clean(second));
+  EXPECT_LE(c.limit(), largest);
+  EXPECT_GE(static_cast<double>(c.limit()), 0.97 * static_cast<double>(largest));
+}
+
+TEST(PredictiveController, ConvergesWithinTwoOomsOnRandomDevices) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int trial = 0; trial < 300; ++trial) {
+    ToyDevice d;
+    d.unit = (0.5 + 4000 * u(rng)) * kMiB;
+    d.fixed = 256 * u(rng) * kMiB;
+    d.over = 2048 * u(rng) * kMiB;
+    d.share = 0.2 * u(rng);
+    d.hoard = trial % 2 == 0 ? 0 : 0.3 * u(rng);
+    const int64_t largest = d.Largest();
+    if (largest < 37 || largest > 4000) continue;  // the range, from a start of 4096
+    for (int64_t start : {int64_t{4096}, int64_t{32}}) {
+      SizeController c(Predictive(start));
+      Drive drive;
+      drive.Run(c, d, 300);
+      SCOPED_TRACE("trial " + std::to_string(trial) + " start " + std::to_string(start) + " largest " +
+                   std::to_string(largest) + " hoard " + std::to_string(d.hoard));
+      EXPECT_LE(drive.ooms, 2);
+      EXPECT_LE(c.limit(), largest);
+      EXPECT_GE(static_cast<double>(c.limit()), 0.97 * static_cast<double>(largest));
+    }
+  }
+}
+
+TEST(PredictiveController, LessRoomLowersTheLimitBeforeAnyOom) {
+  ToyDevice d;
+  SizeController c(Predictive(32));
+  Drive drive;
+  drive.Run(c, d, 50);
+  const int64_t before = drive.ooms;
+  // Another process takes 30% of the device: the figures show it as less free.
+  d.hidden = 0.3 * d.capacity;
+  const int64_t largest = d.Largest();
+  ASSERT_LT(largest, c.limit());
+  const MicroBatchMemory start = d.Clean(0);
+  c.OnStepStart(start.base, start.capacity);
+  EXPECT_LE(c.limit(), largest) << "lowered at the step's start";
+  drive.Run(c, d, 100);
+  EXPECT_EQ(drive.ooms, before);
+  EXPECT_GE(static_cast<double>(c.limit()), 0.95 * static_cast<double>(largest));
+  // And when the memory comes back, so does the size.
+  d.hidden = 0;
+  drive.Run(c, d, 30);
+  EXPECT_GE(static_cast<double>(c.limit()), 0.95 * static_cast<double>(d.Largest()));
+  EXPECT_EQ(drive.ooms, before);
+}
+
+TEST(PredictiveController, ProbesTheModelRejectsAreNeverTried) {
+  // Memory the figures do not show (say, another allocator's) makes the
+  // model's sizes fail until it hands over to the search, whose probes it
+  // then vets: nothing above what cannot fit even without any overhead.
+  ToyDevice d;
+  d.hidden = 0.4 * d.capacity;
+  SizeController c(Predictive(4096, 1));
+  Drive drive;
+  drive.Run(c, d, 200);
+  ToyDevice seen = d;  // what the figures describe: the capacity without the hidden part
+  seen.capacity -= d.hidden;
+  seen.hidden = 0;
+  seen.over = 0;
+  seen.share = 0;
+  EXPECT_LE(drive.largest_tried, std::max<int64_t>(4096, seen.Largest()));
+  EXPECT_LE(c.limit(), d.Largest());
+  EXPECT_GT(c.limit(), 0);
+}
+
+TEST(PredictiveController, ACompactedReserveIsNotOverheadEvidence) {
+  ToyDevice d;
+  SizeController c(Predictive(32));
+  Drive drive;
+  drive.Run(c, d, 20);
+  const std::optional<int64_t> before = c.Predict();
+  MicroBatchMemory flushed = d.Clean(c.limit());
+  flushed.reserved = flushed.used;  // the allocator released its cache and retried
+  flushed.flushed = true;
+  c.OnMicroBatch(c.limit(), flushed);
+  EXPECT_EQ(c.Predict(), before);
+}
+
+TEST(PredictiveController, AnOomTheModelCannotExplainCapsItsPredictions) {
+  ToyDevice d;
+  SizeController c(Predictive(32));
+  Drive drive;
+  drive.Run(c, d, 20);
+  const int64_t size = c.limit() / 2;  // well within what the model predicts to fit
+  MicroBatchMemory m = d.Failed(size);
+  ASSERT_TRUE(c.OnOom(size, m));
+  EXPECT_LT(c.limit(), size);
+  ASSERT_TRUE(c.Predict().has_value());
+  EXPECT_LT(*c.Predict(), size);
+}
+
+TEST(PredictiveController, APriorModelGivesTheSizeForThisDevice) {
+  ToyDevice small;
+  SizeController learned(Predictive(4096));
+  Drive drive;
+  drive.Run(learned, small, 100);
+  const std::optional<SizeModel> model = learned.model();
+  ASSERT_TRUE(model.has_value());
+  EXPECT_NEAR(model->unit_bytes, small.unit, 0.01 * small.unit);
+
+  // The next run is on a device twice the size.
+  ToyDevice big = small;
+  big.capacity *= 2;
+  SizeController c(Predictive(4096));
+  c.AdoptPrior(*model);
+  const MicroBatchMemory start = big.Clean(0);
+  c.OnStepStart(start.base, start.capacity);
+  EXPECT_LE(c.limit(), big.Largest());
+  EXPECT_GE(static_cast<double>(c.limit()), 0.95 * static_cast<double>(big.Largest()));
+  Drive again;
+  again.Run(c, big, 100);
+  EXPECT_EQ(again.ooms, 0) << "what the first run learned from OOMs is not learned again";
+}
+
+TEST(PredictiveController, ValidatesThePolicy) {
+  SizeControllerOptions o = Opts(4);
+  o.policy = static_cast<SizePolicy>(7);
+  Status s = ValidateSizeControllerOptions(o);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("policy"), std::string::npos);
+  EXPECT_EQ(SizePolicyName(SizePolicy::kPredictive), "predictive");
+  EXPECT_EQ(SizePolicyName(SizePolicy::kSearch), "search");
 }
 
 }  // namespace

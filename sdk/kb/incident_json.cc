@@ -1,6 +1,6 @@
-// JSON exchange format of Incident. Parsing is defensive: the input may come
-// from other tools or be hostile, so every field is type-checked and bounded,
-// and nothing throws past this file.
+// JSON exchange format of Incident, and the stored form of SizeModel. Parsing
+// is defensive: the input may come from other tools or be hostile, so every
+// field is type-checked and bounded, and nothing throws past this file.
 #include <xxhash.h>
 
 #include <cinttypes>
@@ -241,6 +241,37 @@ namespace kb {
 std::optional<Phase> ParseStoredPhase(std::string_view name) {
   if (name == "vote") return Phase::kComm;
   return ParsePhase(name);
+}
+
+
+std::string SizeModelToJson(const SizeModel& m) {
+  return nlohmann::json{{"fixed_bytes", m.fixed_bytes},
+                        {"unit_bytes", m.unit_bytes},
+                        {"overhead_bytes", m.overhead_bytes},
+                        {"overhead", m.overhead},
+                        {"overhead_too_small", m.overhead_too_small},
+                        {"noise_bytes", m.noise_bytes}}
+      .dump();
+}
+
+std::optional<SizeModel> SizeModelFromJson(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return std::nullopt;
+  SizeModel m;
+  auto field = [&](const char* key, double* out) {
+    auto it = j.find(key);
+    if (it == j.end()) return true;  // fields added later default to 0
+    if (!it->is_number()) return false;
+    *out = it->get<double>();
+    return std::isfinite(*out) && *out >= 0;
+  };
+  if (!field("fixed_bytes", &m.fixed_bytes) || !field("unit_bytes", &m.unit_bytes) ||
+      !field("overhead_bytes", &m.overhead_bytes) || !field("overhead", &m.overhead) ||
+      !field("overhead_too_small", &m.overhead_too_small) || !field("noise_bytes", &m.noise_bytes) ||
+      !(m.unit_bytes > 0)) {
+    return std::nullopt;
+  }
+  return m;
 }
 
 }  // namespace kb

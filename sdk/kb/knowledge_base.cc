@@ -10,6 +10,7 @@
 //   lost); Flush waits for processed_ to reach the count at its call.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -126,10 +127,43 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
       sp.best = size;
       Op op;
       op.kind = Op::kPrior;
-      op.prior = {workload, size, sp.saw_oom};
+      op.prior = {workload, size, sp.saw_oom, std::nullopt};
       PushLocked(std::move(op));
     } catch (...) {
       return Status::ResourceExhausted("RecordCleanMicroBatch: out of host memory");
+    }
+    return Status::Ok();
+  }
+
+  std::optional<SizeModel> PriorModel(const std::string& workload) override {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    auto m = reader_store_->PriorModel(workload);
+    if (!m.ok()) {
+      Logger()->warn("knowledge base: cannot read the prior model of '{}': {}", workload,
+                     m.status().ToString());
+      return std::nullopt;
+    }
+    return *m;
+  }
+
+  Status RecordModel(const std::string& workload, const SizeModel& model) override {
+    if (workload.empty()) return Status::InvalidArgument("RecordModel: workload is empty");
+    if (!(model.unit_bytes > 0) || model.fixed_bytes < 0 || model.overhead_bytes < 0 || model.overhead < 0 ||
+        model.overhead_too_small < 0 || model.noise_bytes < 0)
+      return Status::InvalidArgument("RecordModel: the model needs unit_bytes > 0 and no negative field");
+    try {
+      std::lock_guard<std::mutex> lock(mu_);
+      SessionPrior& sp = session_priors_[workload];
+      // Steady state repeats the model: only a change is worth a write.
+      if (sp.model && Close(*sp.model, model)) return Status::Ok();
+      sp.model = model;
+      Op op;
+      op.kind = Op::kPrior;
+      op.prior.workload = workload;
+      op.prior.model = model;
+      PushLocked(std::move(op));
+    } catch (...) {
+      return Status::ResourceExhausted("RecordModel: out of host memory");
     }
     return Status::Ok();
   }
@@ -164,10 +198,22 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
   struct SessionPrior {
     int64_t best = 0;      // largest clean size since the last OOM of this session
     bool saw_oom = false;  // this session recorded an OOM for the workload
+    std::optional<SizeModel> model;  // the last model this session queued
   };
 
   Status ReadOnlyError() const {
     return Status::FailedPrecondition("knowledge base " + path_ + " is open for reading only");
+  }
+
+  // Within 1% (or 1 KiB, or a share of 0.001) in every field.
+  static bool Close(const SizeModel& a, const SizeModel& b) {
+    auto near = [](double x, double y, double floor) {
+      return std::fabs(x - y) <= std::max(floor, 0.01 * std::fabs(y));
+    };
+    return near(a.fixed_bytes, b.fixed_bytes, 1024) && near(a.unit_bytes, b.unit_bytes, 1) &&
+           near(a.overhead_bytes, b.overhead_bytes, 1024) && near(a.overhead, b.overhead, 0.001) &&
+           near(a.overhead_too_small, b.overhead_too_small, 0.001) &&
+           near(a.noise_bytes, b.noise_bytes, 1024);
   }
 
   // REQUIRES: mu_ held.

@@ -151,6 +151,65 @@ TEST_F(KnowledgeBaseTest, PriorsGrowFromCleanStepsAndResetAfterAnOom) {
   }
 }
 
+TEST_F(KnowledgeBaseTest, PriorModelsRoundTripAndTheLatestReplacesThem) {
+  SizeModel m;
+  m.fixed_bytes = 96.0 * (1 << 20);
+  m.unit_bytes = 24.5 * (1 << 20);
+  m.overhead_bytes = 1.5 * (1 << 30);
+  m.overhead = 0.067;
+  m.overhead_too_small = 0.033;
+  m.noise_bytes = 8192;
+  {
+    auto kb = KnowledgeBase::Open(path_);
+    ASSERT_TRUE(kb.ok());
+    EXPECT_FALSE((*kb)->PriorModel("w").has_value());
+    EXPECT_EQ((*kb)->RecordModel("", m).code(), StatusCode::kInvalidArgument);
+    SizeModel flat = m;
+    flat.unit_bytes = 0;
+    EXPECT_EQ((*kb)->RecordModel("w", flat).code(), StatusCode::kInvalidArgument);
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 3900).ok());
+    ASSERT_TRUE((*kb)->RecordModel("w", m).ok());
+    const int64_t queued = (*kb)->sink_stats().enqueued;
+    SizeModel same = m;
+    same.unit_bytes *= 1.001;  // the steady state's jitter
+    ASSERT_TRUE((*kb)->RecordModel("w", same).ok());
+    EXPECT_EQ((*kb)->sink_stats().enqueued, queued) << "a model within 1% is not written again";
+    ASSERT_TRUE((*kb)->Flush().ok());
+  }
+  auto kb = KnowledgeBase::Open(path_);
+  auto got = (*kb)->PriorModel("w");
+  ASSERT_TRUE(got.has_value());
+  EXPECT_DOUBLE_EQ(got->fixed_bytes, m.fixed_bytes);
+  EXPECT_DOUBLE_EQ(got->unit_bytes, m.unit_bytes);
+  EXPECT_DOUBLE_EQ(got->overhead_bytes, m.overhead_bytes);
+  EXPECT_DOUBLE_EQ(got->overhead, m.overhead);
+  EXPECT_DOUBLE_EQ(got->overhead_too_small, m.overhead_too_small);
+  EXPECT_DOUBLE_EQ(got->noise_bytes, m.noise_bytes);
+  EXPECT_FALSE((*kb)->PriorModel("other").has_value());
+  auto stats = (*kb)->Stats();
+  ASSERT_TRUE(stats.ok());
+  ASSERT_EQ(stats->priors.size(), 1u);
+  EXPECT_EQ(stats->priors[0].micro_batch, 3900);
+  ASSERT_TRUE(stats->priors[0].model.has_value());
+  EXPECT_DOUBLE_EQ(stats->priors[0].model->unit_bytes, m.unit_bytes);
+  // A later session's model replaces it (another device, other conditions).
+  SizeModel later = m;
+  later.overhead = 0.12;
+  ASSERT_TRUE((*kb)->RecordModel("w", later).ok());
+  ASSERT_TRUE((*kb)->Flush().ok());
+  EXPECT_DOUBLE_EQ((*kb)->PriorModel("w")->overhead, 0.12);
+}
+
+TEST_F(KnowledgeBaseTest, StoredModelsThatDoNotParseAreNoPrior) {
+  EXPECT_FALSE(kb::SizeModelFromJson("not json").has_value());
+  EXPECT_FALSE(kb::SizeModelFromJson("{\"unit_bytes\": 0}").has_value());
+  EXPECT_FALSE(kb::SizeModelFromJson("{\"unit_bytes\": 5, \"overhead\": -1}").has_value());
+  auto m = kb::SizeModelFromJson("{\"unit_bytes\": 5, \"a_later_field\": 1}");
+  ASSERT_TRUE(m.has_value()) << "fields added later are ignored, missing ones are 0";
+  EXPECT_EQ(m->unit_bytes, 5);
+  EXPECT_EQ(m->overhead, 0);
+}
+
 TEST_F(KnowledgeBaseTest, FullQueueDropsAndCountsWithoutBlocking) {
   KnowledgeBaseOptions o;
   o.queue_capacity = 4;
@@ -251,6 +310,62 @@ TEST_F(KnowledgeBaseTest, MigratesVersionOneAndRefusesNewer) {
   ASSERT_FALSE(kb.ok());
   EXPECT_EQ(kb.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(kb.status().message().find("99"), std::string::npos);
+}
+
+TEST_F(KnowledgeBaseTest, MigratesVersionTwoKeepingItsPriors) {
+  {
+    // A version-2 file: size priors, no models.
+    auto store = kb::Store::Open(path_, 1000, true);
+    ASSERT_TRUE(store.ok());
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db,
+                         "DROP TABLE prior_models; UPDATE schema_version SET version=2;"
+                         "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES('w', 48, 1);",
+                         nullptr, nullptr, nullptr),
+            SQLITE_OK);
+  sqlite3_close(db);
+  auto kb = KnowledgeBase::Open(path_);
+  ASSERT_TRUE(kb.ok()) << kb.status();
+  EXPECT_EQ((*kb)->PriorMicroBatch("w"), 48);
+  EXPECT_FALSE((*kb)->PriorModel("w").has_value());
+  SizeModel m;
+  m.unit_bytes = 1 << 20;
+  ASSERT_TRUE((*kb)->RecordModel("w", m).ok());
+  ASSERT_TRUE((*kb)->Flush().ok());
+  EXPECT_TRUE((*kb)->PriorModel("w").has_value());
+  EXPECT_EQ((*kb)->Stats()->schema_version, 3);
+}
+
+// A reader of a version-2 file (an older build's, never migrated since a
+// reader does not migrate): sizes, no models, no missing-table error.
+TEST_F(KnowledgeBaseTest, ReaderOfVersionTwoSeesSizesAndNoModels) {
+  {
+    auto store = kb::Store::Open(path_, 1000, true);
+    ASSERT_TRUE(store.ok());
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db,
+                         "DROP TABLE prior_models; UPDATE schema_version SET version=2;"
+                         "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES('w', 48, 1);"
+                         "PRAGMA journal_mode=DELETE;",
+                         nullptr, nullptr, nullptr),
+            SQLITE_OK);
+  sqlite3_close(db);
+  KnowledgeBaseOptions ro;
+  ro.read_only = true;
+  auto kb = KnowledgeBase::Open(path_, ro);
+  ASSERT_TRUE(kb.ok()) << kb.status();
+  auto stats = (*kb)->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->schema_version, 2);
+  ASSERT_EQ(stats->priors.size(), 1u);
+  EXPECT_EQ(stats->priors[0].micro_batch, 48);
+  EXPECT_FALSE(stats->priors[0].model.has_value());
+  EXPECT_EQ((*kb)->PriorMicroBatch("w"), 48);
+  EXPECT_FALSE((*kb)->PriorModel("w").has_value());
 }
 
 TEST_F(KnowledgeBaseTest, WalModeIsOn) {

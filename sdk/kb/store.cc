@@ -1,3 +1,6 @@
+// Store (store.h): the SQLite schema, its migrations and the statements the
+// knowledge base runs. The JSON forms it stores (incidents, SizeModel) are in
+// incident_json.cc.
 #include "sdk/kb/store.h"
 
 #include <sys/stat.h>
@@ -44,6 +47,13 @@ const char* const kMigrations[] = {
     "  time_unix_ms INTEGER NOT NULL,"
     "  pid INTEGER NOT NULL,"
     "  dropped INTEGER NOT NULL);",
+    // 2 -> 3: the predictive controller's model beside the size prior. A
+    // table of its own, with the model as JSON, so that older rows need
+    // nothing and new fields no migration.
+    "CREATE TABLE prior_models ("
+    "  workload TEXT PRIMARY KEY,"
+    "  model TEXT NOT NULL,"
+    "  updated_unix_ms INTEGER NOT NULL);",
 };
 static_assert(sizeof(kMigrations) / sizeof(kMigrations[0]) == kSchemaVersion);
 
@@ -267,14 +277,29 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
             "                    ELSE max(micro_batch, excluded.micro_batch) END,"
             " updated_unix_ms = excluded.updated_unix_ms");
     if (up.prepare_rc() != SQLITE_OK) return fail(Error(up.prepare_rc(), "prepare prior"));
+    Stmt model(db_,
+               "INSERT INTO prior_models(workload, model, updated_unix_ms) VALUES(?1, ?2, ?3)"
+               " ON CONFLICT(workload) DO UPDATE SET model = excluded.model,"
+               " updated_unix_ms = excluded.updated_unix_ms");
+    if (model.prepare_rc() != SQLITE_OK) return fail(Error(model.prepare_rc(), "prepare prior model"));
     for (const PriorUpdate& p : priors) {
-      sqlite3_reset(up.get());
-      up.Bind(1, p.workload);
-      up.Bind(2, p.micro_batch);
-      up.Bind(3, internal::NowUnixMs());
-      up.Bind(4, static_cast<int64_t>(p.replace ? 1 : 0));
-      int rc = up.Step();
-      if (rc != SQLITE_DONE) return fail(Error(rc, "update prior"));
+      if (p.micro_batch > 0) {
+        sqlite3_reset(up.get());
+        up.Bind(1, p.workload);
+        up.Bind(2, p.micro_batch);
+        up.Bind(3, internal::NowUnixMs());
+        up.Bind(4, static_cast<int64_t>(p.replace ? 1 : 0));
+        int rc = up.Step();
+        if (rc != SQLITE_DONE) return fail(Error(rc, "update prior"));
+      }
+      if (p.model) {
+        sqlite3_reset(model.get());
+        model.Bind(1, p.workload);
+        model.Bind(2, SizeModelToJson(*p.model));
+        model.Bind(3, internal::NowUnixMs());
+        int rc = model.Step();
+        if (rc != SQLITE_DONE) return fail(Error(rc, "update prior model"));
+      }
     }
   }
   if (dropped > 0) {
@@ -374,10 +399,18 @@ StatusOr<KnowledgeBaseStats> Store::StatsOnce() {
     if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
     if (st.Step() == SQLITE_ROW) s.dropped_recorded = st.Int(0);
   }
-  Stmt st(db_, "SELECT workload, micro_batch, updated_unix_ms FROM priors ORDER BY workload");
+  // A reader of a version-2 file: sizes, no models yet.
+  Stmt st(db_, version_ < 3 ? "SELECT p.workload, p.micro_batch, p.updated_unix_ms, NULL FROM priors p"
+                              " ORDER BY p.workload"
+                            : "SELECT p.workload, p.micro_batch, p.updated_unix_ms, m.model FROM priors p"
+                              " LEFT JOIN prior_models m ON m.workload = p.workload ORDER BY p.workload");
   if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
   int rc;
-  while ((rc = st.Step()) == SQLITE_ROW) s.priors.push_back({st.Text(0), st.Int(1), st.Int(2)});
+  while ((rc = st.Step()) == SQLITE_ROW) {
+    MicroBatchPrior p{st.Text(0), st.Int(1), st.Int(2), std::nullopt};
+    if (sqlite3_column_type(st.get(), 3) != SQLITE_NULL) p.model = SizeModelFromJson(st.Text(3));
+    s.priors.push_back(std::move(p));
+  }
   if (rc != SQLITE_DONE) return Error(rc, "stats");
   return s;
 }
@@ -417,6 +450,24 @@ StatusOr<std::optional<int64_t>> Store::Prior(const std::string& workload) {
   std::optional<StatusOr<std::optional<int64_t>>> r;
   OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = PriorOnce(workload); }));
   return std::move(*r);
+}
+
+StatusOr<std::optional<SizeModel>> Store::PriorModel(const std::string& workload) {
+  std::optional<StatusOr<std::optional<SizeModel>>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = PriorModelOnce(workload); }));
+  return std::move(*r);
+}
+
+StatusOr<std::optional<SizeModel>> Store::PriorModelOnce(const std::string& workload) {
+  if (version_ < 3) return std::optional<SizeModel>();
+  Stmt st(db_, "SELECT model FROM prior_models WHERE workload = ?");
+  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "read prior model");
+  st.Bind(1, workload);
+  int rc = st.Step();
+  // A model that does not parse (written by a later build, say) is no prior.
+  if (rc == SQLITE_ROW) return SizeModelFromJson(st.Text(0));
+  if (rc == SQLITE_DONE) return std::optional<SizeModel>();
+  return Error(rc, "read prior model");
 }
 
 }  // namespace oomguard::kb

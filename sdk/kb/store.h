@@ -1,10 +1,12 @@
 // Store: one SQLite connection to a knowledge-base file, with the schema, its
 // migrations and every statement the knowledge base runs.
 //
-// File format (schema version 2):
+// File format (schema version 3):
 //   schema_version(version)                    one row
 //   incidents(id PRIMARY KEY, indexed columns..., body)  body: the JSON exchange record
 //   priors(workload PRIMARY KEY, micro_batch, updated_unix_ms)
+//   prior_models(workload PRIMARY KEY, model, updated_unix_ms)  model: SizeModel as
+//                                              JSON ({"fixed_bytes", "unit_bytes", ...})
 //   sink_drops(time_unix_ms, pid, dropped)     incidents lost to full queues
 // The indexed columns duplicate fields of body for filtering and grouping;
 // body is the source of truth, so new Incident fields need no migration.
@@ -46,14 +48,20 @@ namespace oomguard::kb {
 // incident_json.cc, which reads the body; the grouping reads the column.
 std::optional<Phase> ParseStoredPhase(std::string_view name);
 
-inline constexpr int kSchemaVersion = 2;
+inline constexpr int kSchemaVersion = 3;
 
-// A prior update produced by KnowledgeBase::RecordCleanMicroBatch.
+// A prior update produced by KnowledgeBase::RecordCleanMicroBatch or
+// RecordModel.
 struct PriorUpdate {
   std::string workload;
-  int64_t micro_batch = 0;
-  bool replace = false;  // true: overwrite; false: keep the larger
+  int64_t micro_batch = 0;         // 0: no size to update
+  bool replace = false;            // true: overwrite; false: keep the larger
+  std::optional<SizeModel> model;  // replaces the stored model when set
 };
+
+// The stored form of a model, and back (nullopt for text that is not one).
+std::string SizeModelToJson(const SizeModel& model);
+std::optional<SizeModel> SizeModelFromJson(const std::string& text);
 
 class Store {
  public:
@@ -78,6 +86,7 @@ class Store {
   StatusOr<std::vector<IncidentGroup>> Groups();
   StatusOr<KnowledgeBaseStats> Stats();
   StatusOr<std::optional<int64_t>> Prior(const std::string& workload);
+  StatusOr<std::optional<SizeModel>> PriorModel(const std::string& workload);
 
   const std::string& path() const { return path_; }
   bool read_only() const { return read_only_; }
@@ -95,6 +104,7 @@ class Store {
   StatusOr<std::vector<IncidentGroup>> GroupsOnce();
   StatusOr<KnowledgeBaseStats> StatsOnce();
   StatusOr<std::optional<int64_t>> PriorOnce(const std::string& workload);
+  StatusOr<std::optional<SizeModel>> PriorModelOnce(const std::string& workload);
   Status ReadVersion(int* version);
   Status Exec(const char* sql, const char* what);
   // A Status for the connection's last error, naming the file and the operation.

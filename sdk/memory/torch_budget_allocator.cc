@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <utility>
@@ -29,6 +30,10 @@ BudgetCpuAllocator& BudgetCpuAllocator::Instance() {
 BudgetCpuAllocator::Shard& BudgetCpuAllocator::ShardOf(void* data) const {
   // Allocations are at least 16-byte aligned: the low bits carry no information.
   return shards_[(std::hash<void*>{}(data) >> 6) % kShards];
+}
+
+void BudgetCpuAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
+  if (count > 0) std::memcpy(dest, src, count);
 }
 
 c10::DataPtr BudgetCpuAllocator::allocate(size_t n) const {

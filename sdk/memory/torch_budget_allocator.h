@@ -45,7 +45,14 @@ class BudgetCpuAllocator final : public c10::Allocator {
 
   // Throws c10::OutOfMemoryError ("CPU out of memory (oomguard budget): Tried
   // to allocate ...") when the live bytes would pass a positive budget.
-  c10::DataPtr allocate(size_t n) const override;
+  // torch before 2.3 declares Allocator::allocate const, later releases do
+  // not: both are defined (no `override`), and the one the base declares
+  // overrides it, so one source builds against either.
+  c10::DataPtr allocate(size_t n) const;
+  c10::DataPtr allocate(size_t n) { return static_cast<const BudgetCpuAllocator&>(*this).allocate(n); }
+  // Pure virtual from torch 2.3 on (a plain member before): blocks are host
+  // memory, so a byte copy.
+  void copy_data(void* dest, const void* src, std::size_t count) const;
   // Contexts equal data pointers, so the raw interface works (oneDNN uses it).
   c10::DeleterFnPtr raw_deleter() const override { return &Delete; }
 

@@ -35,8 +35,11 @@ JOBS=$(nproc)
 # The module's translation units in parallel, then one link.
 objs=()
 pids=()
-for f in module errors guard coordinator knowledge_base checkpoint; do
-  "$CXX" "${FLAGS[@]}" -c "$SRC/$f.cc" -o "$OUT/$f.o" &
+# Every translation unit of the module: those in src/ less the torch allocator's.
+for src in "$SRC"/*.cc; do
+  f=$(basename "$src" .cc)
+  case $f in budget_allocator*) continue ;; esac
+  "$CXX" "${FLAGS[@]}" -c "$src" -o "$OUT/$f.o" &
   pids+=($!)
   objs+=("$OUT/$f.o")
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.2; done
@@ -45,9 +48,9 @@ for p in "${pids[@]}"; do wait "$p" || { echo "build_python: a translation unit 
 "$CXX" -shared -o "$PKG/_oomguard$SUFFIX" "${objs[@]}" -L"$BUNDLE/lib" -loomguard -Wl,-rpath,"$BUNDLE/lib"
 echo "build_python: $PKG/_oomguard$SUFFIX"
 
-for f in __init__.py py.typed errors.py _guard.py checkpoint.py budget.py torch.py _oomguard.pyi; do
-  cp "$ROOT/bindings/python/oomguard/$f" "$PKG/$f"
-done
+# The package's Python files, all of them.
+find "$ROOT/bindings/python/oomguard" -maxdepth 1 -type f \( -name '*.py' -o -name '*.pyi' -o -name py.typed \) \
+  -exec cp {} "$PKG/" \;
 
 # oomguard._budget, against the torch this Python imports.
 read -r TINC TLIB < <("$PY" -c 'import os, torch; d=os.path.dirname(torch.__file__); print(os.path.join(d, "include"), os.path.join(d, "lib"))' 2> /dev/null || echo "- -")

@@ -15,7 +15,7 @@
 #   DIR/bin/       gpu_checks, nccl_one_rank (stripped)
 #   DIR/lib/       liboomguard.so.0, liboomguard_nccl.so, the libraries above
 #   DIR/lib/hdf5-plugins/   the zstd filter for h5py there
-#   DIR/include/   spdlog and fmt headers
+#   DIR/include/   spdlog, fmt and CLI11 headers
 #   DIR/BUNDLE.txt what is inside, with versions and sizes
 # Fails when the bundle is over 60 MiB or when an ELF file in it needs a
 # library that is neither in DIR/lib nor in the image's set
@@ -81,6 +81,7 @@ strip --strip-unneeded "$DIR"/lib/lib*.so.* 2> /dev/null || true
 # Headers the device build needs besides the tree's own include/.
 cp -r /usr/include/spdlog "$DIR/include/"
 cp -r /usr/include/fmt "$DIR/include/"
+cp -r /usr/include/CLI "$DIR/include/"  # CLI11, for libtorch_train built there
 
 {
   echo "oomguard device bundle, built $(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -m)"

@@ -7,6 +7,11 @@ happens to have cannot hide a missing one.
 
     check_bundle.py DIR [--limit-mib 60]
 
+Then, as a second opinion from the loader itself, each ELF file is resolved by
+ldd with only DIR/lib (and the CUDA toolkit's runtime, standing in for the
+image's) on the library path: every library outside the image's set must come
+from DIR/lib, and none may be missing.
+
 Prints the bundle's size and every problem; exits 1 when there is one.
 """
 
@@ -34,6 +39,29 @@ def needed(path: str) -> list[str]:
     return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
 
 
+def loader_problems(bundle: str, path: str) -> list[str]:
+    """What ldd says `path` loads from outside the bundle that the image would not provide."""
+    lib = os.path.realpath(os.path.join(bundle, "lib"))
+    env = {"PATH": "/usr/bin:/bin",
+           "LD_LIBRARY_PATH": ":".join([lib, "/usr/local/cuda/lib64", "/usr/local/cuda/lib"])}
+    run = subprocess.run(["ldd", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out, rel = [], os.path.relpath(path, bundle)
+    for line in run.stdout.splitlines():
+        m = re.match(r"\s*(\S+) => (.+?)(?: \(0x[0-9a-f]+\))?$", line)
+        if not m:
+            continue
+        name, where = m.group(1), m.group(2).strip()
+        if where == "not found":
+            if not IMAGE_SET.match(name):
+                out.append(f"{rel}: the loader finds no {name}")
+            continue
+        if IMAGE_SET.match(name):
+            continue
+        if not os.path.realpath(where).startswith(lib + os.sep):
+            out.append(f"{rel}: the loader takes {name} from {where}, outside the bundle")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
@@ -55,6 +83,7 @@ def main() -> int:
                 if dep in have or IMAGE_SET.match(dep):
                     continue
                 problems.append(f"{os.path.relpath(path, a.dir)} needs {dep}: neither in lib/ nor in the image")
+            problems.extend(loader_problems(a.dir, path))
     mib = total / (1 << 20)
     print(f"bundle {a.dir}: {mib:.1f} MiB, {elves} ELF files, limit {a.limit_mib:.0f} MiB")
     if mib > a.limit_mib:

@@ -13,7 +13,7 @@
 #      fraction: real CUDA OOMs recovered, final float64 parameters equal to
 #      an unconstrained run's within 1e-10;
 #   3. examples/python/train_torch.py's model through oomguard.torch on CUDA
-#      under torch.cuda.set_per_process_memory_fraction, the same promise;
+#      with the device filled for real, the same promise;
 #   4. checkpoint staging from device memory: the CheckpointerCuda gtests
 #      (pinned staging on a side stream, restore from snapshot and disk) and
 #      libtorch_train on CUDA with --ckpt-dir, resumed to equal parameters;
@@ -22,8 +22,16 @@
 # (a missing optional piece, with the reason) and NOT IMPLEMENTED do not fail.
 # Without a GPU (nvidia-smi missing or failing, or cudaGetDeviceCount failing)
 # it says so and exits 0 without building or running anything.
+#
+#   tests/gpu/run.sh --bundle DIR
+# runs instead on a machine without oomguard's build dependencies, from a
+# bundle made elsewhere by tests/gpu/bundle.sh (tests/gpu/run_bundle.sh).
 set -uo pipefail
 
+if [ "${1:-}" = "--bundle" ]; then
+  shift
+  exec "$(dirname "${BASH_SOURCE[0]}")/run_bundle.sh" "$@"
+fi
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BUILD=${OOMGUARD_GPU_BUILD:-$ROOT/build-gpu}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

@@ -62,10 +62,17 @@ def train(args: argparse.Namespace, headroom_bytes: int) -> dict:
     t0 = time.monotonic()
     loss = None
     first_incident = ""
+    figures = {}
     for step in range(args.steps):
         loss = train_step(xs[step], ys[step])
         if not first_incident and train_step.last_report.incidents:
-            first_incident = train_step.last_report.incidents[0].message[:160]
+            inc = train_step.last_report.incidents[0]
+            first_incident = inc.message[:160]
+            # What the incident recorded of torch's caching allocator (item 6 of
+            # the GPU issue): torch.cuda.memory_stats figures at the OOM.
+            m = inc.memory
+            figures = {k: int(getattr(m, k)) for k in ("total", "free", "allocated", "reserved", "inactive_split",
+                                                       "num_alloc_retries", "num_ooms")}
     torch.cuda.synchronize()
     out = {
         "ooms": guard.total_ooms,
@@ -77,6 +84,7 @@ def train(args: argparse.Namespace, headroom_bytes: int) -> dict:
         "device_gib": round(total / (1 << 30), 1),
         "wall_s": round(time.monotonic() - t0, 3),
         "incident": first_incident,
+        "incident_memory": figures,
         "params": ogt.flat_parameters(model).cpu(),
     }
     del train_step, guard, optimizer, model, xs, ys, filler
