@@ -229,9 +229,6 @@ class Guard:
                 raise ValueError(f"unknown phase {phase!r}; one of {sorted(_PHASES)}") from None
         self.native.mark_phase(phase)
 
-    def set_reset_hook(self, reset: Optional[Callable[[], Any]]) -> None:
-        self.native.set_reset_hook(reset)
-
     def add_cache_releaser(self, name: str, release: Callable[[], Any]) -> None:
         """Adds a function called on every OOM before the retry (after the built-in ones)."""
         self.native.add_cache_releaser(name, release)
