@@ -189,6 +189,7 @@ void BM_GuardOverhead(benchmark::State& state) {
   req.samples = samples;
   req.micro = micro;
   req.apply = commit;
+  req.reset = [] {};  // no OOM is injected here: a step is never redone
   oomguard::StepReport report;
 
   auto unguarded = [&] {

@@ -13,8 +13,8 @@ oomguard::Incident Sample() {
   oomguard::Incident i;
   i.id = "0123456789abcdef";
   i.run_id = "run";
-  i.phase = "backward";
-  i.kind = "device";
+  i.phase = oomguard::Phase::kBackward;
+  i.kind = oomguard::IncidentKind::kDevice;
   i.workload = "bench";
   i.requested_bytes = 1 << 30;
   i.memory.total = int64_t{16} << 30;

@@ -33,8 +33,8 @@ std::vector<Incident> MakeIncidents(int n) {
     i.rank = k % 8;
     i.world_size = 8;
     i.step = k % 500 * 10;
-    i.phase = k % 2 ? "backward" : "forward";
-    i.kind = "device";
+    i.phase = k % 2 ? oomguard::Phase::kBackward : oomguard::Phase::kForward;
+    i.kind = oomguard::IncidentKind::kDevice;
     i.exception_type = "torch.OutOfMemoryError";
     i.message = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU " + std::to_string(k % 8) +
                 " has a total capacity of 79.15 GiB of which 1.20 GiB is free.";
@@ -48,9 +48,9 @@ std::vector<Incident> MakeIncidents(int n) {
       i.ranks.push_back({r, int64_t{60 + r} << 30, int64_t{64 + r} << 30, int64_t{66 + r} << 30});
     i.micro_before = 32;
     i.micro_after = 16;
-    i.action = "halve";
-    i.actions = {"release", "halve"};
-    i.outcome = "recovered";
+    i.action = oomguard::LadderAction::kHalve;
+    i.actions = {oomguard::LadderAction::kRelease, oomguard::LadderAction::kHalve};
+    i.outcome = oomguard::IncidentOutcome::kRecovered;
     i.recovery_ms = 3.2;
     i.workload = "gpt2-medium-seq1024";
     i.pattern = kPatterns[k % 6];

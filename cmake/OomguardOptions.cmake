@@ -6,6 +6,18 @@ macro(_og_note name value why)
   list(APPEND _og_report "${name}=${value} (${why})")
 endmacro()
 
+# oomguard_import_library(<target> <library> <include_dir>): an IMPORTED
+# target for a library found with find_library/find_path, so that targets
+# link every dependency the same way (and its headers come as SYSTEM).
+function(oomguard_import_library target library include_dir)
+  if(NOT TARGET ${target})
+    add_library(${target} UNKNOWN IMPORTED)
+    set_target_properties(${target} PROPERTIES
+      IMPORTED_LOCATION "${library}"
+      INTERFACE_INCLUDE_DIRECTORIES "${include_dir}")
+  endif()
+endfunction()
+
 # ---- CUDA toolkit (runtime API only; no kernels, so no CUDA language needed) ----
 if(NOT DEFINED CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
   set(CUDAToolkit_ROOT /usr/local/cuda)
@@ -37,6 +49,7 @@ if(OOMGUARD_WITH_NCCL)
     message(FATAL_ERROR "OOMGUARD_WITH_NCCL=ON needs CUDA and nccl.h/libnccl")
   endif()
   _og_note(OOMGUARD_WITH_NCCL ON "${NCCL_LIBRARY}")
+  oomguard_import_library(oomguard_ext::nccl "${NCCL_LIBRARY}" "${NCCL_INCLUDE_DIR}")
 elseif(NOT OOMGUARD_WITH_CUDA)
   _og_note(OOMGUARD_WITH_NCCL OFF "needs OOMGUARD_WITH_CUDA")
 elseif(NOT NCCL_LIBRARY)
@@ -63,6 +76,7 @@ endif()
 find_path(C10_INCLUDE_DIR c10/util/Exception.h)
 find_library(C10_LIBRARY c10)
 if(C10_INCLUDE_DIR AND C10_LIBRARY)
+  oomguard_import_library(oomguard_ext::c10 "${C10_LIBRARY}" "${C10_INCLUDE_DIR}")
   set(_og_torch_default ON)
 else()
   set(_og_torch_default OFF)
@@ -217,9 +231,21 @@ else()
   _og_note(OOMGUARD_BUILD_LIBTORCH_EXAMPLE OFF "${_og_lt_why}")
 endif()
 
-# ---- required ----
+# ---- required: every dependency as an imported target, found here once so
+# that every directory of the project sees the same targets ----
 find_package(spdlog REQUIRED)
 find_package(Threads REQUIRED)
+find_package(SQLite3 REQUIRED)                  # kb
+find_package(nlohmann_json REQUIRED)            # kb, checkpoint, server, cli
+find_package(HDF5 REQUIRED COMPONENTS C)        # checkpoint (hdf5::hdf5)
+find_package(Boost 1.74 REQUIRED)               # server (Boost.Beast, header-only)
+find_package(CLI11 REQUIRED)                    # cli, examples
+find_path(OOMGUARD_ZSTD_INCLUDE_DIR zstd.h REQUIRED)
+find_library(OOMGUARD_ZSTD_LIBRARY zstd REQUIRED)
+oomguard_import_library(oomguard_ext::zstd "${OOMGUARD_ZSTD_LIBRARY}" "${OOMGUARD_ZSTD_INCLUDE_DIR}")
+find_path(OOMGUARD_XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
+find_library(OOMGUARD_XXHASH_LIBRARY xxhash REQUIRED)
+oomguard_import_library(oomguard_ext::xxhash "${OOMGUARD_XXHASH_LIBRARY}" "${OOMGUARD_XXHASH_INCLUDE_DIR}")
 
 function(oomguard_report_options)
   message(STATUS "oomguard ${PROJECT_VERSION} configuration:")

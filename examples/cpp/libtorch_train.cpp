@@ -47,10 +47,10 @@
 #include <string>
 #include <vector>
 
-#include "budget_allocator_core.h"
 #include "mlp.h"  // SplitMix64, DumpAndCheckParameters
 #include "oomguard/checkpoint.h"
 #include "oomguard/oomguard.h"
+#include "sdk/memory/torch_budget_allocator.h"
 
 namespace {
 
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
   const bool cuda = device_name == "cuda";
   const int64_t budget_bytes = static_cast<int64_t>(budget_mib * 1024.0 * 1024.0);
   std::unique_ptr<oomguard::Device> sdk_device;  // memory figures for incidents (CUDA only)
-  auto& cpu_budget = oomguard_budget::BudgetCpuAllocator::Instance();
+  auto& cpu_budget = oomguard::internal::BudgetCpuAllocator::Instance();
   if (cuda) {
 #ifdef OOMGUARD_EXAMPLE_TORCH_CUDA
     if (!torch::cuda::is_available()) {
@@ -285,7 +285,6 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<oomguard::Guard> guard = std::move(guard_or).value();
   guard->SetStep(resumed_from + 1);
-  guard->SetResetHook([&] { optimizer->zero_grad(); });
 #ifdef OOMGUARD_EXAMPLE_TORCH_CUDA
   if (cuda) {
     // Blocks cached by torch's allocator are invisible to cudaMalloc; the
@@ -347,8 +346,9 @@ int main(int argc, char** argv) {
         for (const auto& inc : report.incidents) {
           std::fprintf(stderr,
                        "  step %" PRId64 ": OOM in %s (%s, %s) -> micro-batch %" PRId64 " -> %" PRId64 " [%s], %s\n",
-                       inc.step, inc.phase.c_str(), inc.exception_type.c_str(), inc.kind.c_str(), inc.micro_before,
-                       inc.micro_after, inc.action.c_str(), inc.outcome.c_str());
+                       inc.step, oomguard::PhaseName(inc.phase).data(), inc.exception_type.c_str(),
+                       oomguard::IncidentKindName(inc.kind).data(), inc.micro_before, inc.micro_after,
+                       oomguard::LadderActionName(inc.action).data(), oomguard::IncidentOutcomeName(inc.outcome).data());
         }
       }
       if (st.code() == oomguard::StatusCode::kAborted && report.rolled_back_to.has_value()) {

@@ -375,7 +375,6 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
   }
   guard->SetStep(first_step);
   result.initial_micro_batch = std::min(guard->micro_limit(), n_local);
-  guard->SetResetHook([&] { trainer.ZeroGrad(); });
   std::vector<int64_t> costs, units;
   double loss = 0;  // this rank's weighted loss; after the sync, the global batch's mean
   for (int64_t s = guard->step(); s < cfg.steps; s = guard->step()) {

@@ -296,13 +296,15 @@ int main(int argc, char** argv) {
       std::lock_guard<std::mutex> lock(print_mu);
       const std::string who = world > 1 ? "[rank " + std::to_string(rank) + "] " : "";
       for (const auto& inc : r.incidents) {
-        if (inc.kind == "coordination") continue;
+        if (inc.kind == oomguard::IncidentKind::kCoordination) continue;
         std::printf("  %sstep %" PRId64 ": OOM in %s (%s memory; asked for %s with %s allocated, %s reserved of %s)"
                     " -> released caches, micro-batch %" PRId64 " -> %" PRId64 " [%s], %s\n",
-                    who.c_str(), inc.step, inc.phase.c_str(), inc.kind.c_str(), Mib(inc.requested_bytes).c_str(),
+                    who.c_str(), inc.step, oomguard::PhaseName(inc.phase).data(),
+                    oomguard::IncidentKindName(inc.kind).data(), Mib(inc.requested_bytes).c_str(),
                     Mib(inc.memory.allocated).c_str(), Mib(inc.memory.reserved).c_str(),
                     inc.memory.total > 0 ? Mib(inc.memory.total).c_str() : "unlimited", inc.micro_before,
-                    inc.micro_after, inc.action.c_str(), inc.outcome.c_str());
+                    inc.micro_after, oomguard::LadderActionName(inc.action).data(),
+                    oomguard::IncidentOutcomeName(inc.outcome).data());
       }
       if (rank == 0 && ((r.step + 1) % every == 0 || r.step + 1 == cfg.steps)) {
         std::printf("step %" PRId64 "/%" PRId64 "  loss %.6f  micro-batch %" PRId64 " x %d  peak %s\n", r.step + 1,

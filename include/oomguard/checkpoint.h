@@ -221,14 +221,19 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   Status Commit(int64_t step, int world_size) override = 0;
 
   // ---- RecoveryStore (the guard's view) ----
-  // DurableSteps: the committed checkpoints whose shard of this rank exists,
-  // and (coordinated commit) this rank's durable shards not yet committed (at
+  // The committed checkpoints whose shard of this rank exists, and
+  // (coordinated commit) this rank's durable shards not yet committed (at
   // most the newest 16).
-  // SnapshotStep/Snapshot: the last staged state, kept in host memory (when
-  // keep_snapshot is on and the staging budget holds it). Restore(step): the
-  // snapshot when it holds `step`, else checkpoint `step` from disk, which
-  // must be committed and verify; never another step. OnStepCommitted:
-  // SaveAsync on the triggers of the options.
+  std::vector<int64_t> DurableSteps() override = 0;
+  // The last staged state, kept in host memory (when keep_snapshot is on and
+  // the staging budget holds it).
+  std::optional<int64_t> SnapshotStep() override = 0;
+  Status Snapshot(int64_t step) override = 0;
+  // The snapshot when it holds `step`, else checkpoint `step` from disk,
+  // which must be committed and verify; never another step.
+  Status Restore(int64_t step) override = 0;
+  // SaveAsync on the triggers of the options (CheckpointOptions).
+  Status OnStepCommitted(int64_t step, bool after_recovery) override = 0;
 };
 
 // ---- offline inspection (the CLI, tools, tests); any thread ----

@@ -22,12 +22,11 @@
 // collective), `apply` (just before the optimizer apply callback).
 // Example: oom@step=30,rank=1,site=backward;kill@step=57,site=ckpt_write
 //
-// Cost when no rule is set: one relaxed atomic load per site.
+// Cost when no rule is set: a call and one relaxed atomic load per site.
 // Thread-safety: all functions may be called from any thread.
 #ifndef OOMGUARD_FAULTS_H_
 #define OOMGUARD_FAULTS_H_
 
-#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -96,17 +95,11 @@ OOMGUARD_EXPORT int64_t FaultsFired();
 // that into an error at construction, so a typo is never silently ignored).
 OOMGUARD_EXPORT Status LoadFaultRulesFromEnv();
 
-namespace internal {
-extern OOMGUARD_EXPORT std::atomic<bool> g_faults_armed;
-OOMGUARD_EXPORT void FireFaults(FaultSite site, const FaultContext& ctx);
-}  // namespace internal
-
 // A fault point. Throws DeviceOomError / HostOomError / std::runtime_error,
 // kills the process, or sleeps when a matching rule says so; otherwise
-// returns at once.
-inline void FaultPoint(FaultSite site, const FaultContext& ctx) {
-  if (internal::g_faults_armed.load(std::memory_order_relaxed)) internal::FireFaults(site, ctx);
-}
+// returns at once. Out of line, so that the armed flag stays private to the
+// library; costs a call and one relaxed atomic load when no rule is set.
+OOMGUARD_EXPORT void FaultPoint(FaultSite site, const FaultContext& ctx);
 
 // The fault context of the step running on this thread (set by the guard), so
 // that user code can place fault points without passing the context around.

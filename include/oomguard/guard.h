@@ -55,9 +55,6 @@
 
 namespace oomguard {
 
-enum class Phase { kUnknown, kData, kForward, kBackward, kOptimizer, kCommit, kCheckpoint };
-OOMGUARD_EXPORT std::string_view PhaseName(Phase p);  // "forward", ...
-
 struct StepRequest {
   // This rank's samples for this optimizer step (>= 1).
   int64_t samples = 0;
@@ -86,7 +83,9 @@ struct StepRequest {
   std::function<void()> apply;
   // Zeroes accumulated gradients (and whatever `sync` sums). Needed to redo a
   // step after an OOM in backward, or after another rank failed before its
-  // apply; falls back to the guard's SetResetHook.
+  // apply. Required when the step trains (`apply` or `sync` set) or runs on
+  // more than one rank: without it Step returns kFailedPrecondition on entry,
+  // before any micro-batch runs, instead of at the first OOM in backward.
   std::function<void()> reset;
 };
 
@@ -122,7 +121,8 @@ class OOMGUARD_EXPORT Guard {
   // incident and remedies), kAborted (rolled back: report->rolled_back_to and
   // step() say where to continue), kUnavailable (a peer rank did not answer:
   // exit with kExitCoordinationTimeout), kInvalidArgument (bad request),
-  // kFailedPrecondition (an OOM after backward started and no reset hook),
+  // kFailedPrecondition (no reset hook where one is required, see
+  // StepRequest::reset; or an OOM after backward started and none set),
   // kCancelled (another rank stopped with an error; the message names it),
   // kDataLoss (no step every rank can restore), kInternal (the ranks' collectives
   // diverged). Rethrows a non-OOM exception raised by user code, after the
@@ -148,8 +148,6 @@ class OOMGUARD_EXPORT Guard {
   // it; fault rules with site=forward/backward/optimizer fire here).
   virtual void MarkPhase(Phase phase) = 0;
 
-  // The zero-gradients hook used when a request has none.
-  virtual void SetResetHook(std::function<void()> reset) = 0;
   // A user cache releaser called on every OOM before the retry (allocator
   // caches, memoised buffers). Called in registration order.
   virtual void AddCacheReleaser(std::string name, std::function<void()> release) = 0;

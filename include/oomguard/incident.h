@@ -2,30 +2,76 @@
 // the knowledge base stores and exchanges it (JSON key names follow the field
 // names; memory keys follow torch.cuda.memory_stats where they overlap).
 //
+// Where a field has a fixed vocabulary (phase, kind, action, outcome) it is an
+// enum; its strings (PhaseName, ...) appear only where incidents leave C++:
+// JSON, SQLite, log lines, the command line and Python.
+//
 // IncidentSink is where the guard hands incidents. Record is called on the
 // training thread at the moment of the OOM and must not block on I/O;
 // UpdateOutcome follows once the recovery finished (or failed).
 //
-// Thread-safety: a sink may be called from several guards (threads) at once.
+// Thread-safety: the functions are pure; a sink may be called from several
+// guards (threads) at once.
 #ifndef OOMGUARD_INCIDENT_H_
 #define OOMGUARD_INCIDENT_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "oomguard/device.h"
 #include "oomguard/export.h"
+#include "oomguard/oom_error.h"
 
 namespace oomguard {
 
-// The rung of the escalation ladder an incident took.
-enum class LadderAction { kRelease, kHalve, kRollback, kGiveUp };
-enum class IncidentOutcome { kPending, kRecovered, kRolledBack, kFailed };
+// Where in the run an OOM happened. User code marks the phases of a step
+// with Guard::MarkPhase (kData to kCheckpoint). The log importer also reads
+// kInit (model set-up), kLoad (restoring a checkpoint), kEval (evaluation)
+// and kComm (a collective) off a traceback; the guard records a failed
+// collective of its own as kComm.
+enum class Phase {
+  kUnknown,
+  kData,
+  kForward,
+  kBackward,
+  kOptimizer,
+  kCommit,
+  kCheckpoint,
+  kInit,
+  kLoad,
+  kEval,
+  kComm,
+};
 
-OOMGUARD_EXPORT std::string_view LadderActionName(LadderAction a);   // "release", "halve", ...
-OOMGUARD_EXPORT std::string_view IncidentOutcomeName(IncidentOutcome o);  // "recovered", ...
+// What ran out: device memory, host memory, or a library's scratch space.
+// kCoordination is not an OOM: a peer rank did not answer or the ranks'
+// collectives diverged, which the guard records as an incident too.
+// kUnknown: a record (imported from another tool) that did not say.
+enum class IncidentKind { kUnknown, kDevice, kHost, kWorkspace, kCoordination };
+
+// The rung of the escalation ladder an incident took. kNone: no rung was
+// recorded (an imported incident).
+enum class LadderAction { kNone, kRelease, kHalve, kRollback, kGiveUp };
+
+// How the recovery ended. The guard records kPending at the OOM and one of
+// the others when the step ends. kUnknown: not recorded (an imported incident).
+enum class IncidentOutcome { kUnknown, kPending, kRecovered, kRolledBack, kFailed };
+
+// The strings of JSON, SQLite, log lines and Python: "forward", "device",
+// "halve", "rolled_back", ... and "unknown" (or "none" for LadderAction::kNone).
+// They view string literals, so data() is a C string.
+OOMGUARD_EXPORT std::string_view PhaseName(Phase p);
+OOMGUARD_EXPORT std::string_view IncidentKindName(IncidentKind k);
+OOMGUARD_EXPORT std::string_view LadderActionName(LadderAction a);
+OOMGUARD_EXPORT std::string_view IncidentOutcomeName(IncidentOutcome o);
+
+// The inverse of the names above; nullopt for any other string.
+OOMGUARD_EXPORT std::optional<Phase> ParsePhase(std::string_view name);
+OOMGUARD_EXPORT std::optional<IncidentKind> ParseIncidentKind(std::string_view name);
+OOMGUARD_EXPORT std::optional<LadderAction> ParseLadderAction(std::string_view name);
+OOMGUARD_EXPORT std::optional<IncidentOutcome> ParseIncidentOutcome(std::string_view name);
 
 struct RankMemory {
   int rank = 0;
@@ -43,8 +89,8 @@ struct Incident {
   int world_size = 1;
   int64_t step = 0;
   int micro_index = -1;
-  std::string phase;              // data, forward, backward, optimizer, commit, checkpoint, unknown
-  std::string kind;               // device, host, workspace
+  Phase phase = Phase::kUnknown;
+  IncidentKind kind = IncidentKind::kUnknown;
   std::string exception_type;
   std::string message;
   int64_t requested_bytes = 0;
@@ -56,11 +102,11 @@ struct Incident {
   std::vector<RankMemory> ranks;    // every rank's memory, when more than one rank runs
   int64_t micro_before = 0;
   int64_t micro_after = 0;
-  std::string action;             // release, halve, rollback, give_up
-  std::string outcome;            // recovered, rolled_back, failed, pending
+  LadderAction action = LadderAction::kNone;           // the rung that decided the incident
+  IncidentOutcome outcome = IncidentOutcome::kUnknown;
   double recovery_ms = 0;
   std::string workload;           // workload signature
-  std::vector<std::string> actions;  // every ladder rung taken for this incident, in order
+  std::vector<LadderAction> actions;  // every ladder rung taken for this incident, in order
   bool injected = false;          // raised by fault injection
   // Where an imported record came from (the log importer sets these; the
   // guard leaves them empty):

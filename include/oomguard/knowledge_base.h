@@ -138,8 +138,8 @@ struct IncidentQuery {
 struct IncidentGroup {
   std::string fingerprint;
   std::string pattern;
-  std::string kind;
-  std::string phase;
+  IncidentKind kind = IncidentKind::kUnknown;
+  Phase phase = Phase::kUnknown;
   std::string workload;
   int64_t count = 0;
   int64_t runs = 0;  // distinct run ids

@@ -17,10 +17,20 @@
 #include <string>
 
 #include "oomguard/export.h"
-#include "oomguard/size_controller.h"
 #include "oomguard/status.h"
 
 namespace oomguard {
+
+// The predictive policy's model (SizeController, size_controller.h); what learned priors store, so that a later
+// run (on another device too) starts from it.
+struct SizeModel {
+  double fixed_bytes = 0;         // a micro-batch's own memory whatever its size (workspaces)
+  double unit_bytes = 0;          // its memory per unit of size (> 0 in a usable model)
+  double overhead_bytes = 0;      // allocator reserve beyond the peak, the part whatever the size
+  double overhead = 0;            // ... and the share of the micro-batch's memory, known to suffice
+  double overhead_too_small = 0;  // a share known not to suffice (0: none known)
+  double noise_bytes = 0;         // what the fit does not explain; the headroom follows it
+};
 
 class OOMGUARD_EXPORT MicroBatchPriors {
  public:

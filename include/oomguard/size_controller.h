@@ -63,6 +63,7 @@
 #include <string_view>
 
 #include "oomguard/export.h"
+#include "oomguard/priors.h"
 #include "oomguard/status.h"
 
 namespace oomguard {
@@ -99,16 +100,8 @@ struct MicroBatchMemory {
   bool flushed = false;
 };
 
-// The predictive policy's model; what learned priors store, so that a later
-// run (on another device too) starts from it.
-struct SizeModel {
-  double fixed_bytes = 0;         // a micro-batch's own memory whatever its size (workspaces)
-  double unit_bytes = 0;          // its memory per unit of size (> 0 in a usable model)
-  double overhead_bytes = 0;      // allocator reserve beyond the peak, the part whatever the size
-  double overhead = 0;            // ... and the share of the micro-batch's memory, known to suffice
-  double overhead_too_small = 0;  // a share known not to suffice (0: none known)
-  double noise_bytes = 0;         // what the fit does not explain; the headroom follows it
-};
+// SizeModel, the predictive policy's model, is in priors.h (the core): the
+// knowledge base stores it and must not depend on the guard.
 
 class OOMGUARD_EXPORT SizeController {
  public:

@@ -96,9 +96,13 @@ class [[nodiscard]] StatusOr {
   const Status& status() const { return status_; }
   const T& value() const& { assert(ok()); return *value_; }
   T& value() & { assert(ok()); return *value_; }
-  T&& value() && { assert(ok()); return std::move(*value_); }
+  // By value from an rvalue, so that `for (auto& x : F().value())` and
+  // `auto&& v = *F();` hold the value itself, not a reference into the
+  // temporary StatusOr that dies at the end of the full expression.
+  T value() && { assert(ok()); return std::move(*value_); }
   const T& operator*() const& { return value(); }
   T& operator*() & { return value(); }
+  T operator*() && { return std::move(*this).value(); }
   const T* operator->() const { return &value(); }
   T* operator->() { return &value(); }
 

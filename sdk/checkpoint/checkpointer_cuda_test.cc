@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "oomguard/checkpoint.h"
-#include "oomguard/device.h"
 
 #if defined(OOMGUARD_WITH_CUDA) && !defined(OOMGUARD_TSAN_BUILD)
 #include <cuda_runtime_api.h>

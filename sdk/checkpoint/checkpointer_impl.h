@@ -35,7 +35,7 @@
 #include <thread>
 
 #include "oomguard/checkpoint.h"
-#include "oomguard/device.h"
+#include "oomguard/oom_error.h"
 #include "oomguard/faults.h"
 #include "oomguard/incident.h"
 #include "oomguard/logging.h"

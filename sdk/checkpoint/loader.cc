@@ -90,12 +90,12 @@ void CheckpointerImpl::RecordCorrupt(int64_t step, const Status& why) {
   inc.rank = o_.rank;
   inc.world_size = o_.world_size;
   inc.step = step;
-  inc.phase = "checkpoint";
-  inc.kind = "host";
+  inc.phase = Phase::kCheckpoint;
+  inc.kind = IncidentKind::kHost;
   inc.exception_type = "oomguard::DataLoss";
   inc.message = why.message();
-  inc.action = std::string(LadderActionName(LadderAction::kRollback));
-  inc.outcome = std::string(IncidentOutcomeName(IncidentOutcome::kFailed));
+  inc.action = LadderAction::kRollback;
+  inc.outcome = IncidentOutcome::kFailed;
   try {
     o_.incidents->Record(inc);
   } catch (...) {

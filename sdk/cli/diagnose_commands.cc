@@ -79,7 +79,7 @@ std::string Conf(double c) {
 json EventJson(const Incident& i) {
   json j = {{"id", i.id},           {"source", i.source},         {"pattern", i.pattern},
             {"confidence", i.confidence}, {"evidence", i.evidence}, {"remedies", i.remedies},
-            {"kind", i.kind},       {"phase", i.phase},           {"message", i.message},
+            {"kind", IncidentKindName(i.kind)}, {"phase", PhaseName(i.phase)}, {"message", i.message},
             {"fingerprint", i.fingerprint}};
   if (IsKnown(i, "rank")) j["rank"] = i.rank;
   if (IsKnown(i, "step")) j["step"] = i.step;
@@ -93,7 +93,7 @@ void PrintEvent(size_t n, const Incident& i, int remedies) {
   if (IsKnown(i, "rank")) where += "  rank " + std::to_string(i.rank);
   if (!i.host.empty()) where += "  host " + i.host;
   if (IsKnown(i, "step")) where += "  step " + std::to_string(i.step);
-  where += "  " + i.kind + " memory, phase " + i.phase;
+  where += "  " + std::string(IncidentKindName(i.kind)) + " memory, phase " + std::string(PhaseName(i.phase));
   std::string first = i.message.substr(0, i.message.find('\n'));
   if (first.size() > 200) first = first.substr(0, 197) + "...";
   // Text from imported logs: control characters escaped before it reaches a terminal.

@@ -88,9 +88,10 @@ void CmdList(const KbArgs& a) {
   Table t({"TIME (UTC)", "ID", "HOST", "RANK", "STEP", "PHASE", "KIND", "PATTERN", "CONF", "MICRO", "OUTCOME",
            "WORKLOAD"});
   for (const auto& i : incs)
-    t.AddRow({FormatTime(i.time_unix_ms), i.id, i.host, std::to_string(i.rank), std::to_string(i.step), i.phase,
-              i.kind, i.pattern, Conf(i.confidence),
-              std::to_string(i.micro_before) + "->" + std::to_string(i.micro_after), i.outcome, i.workload});
+    t.AddRow({FormatTime(i.time_unix_ms), i.id, i.host, std::to_string(i.rank), std::to_string(i.step),
+              std::string(PhaseName(i.phase)), std::string(IncidentKindName(i.kind)), i.pattern, Conf(i.confidence),
+              std::to_string(i.micro_before) + "->" + std::to_string(i.micro_after),
+              std::string(IncidentOutcomeName(i.outcome)), i.workload});
   t.Print(stdout, 40);
   if (t.size() == 0) std::printf("(no incidents)\n");
 }
@@ -123,7 +124,7 @@ void CmdShow(const KbArgs& a) {
   kv("run", i.run_id);
   kv("host / rank", i.host + " / " + std::to_string(i.rank) + " of " + std::to_string(i.world_size));
   kv("step", std::to_string(i.step) + " (micro-batch index " + std::to_string(i.micro_index) + ")");
-  kv("phase / kind", i.phase + " / " + i.kind);
+  kv("phase / kind", std::string(PhaseName(i.phase)) + " / " + std::string(IncidentKindName(i.kind)));
   kv("exception", i.exception_type);
   kv("message", i.message);
   kv("requested", FormatBytes(i.requested_bytes));
@@ -142,10 +143,10 @@ void CmdShow(const KbArgs& a) {
     kv("rank memory", "rank " + std::to_string(r.rank) + ": allocated " + FormatBytes(r.allocated) + ", reserved " +
                           FormatBytes(r.reserved) + ", peak " + FormatBytes(r.peak_allocated));
   std::string actions;
-  for (const auto& s : i.actions) actions += (actions.empty() ? "" : " -> ") + s;
-  kv("ladder", actions.empty() ? i.action : actions);
+  for (LadderAction s : i.actions) actions += (actions.empty() ? "" : " -> ") + std::string(LadderActionName(s));
+  kv("ladder", actions.empty() ? std::string(LadderActionName(i.action)) : actions);
   kv("micro-batch", std::to_string(i.micro_before) + " -> " + std::to_string(i.micro_after));
-  kv("outcome", i.outcome + " (" + Conf(i.recovery_ms) + " ms)");
+  kv("outcome", std::string(IncidentOutcomeName(i.outcome)) + " (" + Conf(i.recovery_ms) + " ms)");
   kv("workload", i.workload);
   if (!i.source.empty()) kv("source", i.source);
   if (!i.unknown.empty()) {
@@ -246,7 +247,8 @@ void CmdGroups(const KbArgs& a) {
   if (a.json) {
     json arr = json::array();
     for (const auto& g : out)
-      arr.push_back({{"fingerprint", g.fingerprint}, {"pattern", g.pattern}, {"kind", g.kind}, {"phase", g.phase},
+      arr.push_back({{"fingerprint", g.fingerprint}, {"pattern", g.pattern}, {"kind", IncidentKindName(g.kind)},
+                     {"phase", PhaseName(g.phase)},
                      {"workload", g.workload}, {"count", g.count}, {"runs", g.runs},
                      {"first_seen_unix_ms", g.first_seen_unix_ms}, {"last_seen_unix_ms", g.last_seen_unix_ms},
                      {"last_id", g.last_id}});
@@ -256,7 +258,8 @@ void CmdGroups(const KbArgs& a) {
   Table t({"FINGERPRINT", "PATTERN", "KIND", "PHASE", "WORKLOAD", "COUNT", "RUNS", "FIRST SEEN", "LAST SEEN",
            "LAST ID"});
   for (const auto& g : out)
-    t.AddRow({g.fingerprint, g.pattern, g.kind, g.phase, g.workload, std::to_string(g.count), std::to_string(g.runs),
+    t.AddRow({g.fingerprint, g.pattern, std::string(IncidentKindName(g.kind)), std::string(PhaseName(g.phase)),
+              g.workload, std::to_string(g.count), std::to_string(g.runs),
               FormatTime(g.first_seen_unix_ms), FormatTime(g.last_seen_unix_ms), g.last_id});
   t.Print(stdout);
   if (out.empty()) std::printf("(no incidents)\n");

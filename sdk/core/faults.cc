@@ -1,6 +1,6 @@
-// Fault injection: rule parsing, the active rule set and the fault points'
-// slow path. The fast path (FaultPoint) is inline in the header and only reads
-// internal::g_faults_armed.
+// Fault injection: rule parsing, the active rule set and the fault points.
+// FaultPoint's fast path only reads internal::g_faults_armed; the slow path
+// (FireFaults) runs when some rule is set.
 //
 // Concurrency design: the active rules live in an immutable-shape RuleSet
 // published through a shared_ptr. Writers (SetFaultRules, ClearFaultRules,
@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#include "oomguard/device.h"
+#include "oomguard/oom_error.h"
 #include "sdk/core/faults_internal.h"
 
 namespace oomguard {
@@ -431,6 +431,10 @@ void FireFaults(FaultSite site, const FaultContext& ctx) {
 }
 
 }  // namespace internal
+
+void FaultPoint(FaultSite site, const FaultContext& ctx) {
+  if (internal::g_faults_armed.load(std::memory_order_relaxed)) internal::FireFaults(site, ctx);
+}
 
 Status LoadFaultRulesFromEnv() {
   static std::once_flag once;

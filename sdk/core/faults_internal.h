@@ -3,9 +3,19 @@
 #ifndef OOMGUARD_SDK_CORE_FAULTS_INTERNAL_H_
 #define OOMGUARD_SDK_CORE_FAULTS_INTERNAL_H_
 
+#include <atomic>
+
+#include "oomguard/faults.h"
 #include "oomguard/status.h"
 
 namespace oomguard::internal {
+
+// True while some rule is set: FaultPoint's fast path reads only this.
+// Constant-initialised, so fault points in static initialisers see false.
+extern std::atomic<bool> g_faults_armed;
+
+// FaultPoint's slow path: evaluates the active rules at `site`.
+void FireFaults(FaultSite site, const FaultContext& ctx);
 
 // What LoadFaultRulesFromEnv does with the variable's value, minus the
 // once-per-process latch, so that tests can exercise it in-process.

@@ -31,19 +31,6 @@
 
 namespace oomguard {
 
-std::string_view PhaseName(Phase p) {
-  switch (p) {
-    case Phase::kUnknown: return "unknown";
-    case Phase::kData: return "data";
-    case Phase::kForward: return "forward";
-    case Phase::kBackward: return "backward";
-    case Phase::kOptimizer: return "optimizer";
-    case Phase::kCommit: return "commit";
-    case Phase::kCheckpoint: return "checkpoint";
-  }
-  return "unknown";
-}
-
 Guard::~Guard() = default;
 
 namespace guard_internal {
@@ -60,7 +47,10 @@ MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device, bool* at
     }
   } catch (...) {
   }
-  return device != nullptr ? device->Stats() : MemoryStats{};
+  if (device == nullptr) return MemoryStats{};
+  MemoryStats s = device->Stats();
+  if (at_failure != nullptr) *at_failure = s.total > 0;
+  return s;
 }
 
 bool IsCommunicatorFailure(std::string_view message) {
@@ -90,6 +80,18 @@ Status GuardImpl::ValidateRequest(const StepRequest& req) const {
         return Status::InvalidArgument("StepRequest.units[" + std::to_string(i) + "] is negative (" +
                                        std::to_string(req.units[i]) + ")");
   }
+  // A redo needs the reset hook. Found here, on the first step, rather than at
+  // the first OOM in backward or the first peer failure (in production, at
+  // the worst moment). A training step (apply or sync) accumulates gradients
+  // across micro-batches; with several ranks any step may be redone because
+  // another rank failed.
+  if (!req.reset && (req.apply || req.sync || coordinator_->size() > 1))
+    return Status::FailedPrecondition(
+        std::string("StepRequest.reset must be set: ") +
+        (coordinator_->size() > 1 ? "with " + std::to_string(coordinator_->size()) +
+                                        " ranks a step is redone when another rank fails"
+                                  : std::string("a step with apply or sync is redone after an OOM in backward")) +
+        ", and the redo must start from zeroed gradients");
   return Status::Ok();
 }
 
@@ -120,7 +122,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   rep.step = step_;
   rep.checkpoint_step = committed_step_;
   Run run(req, rep);
-  run.reset = req.reset ? req.reset : reset_;
+  run.reset = req.reset;
   if (Device* device = options_.device; device != nullptr) {
     device->ResetPeak();
     // The room this step starts with, before it is planned: another
@@ -267,9 +269,10 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   MemoryStats before = StatsAtFailure(error, device, &at_failure);
   // What the size controller learns from an OOM inside a micro-batch: what
   // it had allocated on top of its base when the request failed (not from
-  // injected faults, which say nothing about memory).
+  // injected faults, which say nothing about memory, nor from a host OOM,
+  // which says nothing about the device's).
   std::optional<MicroBatchMemory> figures;
-  if (device != nullptr && at_failure && !info.injected && info.requested_bytes > 0 && before.total > 0 &&
+  if (device != nullptr && at_failure && !info.injected && info.kind == OomKind::kDevice && info.requested_bytes > 0 && before.total > 0 &&
       where == Where::kLocal && run.pos < run.plan.size() && run.mem_base >= 0) {
     figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes,
                                before.reserved + before.free};
@@ -288,18 +291,18 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   const int64_t free_before = device != nullptr ? device->Stats().free : 0;
   const double user_ms = ReleaseCaches();
   ++rep.cache_releases;
-  inc.actions.emplace_back(LadderActionName(LadderAction::kRelease));
+  inc.actions.push_back(LadderAction::kRelease);
 
   // Completed micro-batches survive an OOM before backward; otherwise the
   // gradients may hold part of the failed micro-batch.
   const bool keep = where == Where::kLocal && (phase == Phase::kData || phase == Phase::kForward) &&
                     run.pos < run.plan.size();
   if (!keep && !run.reset) {
-    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
+    inc.action = LadderAction::kGiveUp;
     run.failure = Status::FailedPrecondition(
         "OOM in phase '" + std::string(PhaseName(phase)) + "' at step " + std::to_string(step_) +
-        " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset "
-        "or Guard::SetResetHook); incident " + inc.id);
+        " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset); "
+        "incident " + inc.id);
     inc.micro_after = EffectiveLimit(run.req);
     RecordIncident(run, std::move(inc));
     run.local = Local::kFailed;
@@ -325,29 +328,30 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
              failed.size > 1) {
     // (A lone sample cannot be split, whatever its cost: it escalates.)
     action = LadderAction::kHalve;
-    inc.actions.emplace_back(LadderActionName(action));
+    inc.actions.push_back(action);
   } else if (store != nullptr && (store->SnapshotStep() || !store->DurableSteps().empty())) {
     // Whether every rank holds a common step is decided together, in Rollback.
     action = LadderAction::kRollback;
-    inc.actions.emplace_back(LadderActionName(action));
+    inc.actions.push_back(action);
   } else {
     action = LadderAction::kGiveUp;
   }
-  inc.action = std::string(LadderActionName(action));
+  inc.action = action;
   inc.micro_after = EffectiveLimit(run.req);
 
   Logger()->warn("OOM ({}) in {} at step {} micro-batch {}/{} (size {}): requested {}, allocated {}, "
                  "reserved {}; released caches; {} -> micro-batch {}",
-                 inc.kind, inc.phase, step_, failed.index + 1, failed.count, failed.cost,
+                 IncidentKindName(inc.kind), PhaseName(inc.phase), step_, failed.index + 1, failed.count, failed.cost,
                  FormatBytes(info.requested_bytes), FormatBytes(before.allocated), FormatBytes(before.reserved),
-                 inc.action, inc.micro_after);
+                 LadderActionName(inc.action), inc.micro_after);
   rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
 
   if (action == LadderAction::kGiveUp || action == LadderAction::kRollback) {
     if (action == LadderAction::kGiveUp) {
       const bool bounded = rep.ooms > options_.max_ooms_per_step;
       run.failure = Status::ResourceExhausted(
-          "out of memory at step " + std::to_string(step_) + " in phase '" + inc.phase + "' (" + inc.kind +
+          "out of memory at step " + std::to_string(step_) + " in phase '" + std::string(PhaseName(inc.phase)) + "' (" +
+          std::string(IncidentKindName(inc.kind)) +
           ", requested " + FormatBytes(info.requested_bytes) + ") " +
           (bounded ? "after " + std::to_string(rep.ooms - 1) + " OOMs in one step (max_ooms_per_step)"
            : failed.size == 1 && failed.cost > options_.min_micro_batch
@@ -404,15 +408,16 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   steps_ok_since_oom_ = 0;
   const double user_ms = ReleaseCaches();
   ++run.rep.cache_releases;
-  inc.actions.emplace_back(LadderActionName(LadderAction::kRelease));
+  inc.actions.push_back(LadderAction::kRelease);
   // Parameters may be half-updated: only a restore can put them back. The redo
   // runs at a smaller micro-batch, freeing room for optimizer state.
   controller_.OnOom(std::max<int64_t>(run.largest, options_.min_micro_batch));
   inc.micro_after = EffectiveLimit(run.req);
-  inc.action = std::string(LadderActionName(LadderAction::kRollback));
-  inc.actions.emplace_back(inc.action);
+  inc.action = LadderAction::kRollback;
+  inc.actions.push_back(inc.action);
   run.rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);
-  Logger()->warn("OOM ({}) in the optimizer apply at step {}: parameters may be half-updated", inc.kind, step_);
+  Logger()->warn("OOM ({}) in the optimizer apply at step {}: parameters may be half-updated",
+                 IncidentKindName(inc.kind), step_);
   RecordIncident(run, std::move(inc));
 }
 

@@ -106,7 +106,7 @@ State GuardImpl::Sync(Run& run) {
       run.local = Local::kFailed;
       run.failure = Status::FailedPrecondition(
           "another rank ran out of memory in the gradient sync of step " + std::to_string(step_) +
-          ": the step must be redone, and no reset hook is set (StepRequest.reset or Guard::SetResetHook)");
+          ": the step must be redone, and no reset hook is set (StepRequest.reset)");
       return State::kLocal;
     }
     if (Reset(run) && run.local == Local::kOk && !mine.oom) PlanAnew(run);
@@ -241,9 +241,9 @@ State GuardImpl::EndCoordination(Run& run, const Status& why) {
     none.index = -1;
     Incident inc = NewIncident(info, options_.device != nullptr ? options_.device->Stats() : MemoryStats{}, none,
                                run.req);
-    inc.kind = "coordination";
-    inc.phase = "vote";
-    inc.action = std::string(LadderActionName(LadderAction::kGiveUp));
+    inc.kind = IncidentKind::kCoordination;
+    inc.phase = Phase::kComm;
+    inc.action = LadderAction::kGiveUp;
     RecordIncident(run, std::move(inc));
     Logger()->error("coordination failed at step {}: {}; exit with code {} so that the launcher restarts every rank",
                     step_, why.ToString(), kExitCoordinationTimeout);

@@ -35,6 +35,7 @@
 #include "oomguard/size_controller.h"
 #include "sdk/core/format.h"
 #include "sdk/core/ids.h"
+#include "sdk/memory/incident_kind.h"
 #include "sdk/guard/step_protocol.h"
 
 namespace oomguard::guard_internal {
@@ -47,8 +48,12 @@ inline double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-// The memory figures at the moment of failure when the exception carries them
-// (the SDK's own error; *at_failure true), otherwise what the device says now.
+// The memory figures at the moment of failure: the exception's when it
+// carries them (the SDK's own error), otherwise what the device says now,
+// while the exception (and, from Python, the frames its traceback holds) is
+// still alive. *at_failure is true either way when there are figures; from
+// the device they may miss what unwinding already freed, so allocated plus
+// the request is a lower bound of what the micro-batch needed.
 MemoryStats StatsAtFailure(const std::exception_ptr& e, Device* device, bool* at_failure = nullptr);
 
 // Fault sites that MarkPhase arms, one per phase (unknown/data/checkpoint have none).
@@ -89,7 +94,7 @@ struct Run {
   const StepRequest& req;
   StepReport& rep;
   Clock::time_point started = Clock::now();
-  std::function<void()> reset;         // the request's or the guard's hook
+  std::function<void()> reset;         // the request's hook
   std::vector<int64_t> unit_prefix;    // prefix sums of req.units (empty: one per sample)
   int64_t local_units = 0;
   std::vector<MicroBatch> plan;
@@ -173,7 +178,6 @@ class GuardImpl final : public Guard {
     phase_ = phase;
     if (auto site = SiteOfPhase(phase)) FaultPoint(*site, fault_ctx_);
   }
-  void SetResetHook(std::function<void()> reset) override { reset_ = std::move(reset); }
   void AddCacheReleaser(std::string name, std::function<void()> release) override {
     releasers_.emplace_back(std::move(name), std::move(release));
   }
@@ -321,8 +325,8 @@ class GuardImpl final : public Guard {
     inc.world_size = coordinator_->size();
     inc.step = step_;
     inc.micro_index = mb.index;
-    inc.phase = std::string(PhaseName(phase_));
-    inc.kind = std::string(OomKindName(info.kind));
+    inc.phase = phase_;
+    inc.kind = internal::IncidentKindOf(info.kind);
     inc.exception_type = info.exception_type;
     inc.message = info.message;
     inc.requested_bytes = info.requested_bytes;
@@ -341,7 +345,7 @@ class GuardImpl final : public Guard {
     inc.micro_before = mb.cost;
     inc.workload = options_.workload;
     inc.injected = info.injected;
-    inc.outcome = std::string(IncidentOutcomeName(IncidentOutcome::kPending));
+    inc.outcome = IncidentOutcome::kPending;
     return inc;
   }
 
@@ -359,8 +363,8 @@ class GuardImpl final : public Guard {
 
   void FinishIncidents(std::vector<Incident>& incs, IncidentOutcome outcome) {
     for (auto& inc : incs) {
-      if (inc.outcome != IncidentOutcomeName(IncidentOutcome::kPending)) continue;
-      inc.outcome = std::string(IncidentOutcomeName(outcome));
+      if (inc.outcome != IncidentOutcome::kPending) continue;
+      inc.outcome = outcome;
       if (options_.incidents != nullptr) {
         try {
           options_.incidents->UpdateOutcome(inc);
@@ -399,7 +403,6 @@ class GuardImpl final : public Guard {
   std::unique_ptr<Coordinator> own_coordinator_;
   Coordinator* coordinator_ = nullptr;
   internal::StepChannel channel_;
-  std::function<void()> reset_;
   std::vector<std::pair<std::string, std::function<void()>>> releasers_;
   int64_t step_ = 0;
   Phase phase_ = Phase::kUnknown;

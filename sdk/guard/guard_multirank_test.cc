@@ -1,5 +1,7 @@
 // The multi-rank step protocol of the guard, with ranks as threads
-// (ThreadGroup) and a recovery store that records what it is asked.
+// (ThreadGroup) and a recovery store that records what it is asked. Over 500
+// lines: the MultiRank fixture (threads, per-rank stores and reports) is
+// shared by every case.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -184,7 +186,7 @@ TEST_F(MultiRank, OomAtCommitOrSyncOnOneRankRedoesTheStepOnEveryRank) {
       EXPECT_DOUBLE_EQ(ranks_[r]->synced, 2.5) << "the redo's sum has no trace of the failed one";
     }
     EXPECT_EQ(ranks_[3]->reports[1].ooms, 1);
-    EXPECT_EQ(ranks_[3]->reports[1].incidents.at(0).phase, "commit");
+    EXPECT_EQ(ranks_[3]->reports[1].incidents.at(0).phase, Phase::kCommit);
   }
 }
 
@@ -296,6 +298,7 @@ TEST_F(MultiRank, BadRequestOnOneRankStopsEveryRankWithoutWaiting) {
       StepRequest req;
       req.samples = r == 1 ? 0 : 8;  // rank 1's request is invalid
       req.micro = [](const MicroBatch&) {};
+      req.reset = [] {};
       got[r] = ranks_[r]->guard->Step(req);
     });
   }
@@ -307,6 +310,30 @@ TEST_F(MultiRank, BadRequestOnOneRankStopsEveryRankWithoutWaiting) {
     EXPECT_NE(got[r].message().find("rank 1 stopped"), std::string::npos) << got[r];
     EXPECT_NE(got[r].message().find("samples must be >= 1"), std::string::npos) << got[r];
   }
+}
+
+// With several ranks any step may be redone (another rank failed), so a
+// missing reset hook is refused on entry even without apply or sync, and the
+// other ranks hear of it at once.
+TEST_F(MultiRank, MissingResetHookOnOneRankIsRefusedOnEntry) {
+  GuardOptions o;
+  o.vote_deadline_ms = 30000;
+  Make(2, o);
+  std::vector<std::thread> threads;
+  std::vector<Status> got(2);
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      StepRequest req;
+      req.samples = 4;
+      req.micro = [](const MicroBatch&) {};
+      if (r == 0) req.reset = [] {};
+      got[r] = ranks_[r]->guard->Step(req);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(got[1].code(), StatusCode::kFailedPrecondition) << got[1];
+  EXPECT_NE(got[1].message().find("StepRequest.reset must be set"), std::string::npos) << got[1];
+  EXPECT_EQ(got[0].code(), StatusCode::kCancelled) << got[0];
 }
 
 TEST_F(MultiRank, OomAtMinimumRollsEveryRankBackToTheSameStep) {
@@ -519,8 +546,8 @@ TEST_F(MultiRank, SilentRankTurnsIntoUnavailableWithAnIncident) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(got[r].code(), StatusCode::kUnavailable) << got[r];
     ASSERT_EQ(reps[r].incidents.size(), 1u);
-    EXPECT_EQ(reps[r].incidents[0].kind, "coordination");
-    EXPECT_EQ(reps[r].incidents[0].outcome, "failed");
+    EXPECT_EQ(reps[r].incidents[0].kind, IncidentKind::kCoordination);
+    EXPECT_EQ(reps[r].incidents[0].outcome, IncidentOutcome::kFailed);
   }
 }
 

@@ -1,3 +1,7 @@
+// Guard::Step on one rank: the ladder (release, halve, rollback, give up),
+// phases, the reset hook, user exceptions, the plan and the limit, against
+// a recording RecoveryStore and IncidentSink. Over 500 lines: one fixture
+// and its helpers serve every case, and splitting them would copy both.
 #include "oomguard/guard.h"
 
 #include <gtest/gtest.h>
@@ -129,18 +133,18 @@ TEST_F(FaultsCleared, OomInBackwardResetsAndRedoesTheStep) {
   EXPECT_EQ(rep.micro_batches, 4);
   ASSERT_EQ(rep.incidents.size(), 1u);
   const Incident& inc = rep.incidents[0];
-  EXPECT_EQ(inc.phase, "backward");
-  EXPECT_EQ(inc.kind, "device");
-  EXPECT_EQ(inc.action, "halve");
-  EXPECT_EQ(inc.outcome, "recovered");
+  EXPECT_EQ(inc.phase, Phase::kBackward);
+  EXPECT_EQ(inc.kind, IncidentKind::kDevice);
+  EXPECT_EQ(inc.action, LadderAction::kHalve);
+  EXPECT_EQ(inc.outcome, IncidentOutcome::kRecovered);
   EXPECT_EQ(inc.micro_before, 32);
   EXPECT_EQ(inc.micro_after, 16);
   EXPECT_TRUE(inc.injected);
   EXPECT_EQ(inc.id.size(), 16u);
   ASSERT_EQ(sink.recorded.size(), 1u);
-  EXPECT_EQ(sink.recorded[0].outcome, "pending");
+  EXPECT_EQ(sink.recorded[0].outcome, IncidentOutcome::kPending);
   ASSERT_EQ(sink.updated.size(), 1u);
-  EXPECT_EQ(sink.updated[0].outcome, "recovered");
+  EXPECT_EQ(sink.updated[0].outcome, IncidentOutcome::kRecovered);
   EXPECT_EQ(sink.updated[0].id, inc.id);
 }
 
@@ -167,15 +171,41 @@ TEST_F(FaultsCleared, OomInForwardKeepsCompletedMicroBatches) {
 }
 
 TEST_F(FaultsCleared, BackwardOomWithoutResetHookIsAPreconditionError) {
+  // A step without apply or sync on one rank may leave out the hook; an OOM
+  // in backward then cannot be redone.
   ASSERT_TRUE(SetFaultRules("oom@site=backward").ok());
+  auto g = MakeGuard(GuardOptions{});
+  Accumulator acc;
+  StepRequest r = Request(g.get(), &acc, 8);
+  r.reset = nullptr;
+  r.apply = nullptr;
+  Status s = g->Step(r);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("reset hook"), std::string::npos);
+  EXPECT_EQ(acc.commits, 0);
+}
+
+TEST_F(FaultsCleared, TrainingStepWithoutResetHookIsRefusedOnEntry) {
+  // No OOM happens: the missing hook is found before any micro-batch runs,
+  // not at the first OOM in backward.
   auto g = MakeGuard(GuardOptions{});
   Accumulator acc;
   StepRequest r = Request(g.get(), &acc, 8);
   r.reset = nullptr;
   Status s = g->Step(r);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
-  EXPECT_NE(s.message().find("reset hook"), std::string::npos);
+  EXPECT_NE(s.message().find("StepRequest.reset must be set"), std::string::npos) << s;
   EXPECT_EQ(acc.commits, 0);
+  EXPECT_TRUE(acc.kept.empty()) << "no micro-batch ran";
+  EXPECT_EQ(g->step(), 0);
+  r.reset = [&acc] { acc.kept.clear(); };
+  EXPECT_TRUE(g->Step(r).ok()) << "the same request with a hook runs";
+  StepRequest sync_only = Request(g.get(), &acc, 8);
+  sync_only.reset = nullptr;
+  sync_only.apply = nullptr;
+  double grad = 0;
+  sync_only.sync = [&grad] { return std::vector<SumBuffer>{SumBuffer::Host(&grad, 1)}; };
+  EXPECT_EQ(g->Step(sync_only).code(), StatusCode::kFailedPrecondition) << "sync alone also accumulates";
 }
 
 TEST_F(FaultsCleared, OomAtMinimumGivesUpNamingTheIncident) {
@@ -191,8 +221,8 @@ TEST_F(FaultsCleared, OomAtMinimumGivesUpNamingTheIncident) {
   ASSERT_FALSE(rep.incidents.empty());
   EXPECT_NE(s.message().find(rep.incidents.back().id), std::string::npos);
   EXPECT_NE(s.message().find("remedies"), std::string::npos);
-  EXPECT_EQ(rep.incidents.back().action, "give_up");
-  EXPECT_EQ(rep.incidents.back().outcome, "failed");
+  EXPECT_EQ(rep.incidents.back().action, LadderAction::kGiveUp);
+  EXPECT_EQ(rep.incidents.back().outcome, IncidentOutcome::kFailed);
   EXPECT_EQ(rep.ooms, 3);  // 8 -> 4 -> 2 -> give up
   EXPECT_EQ(acc.commits, 0);
   EXPECT_EQ(g->step(), 0) << "a failed step does not advance";
@@ -215,7 +245,7 @@ TEST_F(FaultsCleared, OomAtMinimumRollsBackWithARecoveryStore) {
   EXPECT_EQ(*rep.rolled_back_to, 3);
   EXPECT_EQ(g->step(), 4);
   EXPECT_EQ(rec.restores, 1);
-  EXPECT_EQ(rep.incidents.back().outcome, "rolled_back");
+  EXPECT_EQ(rep.incidents.back().outcome, IncidentOutcome::kRolledBack);
   EXPECT_EQ(g->micro_limit(), 1) << "resume at the reduced size";
 }
 
@@ -247,7 +277,7 @@ TEST_F(FaultsCleared, OomInCommitRollsBackFromSnapshotOrGivesUp) {
   EXPECT_EQ(rep.rolled_back_to, 1);
   EXPECT_EQ(g->step(), 2);
   EXPECT_EQ(g->micro_limit(), 4) << "the redo runs at a smaller micro-batch";
-  EXPECT_EQ(rep.incidents.at(0).phase, "optimizer");
+  EXPECT_EQ(rep.incidents.at(0).phase, Phase::kOptimizer);
 }
 
 struct MyError : std::runtime_error {
@@ -262,6 +292,7 @@ TEST_F(FaultsCleared, NonOomExceptionPassesThroughUnchanged) {
   EXPECT_THROW((void)g->Step(r), MyError);
   r.micro = [](const MicroBatch&) {};
   r.apply = [] { throw 42; };
+  r.reset = [] {};
   EXPECT_THROW((void)g->Step(r), int);
 }
 
@@ -421,7 +452,7 @@ TEST_F(FaultsCleared, ReleaseThatFreesMemoryRetriesAtTheSameSize) {
   StepReport rep;
   ASSERT_TRUE(g->Step(Request(g.get(), &acc, 64), &rep).ok());
   ASSERT_EQ(rep.incidents.size(), 1u);
-  EXPECT_EQ(rep.incidents[0].action, "release");
+  EXPECT_EQ(rep.incidents[0].action, LadderAction::kRelease);
   EXPECT_EQ(rep.limit_after, 32);
   ExpectEachSampleOnce(acc, 64);
 }

@@ -64,8 +64,9 @@ Facts BuildFacts(const Incident& inc) {
   // Guard incidents carry short messages and no context: the text reading is cheap then.
   f.cues = kb::AnalyzeText(inc.context, inc.message);
   f.fig = internal::ParseOomFigures(inc.message);
-  f.kind = inc.kind;
-  if (f.kind.empty()) {
+  if (inc.kind != IncidentKind::kUnknown) {
+    f.kind = std::string(IncidentKindName(inc.kind));
+  } else {
     OomKind k = ClassifyMessage(inc.message).kind;
     if (k != OomKind::kNone) f.kind = std::string(OomKindName(k));
   }
@@ -91,10 +92,10 @@ Facts BuildFacts(const Incident& inc) {
   }
   if (IsKnown(inc, "step")) f.step = inc.step;
   if (IsKnown(inc, "steps_ok_before")) f.steps_ok_before = inc.steps_ok_before;
-  if (!inc.phase.empty() && inc.phase != "unknown") {
-    f.phase = inc.phase;
+  if (inc.phase != Phase::kUnknown) {
+    f.phase = std::string(PhaseName(inc.phase));
     f.phase_recorded = inc.context.empty();
-    f.phase_why = f.cues.phase == inc.phase ? f.cues.phase_why : "recorded phase '" + inc.phase + "'";
+    f.phase_why = f.cues.phase == f.phase ? f.cues.phase_why : "recorded phase '" + f.phase + "'";
   } else {
     f.phase = f.cues.phase;
     f.phase_why = f.cues.phase_why;
@@ -218,9 +219,10 @@ std::string IncidentFingerprint(const Incident& inc) {
   int bucket = -1;
   if (inc.requested_bytes > 0) bucket = 63 - __builtin_clzll(static_cast<unsigned long long>(inc.requested_bytes));
   std::string key = "oomguard-group/1";
-  for (const std::string* s : {&inc.pattern, &inc.kind, &inc.phase, &inc.workload}) {
+  for (std::string_view s : {std::string_view(inc.pattern), IncidentKindName(inc.kind), PhaseName(inc.phase),
+                             std::string_view(inc.workload)}) {
     key.push_back('\0');
-    key += *s;
+    key += s;
   }
   key.push_back('\0');
   key += std::to_string(bucket);

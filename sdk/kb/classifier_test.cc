@@ -13,8 +13,8 @@ constexpr int64_t kGiB = int64_t{1} << 30;
 Incident Base() {
   Incident i;
   i.id = "t";
-  i.kind = "device";
-  i.phase = "forward";
+  i.kind = IncidentKind::kDevice;
+  i.phase = Phase::kForward;
   i.step = 100;
   i.steps_ok_before = 50;
   i.memory.total = 16 * kGiB;
@@ -31,7 +31,7 @@ Incident Imported(std::string message, std::string context = "") {
   i.id = "imported";
   i.message = std::move(message);
   i.context = std::move(context);
-  i.phase = "unknown";
+  i.phase = Phase::kUnknown;
   i.unknown = {"step", "steps_ok_before", "rank"};
   return i;
 }
@@ -66,7 +66,7 @@ TEST(ClassifierTest, FirstStepIsStartupCapacity) {
   i.step = 0;
   i.steps_ok_before = 0;
   EXPECT_EQ(ClassifyIncident(i).pattern, "startup_capacity");
-  i.phase = "optimizer";  // the first optimizer step is the more specific rule
+  i.phase = Phase::kOptimizer;  // the first optimizer step is the more specific rule
   EXPECT_EQ(ClassifyIncident(i).pattern, "optimizer_state");
 }
 
@@ -189,8 +189,8 @@ TEST(ClassifierTest, RankImbalanceFromRankFigures) {
 
 TEST(ClassifierTest, MessageFillsMissingFigures) {
   Incident i;
-  i.kind = "device";
-  i.phase = "forward";
+  i.kind = IncidentKind::kDevice;
+  i.phase = Phase::kForward;
   i.steps_ok_before = 3;
   i.step = 4;
   i.message =
@@ -289,7 +289,7 @@ TEST(ClassifierTest, HostMemoryInOrOutsideTheDataPipeline) {
   EXPECT_EQ(c.pattern, "host_memory");
   EXPECT_LE(c.confidence, 0.5);  // nothing says where the memory went
   Incident killed = Imported("Killed", "Loading checkpoint shards:  38%|###       | 3/8 [00:02<00:03]Killed\n");
-  killed.kind = "host";  // the importer's reading of a bare "Killed"
+  killed.kind = IncidentKind::kHost;  // the importer's reading of a bare "Killed"
   c = ClassifyIncident(killed);
   EXPECT_EQ(c.pattern, "host_memory");
   EXPECT_GE(c.confidence, 0.7);
@@ -297,7 +297,7 @@ TEST(ClassifierTest, HostMemoryInOrOutsideTheDataPipeline) {
 
 TEST(ClassifierTest, NcclOutOfMemoryIsForeignMemory) {
   Incident i = Imported("ng30903:3063028:3066152 [3] include/alloc.h:178 NCCL WARN Cuda failure 'out of memory'");
-  i.kind = "device";
+  i.kind = IncidentKind::kDevice;
   EXPECT_EQ(ClassifyIncident(i).pattern, "foreign_memory");
 }
 

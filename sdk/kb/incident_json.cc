@@ -1,6 +1,6 @@
-// JSON exchange format of Incident. Parsing is defensive: the input may come
-// from other tools or be hostile, so every field is type-checked and bounded,
-// and nothing throws past this file.
+// JSON exchange format of Incident, and the stored form of SizeModel. Parsing
+// is defensive: the input may come from other tools or be hostile, so every
+// field is type-checked and bounded, and nothing throws past this file.
 #include <xxhash.h>
 
 #include <cinttypes>
@@ -8,8 +8,13 @@
 #include <cstdio>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "oomguard/knowledge_base.h"
+#include "sdk/kb/store.h"
 
 namespace oomguard {
 namespace {
@@ -29,6 +34,17 @@ json MemoryToJson(const MemoryStats& m) {
               {"inactive_split", m.inactive_split},
               {"num_alloc_retries", m.num_alloc_retries},
               {"num_ooms", m.num_ooms}};
+}
+
+// "data, forward, ...": every name of an incident enum. Their enumerators
+// are dense from 0, and a name function maps an out-of-range value to the
+// first enumerator's name, which ends the walk.
+template <typename E>
+std::string Vocabulary(std::string_view (*name)(E)) {
+  std::string out(name(static_cast<E>(0)));
+  for (int i = 1; i < 64 && name(static_cast<E>(i)) != name(static_cast<E>(0)); ++i)
+    out += ", " + std::string(name(static_cast<E>(i)));
+  return out;
 }
 
 // Reads fields of one JSON object into typed destinations; the first error wins
@@ -141,6 +157,37 @@ class FieldReader {
       out->push_back(e.get<std::string>());
     }
   }
+  // A value of a fixed vocabulary (incident.h). Absent or "": the field keeps
+  // its default (unknown); any other string outside the vocabulary is an
+  // error that lists it. `name` and `parse` are the enum's name functions.
+  template <typename E>
+  void Enum(const char* key, std::string_view (*name)(E), std::optional<E> (*parse)(std::string_view), E* out) {
+    std::string s;
+    String(key, &s);
+    if (!error_->ok() || s.empty()) return;
+    if (std::optional<E> e = parse(s)) {
+      *out = *e;
+      return;
+    }
+    Fail(key, "is '" + s.substr(0, 64) + "', not one of " + Vocabulary(name));
+  }
+  template <typename E>
+  void EnumArray(const char* key, std::string_view (*name)(E), std::optional<E> (*parse)(std::string_view),
+                 std::vector<E>* out) {
+    std::vector<std::string> names;
+    StringArray(key, &names);
+    if (!error_->ok()) return;
+    out->clear();
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::optional<E> e = parse(names[i]);
+      if (!e) {
+        const std::string element = std::string(key) + "[" + std::to_string(i) + "]";
+        Fail(element.c_str(), "is '" + names[i].substr(0, 64) + "', not one of " + Vocabulary(name));
+        return;
+      }
+      out->push_back(*e);
+    }
+  }
   std::string Path(const char* key) const { return prefix_ + key; }
   bool Present(const char* key) const {
     auto it = obj_.find(key);
@@ -189,11 +236,45 @@ std::string Hex16(uint64_t h) {
 
 }  // namespace
 
-bool IsKnown(const Incident& incident, std::string_view field) {
-  for (const std::string& u : incident.unknown)
-    if (u == field) return false;
-  return true;
+namespace kb {
+
+std::optional<Phase> ParseStoredPhase(std::string_view name) {
+  if (name == "vote") return Phase::kComm;
+  return ParsePhase(name);
 }
+
+
+std::string SizeModelToJson(const SizeModel& m) {
+  return nlohmann::json{{"fixed_bytes", m.fixed_bytes},
+                        {"unit_bytes", m.unit_bytes},
+                        {"overhead_bytes", m.overhead_bytes},
+                        {"overhead", m.overhead},
+                        {"overhead_too_small", m.overhead_too_small},
+                        {"noise_bytes", m.noise_bytes}}
+      .dump();
+}
+
+std::optional<SizeModel> SizeModelFromJson(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return std::nullopt;
+  SizeModel m;
+  auto field = [&](const char* key, double* out) {
+    auto it = j.find(key);
+    if (it == j.end()) return true;  // fields added later default to 0
+    if (!it->is_number()) return false;
+    *out = it->get<double>();
+    return std::isfinite(*out) && *out >= 0;
+  };
+  if (!field("fixed_bytes", &m.fixed_bytes) || !field("unit_bytes", &m.unit_bytes) ||
+      !field("overhead_bytes", &m.overhead_bytes) || !field("overhead", &m.overhead) ||
+      !field("overhead_too_small", &m.overhead_too_small) || !field("noise_bytes", &m.noise_bytes) ||
+      !(m.unit_bytes > 0)) {
+    return std::nullopt;
+  }
+  return m;
+}
+
+}  // namespace kb
 
 std::string IncidentToJson(const Incident& inc) {
   json ranks = json::array();
@@ -201,6 +282,8 @@ std::string IncidentToJson(const Incident& inc) {
     ranks.push_back(
         {{"rank", r.rank}, {"allocated", r.allocated}, {"reserved", r.reserved}, {"peak_allocated", r.peak_allocated}});
   }
+  json actions = json::array();
+  for (LadderAction a : inc.actions) actions.push_back(LadderActionName(a));
   json j = {{"id", inc.id},
             {"run_id", inc.run_id},
             {"time_unix_ms", inc.time_unix_ms},
@@ -209,8 +292,8 @@ std::string IncidentToJson(const Incident& inc) {
             {"world_size", inc.world_size},
             {"step", inc.step},
             {"micro_index", inc.micro_index},
-            {"phase", inc.phase},
-            {"kind", inc.kind},
+            {"phase", PhaseName(inc.phase)},
+            {"kind", IncidentKindName(inc.kind)},
             {"exception_type", inc.exception_type},
             {"message", inc.message},
             {"requested_bytes", inc.requested_bytes},
@@ -220,9 +303,9 @@ std::string IncidentToJson(const Incident& inc) {
             {"ranks", ranks},
             {"micro_before", inc.micro_before},
             {"micro_after", inc.micro_after},
-            {"action", inc.action},
-            {"actions", inc.actions},
-            {"outcome", inc.outcome},
+            {"action", LadderActionName(inc.action)},
+            {"actions", actions},
+            {"outcome", IncidentOutcomeName(inc.outcome)},
             {"recovery_ms", inc.recovery_ms},
             {"workload", inc.workload},
             {"injected", inc.injected},
@@ -262,8 +345,8 @@ StatusOr<Incident> IncidentFromJson(std::string_view text) {
     r.Int("step", &inc.step);
     bool history_known = false;
     r.Int("micro_index", &inc.micro_index);
-    r.String("phase", &inc.phase);
-    r.String("kind", &inc.kind);
+    r.Enum("phase", PhaseName, kb::ParseStoredPhase, &inc.phase);
+    r.Enum("kind", IncidentKindName, ParseIncidentKind, &inc.kind);
     r.String("exception_type", &inc.exception_type);
     r.String("message", &inc.message);
     r.Int("requested_bytes", &inc.requested_bytes);
@@ -312,9 +395,9 @@ StatusOr<Incident> IncidentFromJson(std::string_view text) {
     }
     r.Int("micro_before", &inc.micro_before);
     r.Int("micro_after", &inc.micro_after);
-    r.String("action", &inc.action);
-    r.StringArray("actions", &inc.actions);
-    r.String("outcome", &inc.outcome);
+    r.Enum("action", LadderActionName, ParseLadderAction, &inc.action);
+    r.EnumArray("actions", LadderActionName, ParseLadderAction, &inc.actions);
+    r.Enum("outcome", IncidentOutcomeName, ParseIncidentOutcome, &inc.outcome);
     r.Double("recovery_ms", &inc.recovery_ms);
     r.String("workload", &inc.workload);
     r.Bool("injected", &inc.injected);

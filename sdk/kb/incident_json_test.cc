@@ -15,8 +15,8 @@ TEST(IncidentJsonTest, RoundTripKeepsEveryField) {
   i.world_size = 4;
   i.step = 77;
   i.micro_index = 2;
-  i.phase = "backward";
-  i.kind = "device";
+  i.phase = Phase::kBackward;
+  i.kind = IncidentKind::kDevice;
   i.exception_type = "oomguard::DeviceOomError";
   i.message = "line\nwith \"quotes\"";
   i.requested_bytes = int64_t{5} << 32;
@@ -28,9 +28,9 @@ TEST(IncidentJsonTest, RoundTripKeepsEveryField) {
   i.ranks = {{0, 1, 2, 3}, {1, 4, 5, 6}};
   i.micro_before = 64;
   i.micro_after = 32;
-  i.action = "halve";
-  i.actions = {"release", "halve"};
-  i.outcome = "recovered";
+  i.action = LadderAction::kHalve;
+  i.actions = {LadderAction::kRelease, LadderAction::kHalve};
+  i.outcome = IncidentOutcome::kRecovered;
   i.recovery_ms = 0.25;
   i.workload = "w";
   i.injected = true;
@@ -76,11 +76,38 @@ TEST(IncidentJsonTest, AbsentFieldsOfOtherToolsAreUnknownNotZero) {
 TEST(IncidentJsonTest, MissingFieldsKeepDefaultsAndIdIsDerived) {
   auto a = IncidentFromJson(R"({"phase":"forward"})");
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_EQ(a->phase, "forward");
+  EXPECT_EQ(a->phase, Phase::kForward);
   EXPECT_EQ(a->id.size(), 16u);
   auto b = IncidentFromJson(R"({"phase":"forward"})");
   EXPECT_EQ(a->id, b->id);  // re-importing the same line gives the same id
   EXPECT_EQ(a->world_size, 1);
+}
+
+// The vocabulary fields travel as their names; absent or "" is the unknown
+// value, and "vote" (what earlier builds wrote for a coordination failure)
+// still reads, as the collective phase it was.
+TEST(IncidentJsonTest, VocabularyTravelsAsNames) {
+  Incident i;
+  i.phase = Phase::kComm;
+  i.kind = IncidentKind::kCoordination;
+  i.action = LadderAction::kGiveUp;
+  i.actions = {LadderAction::kRelease, LadderAction::kRollback};
+  i.outcome = IncidentOutcome::kRolledBack;
+  const std::string text = IncidentToJson(i);
+  for (const char* name : {R"("phase":"comm")", R"("kind":"coordination")", R"("action":"give_up")",
+                           R"("actions":["release","rollback"])", R"("outcome":"rolled_back")"})
+    EXPECT_NE(text.find(name), std::string::npos) << name << " in " << text;
+
+  auto blank = IncidentFromJson(R"({"phase":"","kind":"","action":"","outcome":""})");
+  ASSERT_TRUE(blank.ok()) << blank.status();
+  EXPECT_EQ(blank->phase, Phase::kUnknown);
+  EXPECT_EQ(blank->kind, IncidentKind::kUnknown);
+  EXPECT_EQ(blank->action, LadderAction::kNone);
+  EXPECT_EQ(blank->outcome, IncidentOutcome::kUnknown);
+
+  auto old = IncidentFromJson(R"({"phase":"vote","kind":"coordination"})");
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(old->phase, Phase::kComm);
 }
 
 TEST(IncidentJsonTest, AcceptsTorchMemoryStatsKeysAndWholeFloats) {
@@ -104,6 +131,12 @@ TEST(IncidentJsonTest, BadInputNamesTheField) {
       {R"({"requested_bytes":1.5})", "'requested_bytes' must be an integer"},
       {R"({"remedies":[1]})", "'remedies'"},
       {R"({"confidence":7})", "'confidence'"},
+      {R"({"phase":"vote!"})", "'phase' is 'vote!', not one of unknown, data, forward,"},
+      {R"({"kind":"gpu"})", "'kind' is 'gpu', not one of unknown, device, host, workspace, coordination"},
+      {R"({"action":"shrink"})", "'action' is 'shrink', not one of none, release, halve, rollback, give_up"},
+      {R"({"actions":["release","retry"]})", "'actions[1]' is 'retry', not one of none, release,"},
+      {R"({"outcome":"ok"})", "'outcome' is 'ok', not one of unknown, pending, recovered, rolled_back, failed"},
+      {R"({"phase":3})", "'phase' must be a string"},
       {R"([1,2])", "expected a JSON object"},
       {R"({"step":)", "not valid JSON"},
   };

@@ -34,11 +34,11 @@ class KnowledgeBaseTest : public ::testing::Test {
     i.run_id = "run1";
     i.time_unix_ms = 1000 + step;
     i.step = step;
-    i.phase = "forward";
-    i.kind = "device";
+    i.phase = Phase::kForward;
+    i.kind = IncidentKind::kDevice;
     i.workload = workload;
     i.requested_bytes = 1 << 20;
-    i.outcome = "pending";
+    i.outcome = IncidentOutcome::kPending;
     return i;
   }
 
@@ -52,7 +52,7 @@ TEST_F(KnowledgeBaseTest, RecordThenUpdateOutcomeStoresClassifiedIncident) {
   Incident i = Make("a1", 0);
   i.steps_ok_before = 0;
   (*kb)->sink()->Record(i);
-  i.outcome = "recovered";
+  i.outcome = IncidentOutcome::kRecovered;
   i.micro_after = 8;
   i.recovery_ms = 0.5;
   (*kb)->sink()->UpdateOutcome(i);
@@ -60,7 +60,7 @@ TEST_F(KnowledgeBaseTest, RecordThenUpdateOutcomeStoresClassifiedIncident) {
   auto rows = (*kb)->Query({});
   ASSERT_TRUE(rows.ok()) << rows.status();
   ASSERT_EQ(rows->size(), 1u);
-  EXPECT_EQ((*rows)[0].outcome, "recovered");
+  EXPECT_EQ((*rows)[0].outcome, IncidentOutcome::kRecovered);
   EXPECT_EQ((*rows)[0].micro_after, 8);
   EXPECT_EQ((*rows)[0].pattern, "startup_capacity");
   EXPECT_EQ((*rows)[0].fingerprint.size(), 16u);

@@ -17,6 +17,7 @@
 
 #include "oomguard/oom.h"
 #include "sdk/kb/text_scan.h"
+#include "sdk/memory/incident_kind.h"
 #include "sdk/memory/oom_message.h"
 
 namespace oomguard::kb {
@@ -326,7 +327,7 @@ StatusOr<std::vector<Incident>> ParseOomLog(std::string_view text, const LogPars
     inc.source = name + ":" + std::to_string(e.anchor + 1);
     inc.run_id = options.run_id.empty() ? name : options.run_id;
     inc.workload = options.workload;
-    inc.kind = std::string(OomKindName(e.kind));
+    inc.kind = internal::IncidentKindOf(e.kind);
     const internal::OomFigures fig = internal::ParseOomFigures(inc.message);
     inc.exception_type = ExceptionType(inc.message, fig);
     inc.requested_bytes = fig.requested.value_or(0);
@@ -341,9 +342,10 @@ StatusOr<std::vector<Incident>> ParseOomLog(std::string_view text, const LogPars
     if (e.rank >= 0) inc.rank = e.rank;
     else inc.unknown.push_back("rank");
     const TextCues cues = AnalyzeText(inc.context, inc.message);
-    inc.phase = cues.phase.empty() ? "unknown" : cues.phase;
+    // The text cues name phases of the incident vocabulary (incident.h).
+    inc.phase = ParsePhase(cues.phase).value_or(Phase::kUnknown);
     // Evaluation is where it ran; its forward pass is what it ran.
-    if (cues.eval && (cues.phase.empty() || cues.phase == "forward")) inc.phase = "eval";
+    if (cues.eval && (cues.phase.empty() || cues.phase == "forward")) inc.phase = Phase::kEval;
     if (cues.first_step) {
       inc.step = 0;
       inc.steps_ok_before = 0;

@@ -39,8 +39,8 @@ TEST(LogParserTest, EveryOomOfAJobIsAnEventWithItsEvidence) {
 
   const Incident& torch = incs[0];
   EXPECT_EQ(torch.source, "job.log:7");
-  EXPECT_EQ(torch.kind, "device");
-  EXPECT_EQ(torch.phase, "backward");
+  EXPECT_EQ(torch.kind, IncidentKind::kDevice);
+  EXPECT_EQ(torch.phase, Phase::kBackward);
   EXPECT_EQ(torch.rank, 1);
   EXPECT_TRUE(IsKnown(torch, "rank"));
   EXPECT_EQ(torch.step, 1200);
@@ -51,12 +51,12 @@ TEST(LogParserTest, EveryOomOfAJobIsAnEventWithItsEvidence) {
   EXPECT_NE(torch.context.find("loss.backward()"), std::string::npos);
 
   const Incident& killer = incs[1];
-  EXPECT_EQ(killer.kind, "host");
+  EXPECT_EQ(killer.kind, IncidentKind::kHost);
   EXPECT_FALSE(IsKnown(killer, "rank"));
   EXPECT_EQ(killer.source, "job.log:9");
 
   const Incident& nccl = incs[2];
-  EXPECT_EQ(nccl.kind, "device");
+  EXPECT_EQ(nccl.kind, IncidentKind::kDevice);
   EXPECT_EQ(nccl.host, "ng30903");
   EXPECT_EQ(nccl.rank, 3);
   EXPECT_EQ(nccl.requested_bytes, 6291456) << "both NCCL lines are one event";
@@ -135,7 +135,7 @@ TEST(LogParserTest, HostSideFormats) {
   for (const Case& c : cases) {
     std::vector<Incident> incs = Parse(c.text);
     ASSERT_EQ(incs.size(), c.events) << c.text;
-    EXPECT_EQ(incs[0].kind, "host") << c.text;
+    EXPECT_EQ(incs[0].kind, IncidentKind::kHost) << c.text;
   }
   EXPECT_TRUE(Parse("Epoch: [0][511/1736]\t Loss 0.51\nKilled 3 zombie threads politely\n").empty());
 }
@@ -145,12 +145,12 @@ TEST(LogParserTest, ADescriptionWithoutAnErrorRecordIsOneEvent) {
       Parse("In the process of training, GPU memory keeps increasing until out of memory. Can you fix it?\n"
             "It says out of memory again on the second run.\n");
   ASSERT_EQ(incs.size(), 1u);
-  EXPECT_EQ(incs[0].kind, "device");
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
   // A sentence quoting "out of memory" is not an error record of its own.
   incs = Parse("`fit()` fails with \"out of memory\" error:\n"
                "RuntimeError: cuda runtime error (2) : out of memory at /pytorch/aten/src/THC/THCStorage.cu:58\n");
   ASSERT_EQ(incs.size(), 1u);
-  EXPECT_EQ(incs[0].kind, "device");
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
   EXPECT_EQ(incs[0].source, "job.log:2");
 }
 

@@ -1,11 +1,12 @@
+// Store (store.h): the SQLite schema, its migrations and the statements the
+// knowledge base runs. The JSON forms it stores (incidents, SizeModel) are in
+// incident_json.cc.
 #include "sdk/kb/store.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cmath>
-#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "sdk/core/ids.h"
@@ -65,7 +66,7 @@ class Stmt {
   Stmt& operator=(const Stmt&) = delete;
   int prepare_rc() const { return rc_; }
   sqlite3_stmt* get() { return s_; }
-  void Bind(int i, const std::string& v) { sqlite3_bind_text(s_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT); }
+  void Bind(int i, std::string_view v) { sqlite3_bind_text(s_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT); }
   void Bind(int i, int64_t v) { sqlite3_bind_int64(s_, i, v); }
   void Bind(int i, double v) { sqlite3_bind_double(s_, i, v); }
   int Step() { return sqlite3_step(s_); }
@@ -87,36 +88,6 @@ bool FileExists(const std::string& path) {
 }
 
 }  // namespace
-
-std::string SizeModelToJson(const SizeModel& m) {
-  return nlohmann::json{{"fixed_bytes", m.fixed_bytes},
-                        {"unit_bytes", m.unit_bytes},
-                        {"overhead_bytes", m.overhead_bytes},
-                        {"overhead", m.overhead},
-                        {"overhead_too_small", m.overhead_too_small},
-                        {"noise_bytes", m.noise_bytes}}
-      .dump();
-}
-
-std::optional<SizeModel> SizeModelFromJson(const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) return std::nullopt;
-  SizeModel m;
-  auto field = [&](const char* key, double* out) {
-    auto it = j.find(key);
-    if (it == j.end()) return true;  // fields added later default to 0
-    if (!it->is_number()) return false;
-    *out = it->get<double>();
-    return std::isfinite(*out) && *out >= 0;
-  };
-  if (!field("fixed_bytes", &m.fixed_bytes) || !field("unit_bytes", &m.unit_bytes) ||
-      !field("overhead_bytes", &m.overhead_bytes) || !field("overhead", &m.overhead) ||
-      !field("overhead_too_small", &m.overhead_too_small) || !field("noise_bytes", &m.noise_bytes) ||
-      !(m.unit_bytes > 0)) {
-    return std::nullopt;
-  }
-  return m;
-}
 
 Status Store::Error(int rc, const char* what) const {
   std::string msg = "knowledge base " + path_ + ": " + what + ": " +
@@ -286,13 +257,13 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
       ins.Bind(4, inc.host);
       ins.Bind(5, static_cast<int64_t>(inc.rank));
       ins.Bind(6, inc.step);
-      ins.Bind(7, inc.phase);
-      ins.Bind(8, inc.kind);
+      ins.Bind(7, PhaseName(inc.phase));
+      ins.Bind(8, IncidentKindName(inc.kind));
       ins.Bind(9, inc.workload);
       ins.Bind(10, inc.pattern);
       ins.Bind(11, inc.confidence);
       ins.Bind(12, inc.fingerprint);
-      ins.Bind(13, inc.outcome);
+      ins.Bind(13, IncidentOutcomeName(inc.outcome));
       ins.Bind(14, IncidentToJson(inc));
       int rc = ins.Step();
       if (rc != SQLITE_DONE) return fail(Error(rc, "insert incident"));
@@ -391,8 +362,9 @@ StatusOr<std::vector<IncidentGroup>> Store::GroupsOnce() {
     IncidentGroup g;
     g.fingerprint = st.Text(0);
     g.pattern = st.Text(1);
-    g.kind = st.Text(2);
-    g.phase = st.Text(3);
+    // The columns hold the names IncidentToJson writes (incident.h).
+    g.kind = ParseIncidentKind(st.Text(2)).value_or(IncidentKind::kUnknown);
+    g.phase = ParseStoredPhase(st.Text(3)).value_or(Phase::kUnknown);
     g.workload = st.Text(4);
     g.count = st.Int(5);
     g.runs = st.Int(6);

@@ -36,11 +36,17 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "oomguard/knowledge_base.h"
 
 namespace oomguard::kb {
+
+// ParsePhase for what a file holds, including names earlier builds wrote:
+// "vote", their phase of a coordination failure, is kComm now. Defined in
+// incident_json.cc, which reads the body; the grouping reads the column.
+std::optional<Phase> ParseStoredPhase(std::string_view name);
 
 inline constexpr int kSchemaVersion = 3;
 

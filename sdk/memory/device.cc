@@ -1,18 +1,10 @@
-// The device-independent parts of device.h: the error types and DeviceBuffer.
+// The device-independent parts of device.h: Device's anchor and DeviceBuffer.
 
 #include "oomguard/device.h"
 
-#include <string>
 #include <utility>
 
 namespace oomguard {
-
-DeviceOomError::DeviceOomError(const std::string& what, int64_t requested_bytes, MemoryStats stats,
-                               bool injected)
-    : std::runtime_error(what), requested_bytes_(requested_bytes), stats_(stats), injected_(injected) {}
-
-HostOomError::HostOomError(std::string what, int64_t requested_bytes)
-    : what_(std::move(what)), requested_bytes_(requested_bytes) {}
 
 // Out of line so that Device's vtable and type_info live in this library.
 Device::~Device() = default;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "oomguard/device.h"
+#include "oomguard/faults.h"
 #include "oomguard/oom.h"
 
 #ifdef OOMGUARD_WITH_TORCH
@@ -49,6 +50,30 @@ TEST(ClassifyExceptionTest, DeviceOomErrorByType) {
   EXPECT_EQ(info.requested_bytes, 4096);
   EXPECT_TRUE(info.injected);
   EXPECT_EQ(info.matched_by, "type");
+}
+
+// What fault injection raises is classified as the guard needs: an injected
+// OOM by type and marked injected, an injected error as no OOM at all.
+TEST(ClassifyExceptionTest, InjectedFaultsByType) {
+  ASSERT_TRUE(SetFaultRules("oom@site=forward,bytes=4096;error@site=sync").ok());
+  FaultContext ctx;
+  ctx.step = 0;
+  try {
+    FaultPoint(FaultSite::kForward, ctx);
+    ADD_FAILURE() << "no fault at forward";
+  } catch (...) {
+    OomInfo info = ClassifyException(std::current_exception());
+    EXPECT_EQ(info.kind, OomKind::kDevice);
+    EXPECT_TRUE(info.injected);
+    EXPECT_EQ(info.requested_bytes, 4096);
+  }
+  try {
+    FaultPoint(FaultSite::kSync, ctx);
+    ADD_FAILURE() << "no fault at sync";
+  } catch (...) {
+    EXPECT_EQ(ClassifyException(std::current_exception()).kind, OomKind::kNone);
+  }
+  ClearFaultRules();
 }
 
 TEST(ClassifyExceptionTest, HostOomErrorByTypeBeforeBadAlloc) {

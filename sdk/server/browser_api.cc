@@ -128,8 +128,8 @@ std::string ParseFilters(const Params& p, IncidentQuery* q) {
 json GroupJson(const IncidentGroup& g) {
   return {{"fingerprint", g.fingerprint},
           {"pattern", g.pattern},
-          {"kind", g.kind},
-          {"phase", g.phase},
+          {"kind", IncidentKindName(g.kind)},
+          {"phase", PhaseName(g.phase)},
           {"workload", g.workload},
           {"count", g.count},
           {"runs", g.runs},

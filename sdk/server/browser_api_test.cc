@@ -24,8 +24,8 @@ std::shared_ptr<const IncidentIndex> Index(int n) {
     i.rank = k % 4;
     i.step = 10 * k;
     i.pattern = k % 3 ? "fragmentation" : "gradual_growth";
-    i.kind = "device";
-    i.outcome = "recovered";
+    i.kind = IncidentKind::kDevice;
+    i.outcome = IncidentOutcome::kRecovered;
     i.recovery_ms = 2.5;
     i.message = k == 0 ? kXss : "CUDA out of memory";
     v.push_back(std::move(i));
@@ -92,7 +92,7 @@ TEST(Metrics, TextFormatWithEscapedLabels) {
   std::vector<Incident> v(1);
   v[0].id = "a";
   v[0].pattern = "we\"ird\\pat\ntern";
-  v[0].outcome = "recovered";
+  v[0].outcome = IncidentOutcome::kRecovered;
   v[0].recovery_ms = 1500;
   v[0].time_unix_ms = 2000;
   IncidentIndex idx(std::move(v), {}, 0);

@@ -26,9 +26,12 @@ std::vector<std::pair<std::string, int64_t>> Counted(const std::map<std::string,
 
 bool IncidentContainsText(const Incident& i, std::string_view needle) {
   if (needle.empty()) return true;
-  for (const std::string* f : {&i.id, &i.run_id, &i.host, &i.message, &i.exception_type, &i.pattern,
-                               &i.workload, &i.phase, &i.kind, &i.outcome, &i.fingerprint, &i.evidence}) {
-    if (ContainsLower(*f, needle)) return true;
+  for (std::string_view f : {std::string_view(i.id), std::string_view(i.run_id), std::string_view(i.host),
+                             std::string_view(i.message), std::string_view(i.exception_type),
+                             std::string_view(i.pattern), std::string_view(i.workload), PhaseName(i.phase),
+                             IncidentKindName(i.kind), IncidentOutcomeName(i.outcome),
+                             std::string_view(i.fingerprint), std::string_view(i.evidence)}) {
+    if (ContainsLower(f, needle)) return true;
   }
   return false;
 }
@@ -44,8 +47,8 @@ IncidentIndex::IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats f
     by_id_.emplace(i.id, k);  // two files holding one id: the newest copy wins (emplace keeps the first)
     if (!i.run_id.empty()) by_run_[i.run_id].push_back(k);  // no run id: not part of any run
     ++by_pattern[i.pattern];
-    ++by_outcome[i.outcome];
-    ++by_kind[i.kind];
+    ++by_outcome[std::string(IncidentOutcomeName(i.outcome))];
+    ++by_kind[std::string(IncidentKindName(i.kind))];
     ++by_rank[i.rank];
   }
   stats_.incidents = static_cast<int64_t>(incidents_.size());
@@ -70,7 +73,7 @@ IncidentIndex::IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats f
     for (size_t k : members) {
       const Incident& i = incidents_[k];
       ++r.incidents;
-      if (i.outcome == "failed") ++r.failed;
+      if (i.outcome == IncidentOutcome::kFailed) ++r.failed;
       hosts.insert(i.host);
       r.first_unix_ms = std::min(r.first_unix_ms, i.time_unix_ms);
       r.last_unix_ms = std::max(r.last_unix_ms, i.time_unix_ms);

@@ -77,7 +77,7 @@ std::string PrometheusText(const IncidentIndex& index) {
   const Incident* newest = index.incidents().empty() ? nullptr : &index.incidents().front();
   const Incident* recovered = nullptr;
   for (const Incident& i : index.incidents()) {
-    if (i.outcome == "recovered" || i.outcome == "rolled_back") {
+    if (i.outcome == IncidentOutcome::kRecovered || i.outcome == IncidentOutcome::kRolledBack) {
       recovered = &i;
       break;
     }

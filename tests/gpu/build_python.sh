@@ -55,8 +55,8 @@ find "$ROOT/bindings/python/oomguard" -maxdepth 1 -type f \( -name '*.py' -o -na
 # oomguard._budget, against the torch this Python imports.
 read -r TINC TLIB < <("$PY" -c 'import os, torch; d=os.path.dirname(torch.__file__); print(os.path.join(d, "include"), os.path.join(d, "lib"))' 2> /dev/null || echo "- -")
 if [[ -f $TINC/c10/core/Allocator.h && -f $TLIB/libc10.so ]]; then
-  "$CXX" "${FLAGS[@]}" -shared -isystem "$TINC" -o "$PKG/_budget$SUFFIX" "$SRC/budget_allocator.cc" \
-    "$SRC/budget_allocator_core.cc" -L"$TLIB" -lc10 -Wl,-rpath,"$TLIB"
+  "$CXX" "${FLAGS[@]}" -shared -I"$ROOT" -isystem "$TINC" -o "$PKG/_budget$SUFFIX" "$SRC/budget_allocator.cc" \
+    "$ROOT/sdk/memory/torch_budget_allocator.cc" -L"$TLIB" -lc10 -Wl,-rpath,"$TLIB"
   echo "build_python: $PKG/_budget$SUFFIX (torch at $(dirname "$TINC"))"
 else
   echo "build_python: oomguard._budget not built (no c10 headers and libc10.so next to $PY's torch)"

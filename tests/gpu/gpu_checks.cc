@@ -102,7 +102,7 @@ int GuardOom() {
   const double ms = MsSince(t0);
   const double want = (kSamples - 1) / 2.0;  // the mean sample index
   bool real = !rep.incidents.empty();
-  for (const auto& inc : rep.incidents) real = real && !inc.injected && inc.kind == "device";
+  for (const auto& inc : rep.incidents) real = real && !inc.injected && inc.kind == oomguard::IncidentKind::kDevice;
   const bool ok = st.ok() && rep.ooms >= 1 && real && touched == kSamples && std::abs(grad - want) < 1e-12;
   std::printf("{\"check\":\"guard-oom\",\"ok\":%s,\"status\":\"%s\",\"ooms\":%d,\"final_micro_batch\":%" PRId64
               ",\"incident\":\"%s\",\"result\":%.17g,\"expected\":%.17g,\"step_ms\":%.1f}\n",

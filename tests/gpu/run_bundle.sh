@@ -122,9 +122,9 @@ if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
     cd "$WORK" &&
     timeout "$(left 300)" "${CXX:-c++}" -std=c++20 -O2 -D_GLIBCXX_USE_CXX11_ABI=1 -DOOMGUARD_EXAMPLE_TORCH_CUDA=1 \
       -DSPDLOG_COMPILED_LIB -DSPDLOG_FMT_EXTERNAL -I"$ROOT/include" -I"$BUNDLE/include" -I"$ROOT/examples/cpp" \
-      -I"$ROOT/bindings/python/src" -isystem "$TPREFIX/include" -isystem "$TPREFIX/include/torch/csrc/api/include" \
+      -I"$ROOT" -isystem "$TPREFIX/include" -isystem "$TPREFIX/include/torch/csrc/api/include" \
       -isystem "$CUDA_INC" \
-      "$ROOT/examples/cpp/libtorch_train.cpp" "$ROOT/examples/cpp/mlp.cc" "$ROOT/bindings/python/src/budget_allocator_core.cc" \
+      "$ROOT/examples/cpp/libtorch_train.cpp" "$ROOT/examples/cpp/mlp.cc" "$ROOT/sdk/memory/torch_budget_allocator.cc" \
       -o "$WORK/libtorch_train" -L"$BUNDLE/lib" -loomguard -L"$TPREFIX/lib" \
       -Wl,--no-as-needed -ltorch -ltorch_cuda -Wl,--as-needed -ltorch_cpu -lc10_cuda -lc10 \
       -Wl,-rpath,"$BUNDLE/lib:$TPREFIX/lib"

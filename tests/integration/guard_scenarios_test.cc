@@ -31,14 +31,14 @@ TEST(GuardScenarios, IncidentsCarryMemoryHistoryAndOutcome) {
   ASSERT_FALSE(sink.recorded.empty());
   ASSERT_EQ(sink.recorded.size(), sink.updated.size());
   for (const auto& inc : sink.updated) {
-    EXPECT_EQ(inc.outcome, "recovered");
-    EXPECT_EQ(inc.kind, "device");
+    EXPECT_EQ(inc.outcome, oomguard::IncidentOutcome::kRecovered);
+    EXPECT_EQ(inc.kind, oomguard::IncidentKind::kDevice);
     EXPECT_GT(inc.memory.total, 0);
     EXPECT_GT(inc.requested_bytes, 0);
     EXPECT_FALSE(inc.workload.empty());
     EXPECT_GE(inc.micro_before, inc.micro_after);
     EXPECT_FALSE(inc.actions.empty());
-    EXPECT_EQ(inc.actions.front(), "release");
+    EXPECT_EQ(inc.actions.front(), oomguard::LadderAction::kRelease);
   }
 }
 
@@ -75,7 +75,7 @@ TEST(GuardScenarios, LazyOptimizerStateOomsInTheFirstOptimizerStep) {
   auto r = mlp::Train(cfg, dev.get(), hooks);
   ASSERT_FALSE(sink.recorded.empty());
   bool in_optimizer = false;
-  for (const auto& inc : sink.recorded) in_optimizer |= inc.phase == "optimizer" || inc.phase == "commit";
+  for (const auto& inc : sink.recorded) in_optimizer |= inc.phase == oomguard::Phase::kOptimizer || inc.phase == oomguard::Phase::kCommit;
   EXPECT_TRUE(in_optimizer);
   EXPECT_FALSE(r.status.ok()) << "without a checkpoint an OOM in the optimizer step cannot be undone";
 }

@@ -5,6 +5,7 @@
 // tests/dist/step_protocol_mpi_test.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -241,6 +242,7 @@ TEST_F(StepProtocol, Case10DivergedRanksAreDetectedNotMisread) {
       req.samples = 4;
       req.micro = [](const oomguard::MicroBatch&) {};
       req.sync = [&] { return std::vector<oomguard::SumBuffer>{oomguard::SumBuffer::Host(grad, 48)}; };
+      req.reset = [&] { std::fill(grad, grad + 48, 0.0); };
       // Rank 1 believes it is a step ahead (as after restoring another
       // checkpoint than rank 0): the vote finds it out.
       if (r == 1) g->SetStep(1);

@@ -27,12 +27,12 @@ int WriteIncidents(const std::string& path, int proc) {
     i.rank = proc;
     i.step = k;
     i.steps_ok_before = 100;  // one classification, so one group
-    i.phase = "backward";
-    i.kind = "device";
+    i.phase = Phase::kBackward;
+    i.kind = IncidentKind::kDevice;
     i.workload = "multi";
     i.requested_bytes = 1 << 20;
     (*kb)->sink()->Record(i);
-    i.outcome = "recovered";
+    i.outcome = IncidentOutcome::kRecovered;
     (*kb)->sink()->UpdateOutcome(i);
   }
   if (!(*kb)->RecordCleanMicroBatch("clean", 10 + proc).ok()) return 11;
@@ -71,7 +71,7 @@ TEST(KbMultiprocessTest, FourProcessesWritingOneFileLoseNothing) {
   std::set<std::string> ids;
   for (const auto& i : *all) {
     ids.insert(i.id);
-    EXPECT_EQ(i.outcome, "recovered") << i.id;
+    EXPECT_EQ(i.outcome, IncidentOutcome::kRecovered) << i.id;
   }
   EXPECT_EQ(ids.size(), static_cast<size_t>(kProcesses * kPerProcess));
   EXPECT_EQ((*kb)->PriorMicroBatch("clean"), 10 + kProcesses - 1);  // no OOM for it: the largest wins

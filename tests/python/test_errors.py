@@ -85,7 +85,7 @@ def test_exception_in_apply_passes_through():
         raise KeyError("optimizer bug")
 
     with pytest.raises(KeyError, match="optimizer bug"):
-        guard.step(2, lambda mb: None, apply=apply)
+        guard.step(2, lambda mb: None, apply=apply, reset=lambda: None)
 
 
 def test_oom_in_backward_without_reset_is_failed_precondition():
@@ -98,6 +98,15 @@ def test_oom_in_backward_without_reset_is_failed_precondition():
 
     with pytest.raises(oomguard.FailedPreconditionError, match="no reset hook"):
         guard.step(4, micro)
+
+
+def test_training_step_without_reset_is_refused_before_any_micro_batch():
+    guard = oomguard.Guard()
+    ran = []
+    with pytest.raises(oomguard.FailedPreconditionError, match="StepRequest.reset must be set"):
+        guard.step(4, lambda mb: ran.append(mb.size), apply=lambda: None)
+    assert ran == []
+    assert not hasattr(guard, "set_reset_hook"), "one way to set the hook: the step's reset"
 
 
 def test_invalid_options_and_fault_rules_are_value_errors():
@@ -135,7 +144,8 @@ def test_coordination_timeout_raises_timeout_error():
     coordinator = _TimingOutCoordinator()
     guard = oomguard.Guard(coordinator=coordinator, vote_deadline_ms=250)
     with pytest.raises(TimeoutError) as info:
-        guard.step(2, lambda mb: None, apply=lambda: pytest.fail("apply must not run without agreement"))
+        guard.step(2, lambda mb: None, apply=lambda: pytest.fail("apply must not run without agreement"),
+                   reset=lambda: None)
     e = info.value
     assert isinstance(e, oomguard.CoordinationTimeoutError)
     assert e.code == "UNAVAILABLE"

@@ -149,3 +149,56 @@ def test_incidents_reach_the_knowledge_base(tmp_path):
     assert found[0].outcome == "recovered" and found[0].pattern != ""
     assert kb.prior_micro_batch("test-workload") == 4
     del guard  # the guard goes before the knowledge base it writes to
+
+
+class _LinearDevice(oomguard.Device):
+    """A device whose micro-batch of size s needs `unit` bytes per sample on
+    top of a fixed base; what does not fit raises an allocator-style OOM."""
+
+    def __init__(self, unit, fits):
+        super().__init__()
+        self.unit, self.base = unit, 100 << 20
+        self.capacity = self.base + unit * fits + unit // 2
+        self.peak = self.base
+
+    def name(self):
+        return "linear:0"
+
+    def stats(self):
+        s = oomguard.MemoryStats()
+        s.total, s.allocated, s.reserved = self.capacity, self.base, self.base
+        s.free, s.peak_allocated = self.capacity - self.base, self.peak
+        return s
+
+    def release_caches(self):
+        pass
+
+    def reset_peak(self):
+        self.peak = self.base
+
+    def run(self, mb):
+        need = self.unit * mb.size
+        if self.base + need > self.capacity:
+            raise RuntimeError(f"CUDA out of memory. Tried to allocate {need / 2**20:.2f} MiB (GPU 0)")
+        self.peak = max(self.peak, self.base + need)
+
+
+def _cold_start(controller, fits=300, steps=30):
+    device = _LinearDevice(4 << 20, fits)
+    guard = oomguard.Guard(device=device, initial_micro_batch=4096, controller=controller)
+    ooms = sum(guard.step(4096, device.run, reset=lambda: None).ooms for _ in range(steps))
+    return ooms, guard.micro_limit
+
+
+def test_the_predictive_controller_jumps_to_what_the_python_devices_figures_allow():
+    # The device's figures at a Python OOM (request from the message, allocated
+    # while the exception is alive) and at clean micro-batches give the model:
+    # one OOM, then the largest size that fits, where halving and searching
+    # take several.
+    ooms, limit = _cold_start("predictive")
+    assert ooms == 1 and 285 <= limit <= 300, (ooms, limit)
+    search_ooms, _ = _cold_start("search")
+    assert search_ooms >= 4
+    assert oomguard.Guard().options.controller == "predictive"
+    with pytest.raises(ValueError, match="'greedy' is not a policy"):
+        oomguard.Guard(controller="greedy")

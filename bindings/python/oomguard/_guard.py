@@ -66,6 +66,11 @@ class Guard:
     ``oomguard.KnowledgeBase``) and ``recovery`` (an ``oomguard.Checkpointer``)
     are kept alive by the guard.
 
+    ``controller`` chooses the micro-batch limit: ``"predictive"`` fits the
+    device's memory figures (peak per micro-batch, reserved, free) and jumps to
+    the largest size predicted to fit; ``"search"`` halves on OOM and then
+    binary-searches upwards. Without figures both behave as ``"search"``.
+
     ``device`` (an ``oomguard.Device``) gives incidents and votes their memory
     figures and releases the allocator's cache before a retry. The default,
     ``"auto"``, is ``oomguard.torch.TorchDevice()`` when torch is imported
@@ -97,6 +102,7 @@ class Guard:
         grow_after: int = 10,
         grow_tolerance: float = 0.05,
         forget_bad_after: int = 500,
+        controller: str = "predictive",
         max_ooms_per_step: int = 32,
         max_rollbacks_per_step: int = 3,
         retry_after_release: bool = True,
@@ -119,6 +125,7 @@ class Guard:
         o.grow_after = grow_after
         o.grow_tolerance = grow_tolerance
         o.forget_bad_after = forget_bad_after
+        o.controller = controller
         o.max_ooms_per_step = max_ooms_per_step
         o.max_rollbacks_per_step = max_rollbacks_per_step
         o.retry_after_release = retry_after_release
@@ -221,9 +228,6 @@ class Guard:
             except KeyError:
                 raise ValueError(f"unknown phase {phase!r}; one of {sorted(_PHASES)}") from None
         self.native.mark_phase(phase)
-
-    def set_reset_hook(self, reset: Optional[Callable[[], Any]]) -> None:
-        self.native.set_reset_hook(reset)
 
     def add_cache_releaser(self, name: str, release: Callable[[], Any]) -> None:
         """Adds a function called on every OOM before the retry (after the built-in ones)."""

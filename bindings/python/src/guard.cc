@@ -115,7 +115,11 @@ void BindGuard(py::module_& m) {
       .value("backward", Phase::kBackward)
       .value("optimizer", Phase::kOptimizer)
       .value("commit", Phase::kCommit)
-      .value("checkpoint", Phase::kCheckpoint);
+      .value("checkpoint", Phase::kCheckpoint)
+      .value("init", Phase::kInit)
+      .value("load", Phase::kLoad)
+      .value("eval", Phase::kEval)
+      .value("comm", Phase::kComm);
 
   py::class_<MicroBatch>(m, "MicroBatch")
       .def(py::init<>())
@@ -167,8 +171,9 @@ void BindGuard(py::module_& m) {
       .def_readonly("world_size", &Incident::world_size)
       .def_readonly("step", &Incident::step)
       .def_readonly("micro_index", &Incident::micro_index)
-      .def_readonly("phase", &Incident::phase)
-      .def_readonly("kind", &Incident::kind)
+      // The vocabulary fields are strings in Python, as in JSON (incident.h).
+      .def_property_readonly("phase", [](const Incident& i) { return std::string(PhaseName(i.phase)); })
+      .def_property_readonly("kind", [](const Incident& i) { return std::string(IncidentKindName(i.kind)); })
       .def_readonly("exception_type", &Incident::exception_type)
       .def_readonly("message", &Incident::message)
       .def_readonly("requested_bytes", &Incident::requested_bytes)
@@ -176,9 +181,15 @@ void BindGuard(py::module_& m) {
       .def_readonly("ranks", &Incident::ranks)
       .def_readonly("micro_before", &Incident::micro_before)
       .def_readonly("micro_after", &Incident::micro_after)
-      .def_readonly("action", &Incident::action)
-      .def_readonly("actions", &Incident::actions)
-      .def_readonly("outcome", &Incident::outcome)
+      .def_property_readonly("action", [](const Incident& i) { return std::string(LadderActionName(i.action)); })
+      .def_property_readonly("actions",
+                             [](const Incident& i) {
+                               std::vector<std::string> names;
+                               for (LadderAction a : i.actions) names.emplace_back(LadderActionName(a));
+                               return names;
+                             })
+      .def_property_readonly("outcome",
+                             [](const Incident& i) { return std::string(IncidentOutcomeName(i.outcome)); })
       .def_readonly("recovery_ms", &Incident::recovery_ms)
       .def_readonly("workload", &Incident::workload)
       .def_readonly("injected", &Incident::injected)
@@ -187,8 +198,10 @@ void BindGuard(py::module_& m) {
       .def_readonly("fingerprint", &Incident::fingerprint)
       .def("to_json", [](const Incident& i) { return IncidentToJson(i); })
       .def("__repr__", [](const Incident& i) {
-        return "<oomguard.Incident " + i.id + " " + i.kind + " " + i.phase + " step=" + std::to_string(i.step) +
-               " action=" + i.action + " outcome=" + i.outcome + ">";
+        return "<oomguard.Incident " + i.id + " " + std::string(IncidentKindName(i.kind)) + " " +
+               std::string(PhaseName(i.phase)) + " step=" + std::to_string(i.step) +
+               " action=" + std::string(LadderActionName(i.action)) +
+               " outcome=" + std::string(IncidentOutcomeName(i.outcome)) + ">";
       });
 
   py::class_<StepReport>(m, "StepReport")
@@ -224,6 +237,20 @@ void BindGuard(py::module_& m) {
       .def_readwrite("grow_after", &GuardOptions::grow_after)
       .def_readwrite("grow_tolerance", &GuardOptions::grow_tolerance)
       .def_readwrite("forget_bad_after", &GuardOptions::forget_bad_after)
+      // "predictive" (fit the device's memory figures) or "search" (halve,
+      // then binary search): size_controller.h.
+      .def_property(
+          "controller", [](const GuardOptions& o) { return std::string(SizePolicyName(o.controller)); },
+          [](GuardOptions& o, const std::string& name) {
+            if (name == "predictive") {
+              o.controller = SizePolicy::kPredictive;
+            } else if (name == "search") {
+              o.controller = SizePolicy::kSearch;
+            } else {
+              throw py::value_error("GuardOptions.controller: '" + name +
+                                    "' is not a policy; use 'predictive' or 'search'");
+            }
+          })
       .def_readwrite("max_ooms_per_step", &GuardOptions::max_ooms_per_step)
       .def_readwrite("max_rollbacks_per_step", &GuardOptions::max_rollbacks_per_step)
       .def_readwrite("retry_after_release", &GuardOptions::retry_after_release)
@@ -301,13 +328,6 @@ void BindGuard(py::module_& m) {
             }
           },
           py::arg("phase"))
-      .def(
-          "set_reset_hook",
-          [](Guard& g, const py::object& fn) {
-            PyCallable c(fn);
-            g.SetResetHook(c ? std::function<void()>([c] { CallGuarded(c); }) : std::function<void()>());
-          },
-          py::arg("reset"))
       .def(
           "add_cache_releaser",
           [](Guard& g, std::string name, const py::function& fn) {

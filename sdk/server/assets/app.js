@@ -6,6 +6,10 @@
 // setAttribute; there is no innerHTML, insertAdjacentHTML or document.write.
 // Links are built from '#/' plus encodeURIComponent, so data cannot choose
 // a scheme.
+//
+// Over 500 lines: the whole page is one script, compiled into the server as
+// one asset and inlined whole into a saved report (report.cc), which has no
+// module loader and may fetch nothing.
 'use strict';
 (function () {
   const SVGNS = 'http://www.w3.org/2000/svg';

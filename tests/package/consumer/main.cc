@@ -1,6 +1,9 @@
 // Uses the installed library through its public headers only: one guarded
 // step with an injected OOM, recovered by splitting.
 #include <oomguard/oomguard.h>
+#ifdef CONSUMER_WITH_MPI
+#include <oomguard/mpi_coordinator.h>
+#endif
 
 #include <cstdio>
 
@@ -27,5 +30,11 @@ int main() {
   } catch (const oomguard::DeviceOomError& e) {
     if (e.requested_bytes() != 1) return 12;
   }
+#ifdef CONSUMER_WITH_MPI
+  // Resolved from liboomguard_mpi at link time; not called, so that the test
+  // needs no MPI launcher.
+  auto* volatile make_mpi = &oomguard::MakeMpiCoordinator;
+  if (make_mpi == nullptr) return 13;
+#endif
   return s.ok() && report.ooms == 1 && report.limit_after == 4 && seen == 8 ? 0 : 1;
 }

@@ -1,10 +1,11 @@
 // BudgetCpuAllocator: torch's CPU allocator with a byte budget, so that real
 // tensor allocations fail with torch's own out-of-memory error
-// (c10::OutOfMemoryError) on machines without a GPU. Shared by the Python
-// module oomguard._budget (budget_allocator.cc) and the C++ example
-// examples/cpp/libtorch_train.cpp; it depends on libc10 only (no pybind11,
-// no torch/torch.h), so each user compiles budget_allocator_core.cc into its
-// own target.
+// (c10::OutOfMemoryError) on machines without a GPU. Built as its own
+// static library (oomguard_torch_budget, when libtorch is found), linked by
+// the Python module oomguard._budget (bindings/python/src/budget_allocator.cc)
+// and by examples/cpp/libtorch_train.cpp. Not part of liboomguard: replacing
+// torch's allocator is for tests and examples, not for users' training. It
+// depends on libc10 only (no pybind11, no torch/torch.h).
 //
 // The budget counts the live bytes allocated through this allocator since it
 // was installed; tensors that existed before keep their own deleters and are
@@ -23,8 +24,8 @@
 // workers, intra-op pools); the table is sharded under mutexes and the
 // counters are atomics. Install and Uninstall swap the process-wide allocator
 // and must not race each other.
-#ifndef OOMGUARD_BINDINGS_PYTHON_SRC_BUDGET_ALLOCATOR_CORE_H_
-#define OOMGUARD_BINDINGS_PYTHON_SRC_BUDGET_ALLOCATOR_CORE_H_
+#ifndef OOMGUARD_SDK_MEMORY_TORCH_BUDGET_ALLOCATOR_H_
+#define OOMGUARD_SDK_MEMORY_TORCH_BUDGET_ALLOCATOR_H_
 
 #include <c10/core/Allocator.h>
 
@@ -34,7 +35,7 @@
 #include <mutex>
 #include <unordered_map>
 
-namespace oomguard_budget {
+namespace oomguard::internal {
 
 class BudgetCpuAllocator final : public c10::Allocator {
  public:
@@ -110,6 +111,6 @@ class BudgetCpuAllocator final : public c10::Allocator {
   std::atomic<c10::DeleterFnPtr> foreign_deleter_{nullptr};
 };
 
-}  // namespace oomguard_budget
+}  // namespace oomguard::internal
 
-#endif  // OOMGUARD_BINDINGS_PYTHON_SRC_BUDGET_ALLOCATOR_CORE_H_
+#endif  // OOMGUARD_SDK_MEMORY_TORCH_BUDGET_ALLOCATOR_H_

@@ -1,4 +1,6 @@
-#include "budget_allocator_core.h"
+// BudgetCpuAllocator (torch_budget_allocator.h): the budget check, the
+// pointer table and the swap of torch's process-wide CPU allocator.
+#include "sdk/memory/torch_budget_allocator.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
@@ -9,7 +11,7 @@
 #include <string>
 #include <utility>
 
-namespace oomguard_budget {
+namespace oomguard::internal {
 namespace {
 
 std::string Mib(int64_t bytes) {
@@ -138,4 +140,4 @@ void BudgetCpuAllocator::Uninstall() {
   c10::SetCPUAllocator(inner_.load(std::memory_order_relaxed), /*priority=*/0);
 }
 
-}  // namespace oomguard_budget
+}  // namespace oomguard::internal
