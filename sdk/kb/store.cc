@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <thread>
 
@@ -125,7 +126,9 @@ StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_t
   // would let the open succeed and then fail every write: say so now.
   for (const char* suffix : {"-wal", "-shm"}) {
     const std::string companion = path + suffix;
-    if (FileExists(companion) && ::access(companion.c_str(), W_OK) != 0)
+    // Another process closing the last connection removes them: a companion
+    // gone between the two calls (ENOENT) is no obstacle.
+    if (FileExists(companion) && ::access(companion.c_str(), W_OK) != 0 && errno != ENOENT)
       return Status::FailedPrecondition("knowledge base " + path + ": " + companion +
                                         " is not writable by this user (another user's process left it?); "
                                         "writes would fail. Remove it when no process has the file open, or "
