@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,6 +92,13 @@ BenchState& State() {
     // Chunk size: the library's default unless OOMGUARD_BENCH_CKPT_CHUNK_KIB says.
     if (const char* cb = std::getenv("OOMGUARD_BENCH_CKPT_CHUNK_KIB")) o.chunk_bytes = std::atoll(cb) << 10;
     if (const char* lv = std::getenv("OOMGUARD_BENCH_CKPT_LEVEL")) o.compression_level = std::atoi(lv);
+    // Compression: auto (the library's default) unless OOMGUARD_BENCH_CKPT_COMPRESSION says none or zstd.
+    if (const char* cm = std::getenv("OOMGUARD_BENCH_CKPT_COMPRESSION")) {
+      const std::string m = cm;
+      o.compression = m == "none"   ? oomguard::CheckpointCompression::kNone
+                      : m == "zstd" ? oomguard::CheckpointCompression::kZstd
+                                    : oomguard::CheckpointCompression::kAuto;
+    }
     auto c = oomguard::Checkpointer::Create(o);
     if (!c.ok()) {
       // Bad OOMGUARD_BENCH_CKPT_LEVEL / _CHUNK_KIB values end up here.
@@ -261,13 +269,25 @@ void Alternate(benchmark::State& state, const std::string& a_name, A a, const st
 // manifest, retention) against a raw write + fsync of the same bytes.
 void BM_SaveVsRawWrite(benchmark::State& state) {
   auto& s = State();
+  int compressed = 0, saves = 0;
   Alternate(
       state, "raw", [&](int k) { RawWrite(s, k); }, "save",
       [&](int) {
         if (!s.ckpt->SaveAsync(s.step++).ok()) state.SkipWithError("SaveAsync failed");
         if (!s.ckpt->Wait().ok()) state.SkipWithError("save failed");
+        ++saves;
+        if (s.ckpt->Stats().last_compression != "none") ++compressed;
       });
   const auto st = s.ckpt->Stats();
+  // What compression = auto chose: how many timed saves compressed, and the
+  // last choice with its measurements (for checkpoint_bench.sh).
+  state.counters["saves_compressed"] = compressed;
+  state.counters["saves"] = saves;
+  {
+    std::ofstream why(s.dir + "/auto.json");
+    why << (st.last_compression_auto.empty() ? "{\"chose\": \"" + st.last_compression + "\"}"
+                                             : st.last_compression_auto);
+  }
   state.counters["file_bytes"] = static_cast<double>(st.last_file_bytes);
   state.counters["ratio"] = static_cast<double>(s.bytes) / static_cast<double>(st.last_file_bytes);
   state.SetBytesProcessed(state.iterations() * s.bytes);

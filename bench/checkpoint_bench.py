@@ -71,6 +71,7 @@ if torch is not None:
         ours.save_async(step[0])
         ours.wait()
         step[0] += 1
+        out.setdefault("our_compression", []).append(ours.stats.last_compression)
 
     times = {"torch_save": [], "torch_load": [], "our_save": [], "our_load": []}
     for p in range(PAIRS):

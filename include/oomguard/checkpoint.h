@@ -1,5 +1,5 @@
-// Checkpointer: sharded asynchronous checkpoints (format "oomguard-ckpt/1",
-// HDF5 + shuffle + zstd) and the RecoveryStore the guard rolls back through.
+// Checkpointer: sharded asynchronous checkpoints (format "oomguard-ckpt/2",
+// HDF5, shuffle + zstd when it pays) and the RecoveryStore the guard rolls back through.
 //
 //   oomguard::CheckpointOptions o;
 //   o.dir = "/ckpt";  o.every_steps = 100;  o.keep = 3;
@@ -48,7 +48,11 @@ namespace oomguard {
 
 class IncidentSink;
 
-inline constexpr std::string_view kCheckpointFormat = "oomguard-ckpt/1";
+// The format this version writes. Format 2 adds per-chunk hashes and a
+// digest of the shard built from them (docs/checkpoints.md); format 1
+// checkpoints are still read.
+inline constexpr std::string_view kCheckpointFormat = "oomguard-ckpt/2";
+inline constexpr std::string_view kCheckpointFormatV1 = "oomguard-ckpt/1";
 // The HDF5 filter id registered for Zstandard.
 inline constexpr int kZstdFilterId = 32015;
 
@@ -67,6 +71,22 @@ enum class ManifestCommit {
   kCoordinated,
 };
 
+// How a save compresses its shard (recorded in the shard and the manifest).
+enum class CheckpointCompression {
+  // Decided per save from measurements: shuffle + zstd at compression_level
+  // when compressing a sample of the state runs fast enough that the save
+  // would finish sooner than writing the bytes as they are (measured write +
+  // fsync throughput of this Checkpointer's previous saves), else none. A
+  // state under 32 MiB is always compressed (fsync latency, not throughput,
+  // sets its save time); the first larger save writes uncompressed, which
+  // measures the write throughput. docs/checkpoints.md.
+  kAuto,
+  // Chunks stored as they are (no filters).
+  kNone,
+  // Always shuffle + zstd at compression_level.
+  kZstd,
+};
+
 struct CheckpointOptions {
   // Directory holding step-NNNNNNNN/ subdirectories (created if missing).
   std::string dir;
@@ -79,7 +99,10 @@ struct CheckpointOptions {
   bool save_after_recovery = true;
   // Complete checkpoints kept on disk (the newest complete one is never deleted). 0: keep all.
   int keep = 3;
-  // zstd level stored in cd_values[0] (1: fast; up to 22).
+  // Whether shards are compressed (see CheckpointCompression).
+  CheckpointCompression compression = CheckpointCompression::kAuto;
+  // zstd level when a shard is compressed, stored in cd_values[0]: [-7, -1]
+  // (faster) or [1, 22].
   int compression_level = 1;
   // Target uncompressed bytes per HDF5 chunk (and per compression task).
   int64_t chunk_bytes = 1 << 20;
@@ -126,7 +149,16 @@ struct CheckpointStats {
   int64_t state_bytes = 0;       // uncompressed bytes of one save
   int64_t last_file_bytes = 0;   // bytes of the last shard written
   std::vector<double> stall_ms;  // blocking time of each SaveAsync
+  // Staging buffers SaveAsync had to allocate and fault in inside its stall.
+  // The writer prepares the next one in the background, so after the first
+  // save this stays put unless the staging budget forbids a spare.
+  int64_t stall_allocations = 0;
   double last_write_ms = 0;      // background time of the last save (compress + write + commit)
+  // The last shard's compression ("none" or "zstd-<level>") and, when
+  // compression = auto chose it, why: a JSON object of what it measured
+  // (as recorded in the manifest's "auto").
+  std::string last_compression;
+  std::string last_compression_auto;
   Status last_error;             // the newest background failure
 };
 

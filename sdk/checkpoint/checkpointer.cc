@@ -18,6 +18,9 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
   if (o.compression_level < -7 || o.compression_level > 22 || o.compression_level == 0)
     return bad("compression_level must be in [-7, -1] (fast) or [1, 22] (got " +
                std::to_string(o.compression_level) + ")");
+  if (o.compression != CheckpointCompression::kAuto && o.compression != CheckpointCompression::kNone &&
+      o.compression != CheckpointCompression::kZstd)
+    return bad("compression must be kAuto, kNone or kZstd");
   if (o.chunk_bytes < 4096 || o.chunk_bytes > (int64_t{1} << 30))
     return bad("chunk_bytes must be in [4 KiB, 1 GiB] (got " + std::to_string(o.chunk_bytes) + ")");
   if (o.staging_budget_bytes < 0) return bad("staging_budget_bytes must be >= 0");

@@ -40,11 +40,14 @@
 #include "oomguard/incident.h"
 #include "oomguard/logging.h"
 #include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/device_copy.h"
 #include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/host_buffer.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
 #include "sdk/checkpoint/shard_check.h"
+#include "sdk/checkpoint/shard_digest.h"
 #include "sdk/checkpoint/thread_pool.h"
 #include "sdk/core/ids.h"
 
@@ -73,18 +76,25 @@ struct Entry {
   std::function<Status(std::span<const uint8_t>)> load;
 };
 
-// One staged copy of the registered state (one buffer per entry).
+// One staged copy of the registered state: every tensor in one page-aligned
+// buffer (host_buffer.h), faulted in before use; objects in bytes of their own.
 struct StagedState {
   ~StagedState() {
     for (void* p : pinned) ckpt::UnpinHost(p, device);
   }
   int64_t step = -1;
-  std::vector<std::vector<uint8_t>> data;
-  std::vector<void*> pinned;  // page-locked buffers of CUDA entries (index = entry); null: pageable
+  ckpt::HostBuffer arena;                // the tensors, each at a page-aligned offset
+  std::vector<int64_t> layout;           // per entry: the tensor's bytes, or -1 for an object
+  std::vector<ckpt::StagedBytes> data;   // per entry: a run of `arena`, or an object's bytes
+  std::vector<void*> pinned;  // page-locked runs of CUDA entries (index = entry); null: pageable
   int device = 0;             // the CUDA device the buffers were pinned for
   int64_t bytes = 0;
   bool writing = false;  // guarded by CheckpointerImpl::mu_
 };
+
+// Gives `s` one buffer of `layout` (StagedState::layout), reusing what it
+// holds when the layout is the same. Throws std::bad_alloc.
+void ShapeStagedState(StagedState& s, const std::vector<int64_t>& layout);
 
 class SnapshotSource final : public ckpt::ChunkSource {
  public:
@@ -333,6 +343,13 @@ class CheckpointerImpl final : public Checkpointer {
   // staging budget beside what is in flight (or there is no budget).
   StatusOr<std::shared_ptr<StagedState>> StageWithinBudget(int64_t step, std::vector<std::vector<uint8_t>>& object_bytes,
                                                         int64_t need);
+  // StagedState::layout of the registered state.
+  std::vector<int64_t> StagingLayout() const {
+    std::vector<int64_t> out;
+    out.reserve(entries_.size());
+    for (const Entry& e : entries_) out.push_back(e.is_object ? -1 : e.bytes);
+    return out;
+  }
   std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const {
     std::vector<ShardTensor> out;
     for (size_t i = 0; i < entries_.size(); ++i) {
@@ -361,6 +378,9 @@ class CheckpointerImpl final : public Checkpointer {
   // SaveAsync's body; may throw (user save callbacks, fault points, bad_alloc).
   Status Stage(int64_t step);
   void WriterLoop();
+  // Writer thread: a faulted-in (and pinned) spare for the next save when
+  // `written` stays retained and no spare exists, within the staging budget.
+  void PrepareSpare(const std::shared_ptr<StagedState>& written);
   Status Write(WriteJob& job);
   // Writes <dir>/step-S/MANIFEST.json naming `world_size` shards, then
   // applies retention. Checks that every shard file exists. Any thread.
@@ -374,6 +394,13 @@ class CheckpointerImpl final : public Checkpointer {
   std::unique_ptr<ckpt::ThreadPool> pool_;
   std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
   ckpt::FramePool frames_;                        // compressed-frame buffers, reused by every save
+  // compression = auto's measurements (writer thread only): the write +
+  // fsync throughput of the last save large enough to measure it, and the
+  // last sample of compression (piece-wise saves cannot take one).
+  std::optional<double> write_bytes_per_s_;
+  std::optional<ckpt::CompressionSample> last_sample_;
+  // Chooses the compression of `job` (writer thread).
+  void ChooseCompression(const WriteJob& job, ckpt::ShardWriteOptions* wo);
   std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
   bool pin_warned_ = false;                     // training thread only
 

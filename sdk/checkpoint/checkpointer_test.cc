@@ -21,6 +21,7 @@
 #include "oomguard/checkpoint.h"
 #include "oomguard/faults.h"
 #include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
 
@@ -167,11 +168,33 @@ TEST(ManifestTest, ParsesAndRejects) {
   m.format = std::string(kCheckpointFormat);
   m.step = 7;
   m.world_size = 1;
-  m.shards.push_back({0, "rank-00000.h5", 10, "00000000000000ff"});
+  ckpt::ManifestShard sh;
+  sh.file = "rank-00000.h5";
+  sh.bytes = 10;
+  sh.digest = "00000000000000ff";
+  sh.compression = "zstd-3";
+  sh.auto_choice = R"({"write_MBps":100.0})";
+  m.shards.push_back(sh);
   auto back = ckpt::ParseManifest(ckpt::ManifestToJson(m));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->step, 7);
-  EXPECT_EQ(back->shards[0].xxh3, "00000000000000ff");
+  EXPECT_EQ(back->shards[0].digest, "00000000000000ff");
+  EXPECT_EQ(back->shards[0].compression, "zstd-3");
+  EXPECT_EQ(back->shards[0].auto_choice, R"({"write_MBps":100.0})");
+  // Format 1 manifests still parse, with their whole-file xxh3.
+  ckpt::Manifest v1 = m;
+  v1.format = std::string(kCheckpointFormatV1);
+  v1.shards[0].xxh3 = "00000000000000ee";
+  auto old = ckpt::ParseManifest(ckpt::ManifestToJson(v1));
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(old->shards[0].xxh3, "00000000000000ee");
+  EXPECT_TRUE(old->shards[0].digest.empty());
+  m.shards[0].compression = "gzip";
+  EXPECT_EQ(ckpt::ParseManifest(ckpt::ManifestToJson(m)).status().code(), StatusCode::kDataLoss);
+  m.shards[0].compression = "zstd-0";
+  EXPECT_EQ(ckpt::ParseManifest(ckpt::ManifestToJson(m)).status().code(), StatusCode::kDataLoss);
+  m.shards[0].compression = "none";
+  EXPECT_TRUE(ckpt::ParseManifest(ckpt::ManifestToJson(m)).ok());
   EXPECT_EQ(ckpt::ParseManifest("{").status().code(), StatusCode::kDataLoss);
   m.world_size = 2;
   EXPECT_EQ(ckpt::ParseManifest(ckpt::ManifestToJson(m)).status().code(), StatusCode::kDataLoss);
@@ -181,6 +204,50 @@ TEST(ManifestTest, ParsesAndRejects) {
   EXPECT_EQ(ckpt::StepDirName(100), "step-00000100");
   EXPECT_EQ(ckpt::ParseStepDirName("step-00000100"), 100);
   EXPECT_FALSE(ckpt::ParseStepDirName("step-1x").has_value());
+}
+
+// compression = auto's rule: compress only when the measured pool
+// compresses faster than the measured disk writes, by a margin.
+TEST(AutoCompressionTest, ChoosesFromMeasuredThroughputs) {
+  const int64_t big = int64_t{512} << 20;
+  ckpt::CompressionSample fast_cpu{2e9, 0.8, 4 << 20};
+  // Small states are always compressed; nothing is measured for them.
+  auto small = ckpt::ChooseCompression(ckpt::kAutoMinBytes - 1, 1, std::nullopt, std::nullopt);
+  EXPECT_TRUE(small.compress);
+  EXPECT_NE(small.why.find("small state"), std::string::npos) << small.why;
+  // Before any write throughput is known: uncompressed (which measures it).
+  auto first = ckpt::ChooseCompression(big, 1, std::nullopt, fast_cpu);
+  EXPECT_FALSE(first.compress);
+  EXPECT_NE(first.why.find("first save"), std::string::npos) << first.why;
+  // A slow disk (100 MB/s) and a pool compressing at 2 GB/s: compress.
+  auto slow_disk = ckpt::ChooseCompression(big, 3, 100e6, fast_cpu);
+  EXPECT_TRUE(slow_disk.compress) << slow_disk.why;
+  EXPECT_NE(slow_disk.why.find("\"chose\":\"zstd-3\""), std::string::npos) << slow_disk.why;
+  EXPECT_NE(slow_disk.why.find("\"write_MBps\":100.0"), std::string::npos) << slow_disk.why;
+  // A disk faster than compression: none.
+  auto fast_disk = ckpt::ChooseCompression(big, 1, 3e9, fast_cpu);
+  EXPECT_FALSE(fast_disk.compress) << fast_disk.why;
+  // Compression barely faster than the disk, or a ratio near 1: the gain is
+  // under the margin, so none.
+  EXPECT_FALSE(ckpt::ChooseCompression(big, 1, 1.9e9, fast_cpu).compress);
+  EXPECT_FALSE(ckpt::ChooseCompression(big, 1, 100e6, ckpt::CompressionSample{2e9, 0.95, 1 << 20}).compress);
+  EXPECT_FALSE(ckpt::ChooseCompression(big, 1, 100e6, std::nullopt).compress);
+}
+
+TEST(AutoCompressionTest, SampleMeasuresRatioAndThroughput) {
+  ckpt::ThreadPool pool(2);
+  const std::vector<float> w = Weights(1 << 20, 7);
+  std::vector<uint8_t> zeros(1 << 20, 0);
+  std::vector<ckpt::SampleSource> state = {
+      {{reinterpret_cast<const uint8_t*>(w.data()), w.size() * 4}, 4, true}, {zeros, 1, false}};
+  auto s = ckpt::SampleCompression(state, 1, 64 << 10, &pool);
+  EXPECT_EQ(s.sampled_bytes, 4 * (64 << 10)) << "two windows per pool thread";
+  EXPECT_GT(s.bytes_per_s, 0);
+  EXPECT_GT(s.ratio, 0.0);
+  EXPECT_LT(s.ratio, 1.0);
+  // A state smaller than one window is sampled whole, once.
+  std::vector<ckpt::SampleSource> tiny = {{{zeros.data(), 1000}, 1, false}};
+  EXPECT_EQ(ckpt::SampleCompression(tiny, 1, 64 << 10, &pool).sampled_bytes, 1000);
 }
 
 TEST(OptionsTest, BadOptionsNameTheField) {
@@ -413,6 +480,33 @@ TEST_F(SavedRun, SaveOverlapsTrainingAndEachSaveHoldsItsOwnStep) {
   EXPECT_EQ(c_->Stats().stall_ms.size(), 6u);
 }
 
+// The stall copies into buffers that exist already: the first save allocates
+// one, the writer prepares the second in the background (the retained
+// snapshot keeps the first), and later saves alternate between the two.
+TEST_F(SavedRun, OnlyTheFirstSaveAllocatesStagingInsideItsStall) {
+  for (bool keep_snapshot : {true, false}) {
+    TempDir d;
+    auto o = Opts(d.path());
+    o.keep_snapshot = keep_snapshot;
+    Make(o);
+    for (int s = 0; s < 5; ++s) {
+      Train(s);
+      ASSERT_TRUE(c_->SaveAsync(s).ok());
+      ASSERT_TRUE(c_->Wait().ok());
+    }
+    EXPECT_EQ(c_->Stats().stall_allocations, 1) << "keep_snapshot " << keep_snapshot;
+    if (keep_snapshot) {
+      ASSERT_TRUE(c_->Restore(4).ok());
+      EXPECT_EQ(counter_, 4);
+      EXPECT_FLOAT_EQ(w_[5], static_cast<float>(std::sin(0.005 + 4)));
+    }
+    ASSERT_TRUE(c_->Load(3).ok());
+    EXPECT_EQ(counter_, 3);
+    EXPECT_FLOAT_EQ(w_[5], static_cast<float>(std::sin(0.005 + 3)));
+    c_.reset();
+  }
+}
+
 TEST_F(SavedRun, SnapshotRestoresWithoutDisk) {
   Make(Opts(d_.path()));
   SaveSteps(3);
@@ -557,6 +651,84 @@ TEST_F(SavedRun, FlippedByteIsDetectedByFileAndTensorChecksums) {
   EXPECT_NE(direct.status().message().find("/model/w"), std::string::npos) << direct.status();
 }
 
+// Fixed choices are honoured and recorded, and an uncompressed shard is
+// verified as strictly as a compressed one.
+TEST_F(SavedRun, FixedCompressionIsRecordedAndVerified) {
+  for (auto mode : {CheckpointCompression::kNone, CheckpointCompression::kZstd}) {
+    const bool none = mode == CheckpointCompression::kNone;
+    SCOPED_TRACE(none ? "none" : "zstd");
+    TempDir d;
+    auto o = Opts(d.path());
+    o.compression = mode;
+    o.compression_level = 2;
+    Make(o);
+    for (int s = 0; s < 3; ++s) {
+      Train(s);
+      ASSERT_TRUE(c_->SaveAsync(s).ok());
+    }
+    ASSERT_TRUE(c_->Wait().ok());
+    const std::string want = none ? "none" : "zstd-2";
+    EXPECT_EQ(c_->Stats().last_compression, want);
+    EXPECT_TRUE(c_->Stats().last_compression_auto.empty()) << "a fixed choice has no auto record";
+    const std::string step2 = d.path() + "/" + ckpt::StepDirName(2);
+    auto m = ckpt::ReadManifest(step2).value();
+    EXPECT_EQ(m.format, std::string(kCheckpointFormat));
+    EXPECT_EQ(m.shards[0].compression, want);
+    auto info = InspectShard(step2 + "/rank-00000.h5");
+    ASSERT_TRUE(info.ok()) << info.status();
+    for (const auto& t : info->tensors)
+      if (t.path == "/model/w") EXPECT_EQ(t.filters.empty(), none);
+    Train(2);
+    const std::vector<float> saved = w_;
+    Train(99);
+    ASSERT_TRUE(c_->Load(2).ok());
+    EXPECT_EQ(w_, saved);
+    EXPECT_EQ(counter_, 2);
+    // A flipped byte inside a stored chunk: refused with and without the
+    // file check.
+    haddr_t addr = 0;
+    {
+      ckpt::Hdf5Lock lock;
+      ckpt::H5Handle f(H5Fopen((step2 + "/rank-00000.h5").c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+      ckpt::H5Handle ds(H5Dopen2(f.get(), "/model/w", H5P_DEFAULT));
+      hsize_t off[2] = {20, 0}, size = 0;
+      unsigned mask = 0;
+      ASSERT_GE(H5Dget_chunk_info_by_coord(ds.get(), off, &mask, &addr, &size), 0);
+      addr += size / 2;
+    }
+    {
+      std::fstream f(step2 + "/rank-00000.h5", std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(static_cast<std::streamoff>(addr));
+      char ch = 0;
+      f.read(&ch, 1);
+      f.seekp(static_cast<std::streamoff>(addr));
+      ch = static_cast<char>(ch ^ 0x5a);
+      f.write(&ch, 1);
+    }
+    auto latest = c_->LoadLatest();
+    ASSERT_TRUE(latest.ok()) << latest.status();
+    EXPECT_EQ(*latest, 1);
+    c_.reset();
+    o.verify_file_checksum = false;
+    Make(o);
+    auto direct = c_->Load(2);
+    ASSERT_EQ(direct.status().code(), StatusCode::kDataLoss);
+    EXPECT_NE(direct.status().message().find("/model/w"), std::string::npos) << direct.status();
+    c_.reset();
+  }
+}
+
+// Auto on a small state compresses and says why in the manifest.
+TEST_F(SavedRun, AutoRecordsItsChoiceInTheManifest) {
+  Make(Opts(d_.path()));
+  SaveSteps(1);
+  auto m = ckpt::ReadManifest(d_.path() + "/" + ckpt::StepDirName(0)).value();
+  EXPECT_EQ(m.shards[0].compression, "zstd-1");
+  EXPECT_NE(m.shards[0].auto_choice.find("small state"), std::string::npos) << m.shards[0].auto_choice;
+  EXPECT_EQ(c_->Stats().last_compression, "zstd-1");
+  EXPECT_NE(c_->Stats().last_compression_auto.find("small state"), std::string::npos);
+}
+
 // Loading hashes the file while HDF5 parses it, so HDF5 may meet a corrupt
 // metadata block before the file checksum has failed. Shards are written with
 // HDF5 1.10 structures, whose metadata carries checksums: a flipped byte
@@ -661,7 +833,10 @@ TEST_F(SavedRun, ManifestNamingAnotherWorldSizeIsRefused) {
   // Rewrite step 2's manifest as if two ranks had written it.
   auto m = ckpt::ReadManifest(d_.path() + "/step-00000002").value();
   m.world_size = 2;
-  m.shards.push_back({1, "rank-00001.h5", m.shards[0].bytes, m.shards[0].xxh3});
+  ckpt::ManifestShard other = m.shards[0];
+  other.rank = 1;
+  other.file = "rank-00001.h5";
+  m.shards.push_back(other);
   ASSERT_TRUE(
       ckpt::WriteFileDurably(d_.path() + "/step-00000002/MANIFEST.json", ckpt::ManifestToJson(m), false)
           .ok());

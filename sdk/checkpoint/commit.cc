@@ -37,13 +37,19 @@ Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
       m.shards.push_back(*own);
       continue;
     }
-    // Another rank's shard (shared filesystem): its bytes and hash from disk.
-    ckpt::ManifestShard sh{r, ckpt::ShardFileName(r), 0, ""};
-    uint64_t h = 0;
-    Status s = ckpt::HashFile(dir + "/" + sh.file, &h, &sh.bytes);
-    if (!s.ok())
-      return Status::FailedPrecondition("cannot commit step " + std::to_string(step) + ": " + s.message());
-    sh.xxh3 = ckpt::Hex64(h);
+    // Another rank's shard (shared filesystem): its size, digest and
+    // compression from disk.
+    ckpt::ManifestShard sh;
+    sh.rank = r;
+    sh.file = ckpt::ShardFileName(r);
+    auto d = ckpt::DigestShardFile(dir + "/" + sh.file);
+    if (!d.ok())
+      return Status::FailedPrecondition("cannot commit step " + std::to_string(step) + ": " +
+                                        d.status().message());
+    sh.bytes = d->bytes;
+    sh.digest = d->digest;
+    sh.compression = d->compression;
+    sh.auto_choice = d->compression_auto;
     m.shards.push_back(std::move(sh));
   }
   OOMGUARD_RETURN_IF_ERROR(

@@ -169,6 +169,33 @@ std::optional<int64_t> ReadInt64Attr(hid_t obj, const char* name) {
   return v;
 }
 
+Status WriteUint64ArrayAttr(hid_t obj, const char* name, const std::vector<uint64_t>& values) {
+  const hsize_t n = values.size();
+  H5Handle space(n == 0 ? H5Screate(H5S_NULL) : H5Screate_simple(1, &n, nullptr));
+  H5Handle attr(H5Acreate2(obj, name, H5T_STD_U64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT));
+  if (!attr.valid()) return Status::Internal(std::string("cannot create attribute ") + name);
+  if (n > 0 && H5Awrite(attr.get(), H5T_NATIVE_UINT64, values.data()) < 0)
+    return Status::Internal(std::string("cannot write attribute ") + name);
+  return Status::Ok();
+}
+
+std::optional<std::vector<uint64_t>> ReadUint64ArrayAttr(hid_t obj, const char* name, uint64_t count,
+                                                         uint64_t file_bytes) {
+  if (H5Aexists(obj, name) <= 0) return std::nullopt;
+  H5Handle attr(H5Aopen(obj, name, H5P_DEFAULT));
+  if (!attr.valid()) return std::nullopt;
+  H5Handle type(H5Aget_type(attr.get()));
+  if (H5Tget_class(type.get()) != H5T_INTEGER || H5Tget_size(type.get()) != 8) return std::nullopt;
+  H5Handle space(H5Aget_space(attr.get()));
+  if (!space.valid() || H5Sget_simple_extent_ndims(space.get()) != 1) return std::nullopt;
+  hsize_t n = 0;
+  if (H5Sget_simple_extent_dims(space.get(), &n, nullptr) != 1 || n != count) return std::nullopt;
+  if (count > file_bytes / 8 || H5Aget_storage_size(attr.get()) > file_bytes) return std::nullopt;
+  std::vector<uint64_t> out(static_cast<size_t>(count));
+  if (H5Aread(attr.get(), H5T_NATIVE_UINT64, out.data()) < 0) return std::nullopt;
+  return out;
+}
+
 ChunkLayout PlanChunks(const std::vector<int64_t>& shape, size_t elem_size, int64_t target_bytes) {
   ChunkLayout L;
   int64_t elems = 1;

@@ -72,6 +72,12 @@ Status WriteStringAttr(hid_t obj, const char* name, const std::string& value);
 Status WriteInt64Attr(hid_t obj, const char* name, int64_t value);
 std::optional<std::string> ReadStringAttr(hid_t obj, const char* name, size_t max_bytes = 4096);
 std::optional<int64_t> ReadInt64Attr(hid_t obj, const char* name);
+// A 1-D array of little-endian uint64 values. The reader returns nullopt
+// unless the attribute is a 1-D array of exactly `count` 8-byte integers
+// whose storage the file can back (at most `file_bytes`).
+Status WriteUint64ArrayAttr(hid_t obj, const char* name, const std::vector<uint64_t>& values);
+std::optional<std::vector<uint64_t>> ReadUint64ArrayAttr(hid_t obj, const char* name, uint64_t count,
+                                                         uint64_t file_bytes);
 
 // How a tensor is cut into chunks that are contiguous runs of its row-major
 // bytes: chunk dims are (1, ..., 1, r, d[k+1], ..., d[n-1]). The last chunk

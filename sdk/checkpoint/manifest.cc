@@ -16,6 +16,7 @@
 
 #include "oomguard/checkpoint.h"
 #include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/compression.h"
 
 namespace oomguard::ckpt {
 
@@ -72,8 +73,20 @@ std::string ManifestToJson(const Manifest& m) {
   j["world_size"] = m.world_size;
   j["created_unix"] = m.created_unix;
   j["shards"] = nlohmann::ordered_json::array();
-  for (const auto& s : m.shards)
-    j["shards"].push_back({{"rank", s.rank}, {"file", s.file}, {"bytes", s.bytes}, {"xxh3", s.xxh3}});
+  for (const auto& s : m.shards) {
+    nlohmann::ordered_json sh = {{"rank", s.rank}, {"file", s.file}, {"bytes", s.bytes}};
+    if (m.format == kCheckpointFormatV1) {
+      sh["xxh3"] = s.xxh3;
+    } else {
+      sh["digest"] = s.digest;
+      sh["compression"] = s.compression;
+      if (!s.auto_choice.empty()) {
+        auto choice = nlohmann::ordered_json::parse(s.auto_choice, nullptr, /*allow_exceptions=*/false);
+        if (choice.is_object()) sh["auto"] = std::move(choice);
+      }
+    }
+    j["shards"].push_back(std::move(sh));
+  }
   return j.dump(2) + "\n";
 }
 
@@ -121,9 +134,11 @@ StatusOr<Manifest> ParseManifest(const std::string& text) {
   Manifest m;
   try {
     m.format = StringField(j, "format", "");
-    if (m.format != kCheckpointFormat)
+    if (m.format != kCheckpointFormat && m.format != kCheckpointFormatV1)
       return Status::DataLoss("manifest format is '" + m.format.substr(0, 64) + "', expected '" +
-                              std::string(kCheckpointFormat) + "'");
+                              std::string(kCheckpointFormat) + "' (or '" + std::string(kCheckpointFormatV1) +
+                              "')");
+    const bool v1 = m.format == kCheckpointFormatV1;
     m.step = IntField(j, "step", 0, std::numeric_limits<int64_t>::max(), "");
     m.world_size = static_cast<int>(IntField(j, "world_size", 1, kMaxWorldSize, ""));
     if (j.contains("created_unix"))
@@ -143,12 +158,25 @@ StatusOr<Manifest> ParseManifest(const std::string& text) {
       sh.rank = static_cast<int>(IntField(s, "rank", 0, m.world_size - 1, where));
       sh.file = StringField(s, "file", where);
       sh.bytes = IntField(s, "bytes", 0, std::numeric_limits<int64_t>::max(), where);
-      sh.xxh3 = StringField(s, "xxh3", where);
+      if (v1) {
+        sh.xxh3 = StringField(s, "xxh3", where);
+      } else {
+        sh.digest = StringField(s, "digest", where);
+        sh.compression = StringField(s, "compression", where);
+        if (!IsCompressionName(sh.compression))
+          return Status::DataLoss("manifest " + where + "compression '" + sh.compression.substr(0, 64) +
+                                  "' is not 'none' or 'zstd-<level>'");
+        if (s.contains("auto")) {
+          if (!s["auto"].is_object()) throw std::invalid_argument(where + "auto is not an object");
+          sh.auto_choice = s["auto"].dump();
+        }
+      }
       if (!IsPlainFileName(sh.file))
         return Status::DataLoss("manifest names a shard outside its directory: '" + sh.file.substr(0, 255) +
                                 "'");
-      if (!IsLowerHex16(sh.xxh3))
-        return Status::DataLoss("manifest " + where + "xxh3 is not 16 lowercase hex digits");
+      if (!IsLowerHex16(v1 ? sh.xxh3 : sh.digest))
+        return Status::DataLoss("manifest " + where + (v1 ? "xxh3" : "digest") +
+                                " is not 16 lowercase hex digits");
       if (seen[static_cast<size_t>(sh.rank)])
         return Status::DataLoss("manifest lists rank " + std::to_string(sh.rank) + " twice");
       seen[static_cast<size_t>(sh.rank)] = true;

@@ -1,4 +1,4 @@
-// Names, the manifest and durable file operations of format oomguard-ckpt/1.
+// Names, the manifest and durable file operations of formats oomguard-ckpt/2 and /1.
 //
 // Durability protocol (crash consistency): a file is written as <name>.tmp,
 // fsynced, renamed over <name>, and its directory fsynced; MANIFEST.json is
@@ -36,11 +36,16 @@ struct ManifestShard {
   int rank = 0;
   std::string file;  // relative to the step directory
   int64_t bytes = 0;
-  std::string xxh3;  // of the whole file
+  std::string xxh3;         // format 1: XXH3 of the whole file
+  std::string digest;       // format 2: the shard's digest (shard_digest.h)
+  std::string compression;  // format 2: "none" or "zstd-<level>"
+  // Format 2, optional: why `compression = auto` chose what it chose, as a
+  // JSON object (measured throughputs); empty when the choice was fixed.
+  std::string auto_choice;
 };
 
 struct Manifest {
-  std::string format;
+  std::string format;  // kCheckpointFormat, or kCheckpointFormatV1 (read only)
   int64_t step = -1;
   int world_size = 0;
   int64_t created_unix = 0;
@@ -54,11 +59,12 @@ struct Manifest {
 int JsonNestingDepth(std::string_view text, int stop_at);
 
 std::string ManifestToJson(const Manifest& m);
-// kDataLoss naming what is malformed: not JSON, a missing field or one of the
-// wrong type, an integer out of range, world_size outside [1, kMaxWorldSize],
+// kDataLoss naming what is malformed: not JSON, a format other than 1 or 2, a
+// missing field or one of the wrong type, an integer out of range, world_size outside [1, kMaxWorldSize],
 // a shard count other than world_size, a rank listed twice or outside
 // [0, world_size), a shard file name that is not one plain path component, an
-// xxh3 that is not 16 lowercase hex digits.
+// xxh3 (format 1) or digest (format 2) that is not 16 lowercase hex digits, a
+// compression (format 2) other than "none" or "zstd-<level>".
 StatusOr<Manifest> ParseManifest(const std::string& text);
 // Reads <step_dir>/MANIFEST.json. kNotFound when absent; kDataLoss when it is
 // not a regular file (a symlink, FIFO, device or directory), is larger than

@@ -17,8 +17,10 @@
 #include <thread>
 
 #include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/shard_digest.h"
 #include "sdk/checkpoint/zstd_filter.h"
 
 namespace oomguard::ckpt {
@@ -111,6 +113,11 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "step", o.step));
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "rank", o.rank));
     OOMGUARD_RETURN_IF_ERROR(WriteInt64Attr(file.get(), "world_size", o.world_size));
+    OOMGUARD_RETURN_IF_ERROR(
+        WriteStringAttr(file.get(), kCompressionAttr,
+                        ShardCompressionName(o.compress ? std::optional<int>(o.level) : std::nullopt)));
+    if (!o.compression_auto.empty())
+      OOMGUARD_RETURN_IF_ERROR(WriteStringAttr(file.get(), kCompressionAutoAttr, o.compression_auto));
     // The inventory: a reader that only saw the datasets present could not
     // tell a shard with a tensor deleted from a complete one.
     nlohmann::json inventory = nlohmann::json::array();
@@ -129,9 +136,11 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
       if (!planned[t].layout.chunk_dims.empty()) {
         const auto& cd = planned[t].layout.chunk_dims;
         H5Pset_chunk(dcpl.get(), static_cast<int>(cd.size()), cd.data());
-        H5Pset_shuffle(dcpl.get());
-        const unsigned level = static_cast<unsigned>(o.level);
-        H5Pset_filter(dcpl.get(), kZstdFilter, H5Z_FLAG_MANDATORY, 1, &level);
+        if (o.compress) {
+          H5Pset_shuffle(dcpl.get());
+          const unsigned level = static_cast<unsigned>(o.level);
+          H5Pset_filter(dcpl.get(), kZstdFilter, H5Z_FLAG_MANDATORY, 1, &level);
+        }
         H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
         total_chunks += planned[t].layout.count;
       }
@@ -148,8 +157,11 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     }
   }
 
-  // Chunks in file order. Each compression task reads staged bytes (a
-  // partial edge chunk is zero-padded to the full chunk size, as HDF5 stores it).
+  // Chunks in file order. Each task reads staged bytes (a partial edge chunk
+  // is zero-padded to the full chunk size, as HDF5 stores it), hashes them
+  // while they are in cache (the chunk's xxh3 that loads verify), encodes
+  // them unless the shard is uncompressed, and hashes the stored bytes (its
+  // region of the shard's digest, shard_digest.h).
   struct Job {
     size_t t;
     int64_t i, begin, len;
@@ -176,14 +188,27 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
       for (auto* h : *v) XXH3_freeState(h);
     }
   } hash_free{&hashes};
+  std::vector<std::vector<uint64_t>> chunk_hashes(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t)
+    chunk_hashes[t].reserve(static_cast<size_t>(planned[t].layout.count));
+  std::vector<uint64_t> stored_hashes(jobs.size());
 
+  // What a task hands the writer: an encoded (or padded) frame of its own,
+  // or, for a whole uncompressed chunk, the staged bytes themselves.
+  struct Encoded {
+    FramePool::Frame frame;
+    const uint8_t* bytes = nullptr;
+    size_t size = 0;
+    uint64_t chunk_hash = 0;
+    uint64_t stored_hash = 0;
+  };
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
   FramePool local_frames;
   FramePool* frames = o.frames != nullptr ? o.frames : &local_frames;
-  std::deque<std::future<FramePool::Frame>> inflight;
+  std::deque<std::future<Encoded>> inflight;
   // Tasks use `frames` and the staged bytes: if the midway hook throws (an
   // injected fault), they must finish before this frame's locals go away.
-  WaitForAll<FramePool::Frame> wait_all{&inflight};
+  WaitForAll<Encoded> wait_all{&inflight};
   std::vector<const uint8_t*> data(jobs.size(), nullptr);
   ThreadPool tensor_hasher(1);
   std::deque<std::future<void>> tensor_hashed;
@@ -196,25 +221,53 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     const size_t es = DTypeSize(tensors[j.t].dtype);
     const int64_t full = planned[j.t].layout.chunk_bytes;
     const int level = o.level;
+    const bool compress = o.compress;
     const int64_t len = j.len;
     const bool fp = IsFloatingPoint(tensors[j.t].dtype);
-    inflight.push_back(pool->Submit([p, len, full, es, level, fp, frames] {
+    inflight.push_back(pool->Submit([p, len, full, es, level, fp, compress, frames] {
       thread_local std::vector<uint8_t> scratch, padded;
-      FramePool::Frame f = frames->Take(EncodeBound(static_cast<size_t>(full)));
+      Encoded e;
+      e.chunk_hash = XXH3_64bits(p, static_cast<size_t>(len));
       const uint8_t* in = p;
       if (len != full) {
         padded.assign(static_cast<size_t>(full), 0);
         std::memcpy(padded.data(), p, static_cast<size_t>(len));
         in = padded.data();
       }
-      f.size = EncodeChunkInto(in, static_cast<size_t>(full), es, level, fp, &scratch, f.data.get(), f.capacity);
-      return f;
+      if (!compress && len == full) {
+        e.bytes = p;
+        e.size = static_cast<size_t>(full);
+        e.stored_hash = e.chunk_hash;
+        return e;
+      }
+      if (!compress) {
+        e.frame = frames->Take(static_cast<size_t>(full));
+        std::memcpy(e.frame.data.get(), in, static_cast<size_t>(full));
+        e.frame.size = static_cast<size_t>(full);
+      } else {
+        e.frame = frames->Take(EncodeBound(static_cast<size_t>(full)));
+        e.frame.size = EncodeChunkInto(in, static_cast<size_t>(full), es, level, fp, &scratch,
+                                       e.frame.data.get(), e.frame.capacity);
+      }
+      e.bytes = e.frame.data.get();
+      e.size = e.frame.size;
+      e.stored_hash = XXH3_64bits(e.bytes, e.size);
+      return e;
     }));
     ++next_submit;
   };
   Status status;
   const size_t midway = jobs.size() / 2;
   int64_t unflushed = 0;
+  // Time this thread spends handing bytes to the kernel and waiting for the
+  // disk (writes, writeback starts, the final fsync): what compression =
+  // auto weighs compression against.
+  std::chrono::steady_clock::duration io_time{};
+  struct IoTimer {
+    std::chrono::steady_clock::duration* total;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    ~IoTimer() { *total += std::chrono::steady_clock::now() - start; }
+  };
   // Starts writeback of what was written so far and returns at once.
   auto start_writeback = [&] {
 #ifdef SYNC_FILE_RANGE_WRITE
@@ -228,17 +281,36 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     while (next_submit < jobs.size() && inflight.size() < window &&
            (inflight.empty() || source->Ready(jobs[next_submit].t, jobs[next_submit].begin)))
       submit();
-    FramePool::Frame frame = inflight.front().get();
+    Encoded enc = inflight.front().get();
     inflight.pop_front();
     struct GiveBack {
       FramePool* pool;
       FramePool::Frame* f;
-      ~GiveBack() { pool->Give(std::move(*f)); }
-    } give_back{frames, &frame};
+      ~GiveBack() {
+        if (f->data) pool->Give(std::move(*f));
+      }
+    } give_back{frames, &enc.frame};
     const Job& j = jobs[n];
+    chunk_hashes[j.t].push_back(enc.chunk_hash);
+    stored_hashes[n] = enc.stored_hash;
+    if (n == midway && o.midway) o.midway();
+    if (status.ok()) {
+      if (enc.size == 0) {
+        status = Status::Internal(tmp + ": zstd compression failed for /" + tensors[j.t].path);
+      } else {
+        Hdf5Lock lock;
+        IoTimer timed{&io_time};
+        if (H5Dwrite_chunk(planned[j.t].dset.get(), H5P_DEFAULT, 0, j.offset.data(), enc.size, enc.bytes) < 0)
+          status = Status::Internal(tmp + ": H5Dwrite_chunk failed for /" + tensors[j.t].path + " chunk " +
+                                    std::to_string(j.i));
+        unflushed += static_cast<int64_t>(enc.size);
+        if (o.fsync && unflushed >= kWritebackBytes) start_writeback();
+      }
+    }
     // The tensor hash runs on its own thread, in chunk order (one FIFO
     // worker), so this thread only feeds H5Dwrite_chunk: the write is what
-    // a save waits for.
+    // a save waits for. Queued after the write, which may have read the
+    // staged bytes themselves, since the task releases them.
     tensor_hashed.push_back(tensor_hasher.Submit([&hashes, &data, &j, n, source] {
       XXH3_64bits_update(hashes[j.t], data[n], static_cast<size_t>(j.len));
       source->Release(j.t, j.begin, j.len);
@@ -246,25 +318,15 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     while (tensor_hashed.size() > 1 &&
            tensor_hashed.front().wait_for(std::chrono::seconds(0)) == std::future_status::ready)
       tensor_hashed.pop_front();
-    if (n == midway && o.midway) o.midway();
-    if (!status.ok()) continue;  // drain the window before returning
-    if (frame.size == 0) {
-      status = Status::Internal(tmp + ": zstd compression failed for /" + tensors[j.t].path);
-      continue;
-    }
-    Hdf5Lock lock;
-    if (H5Dwrite_chunk(planned[j.t].dset.get(), H5P_DEFAULT, 0, j.offset.data(), frame.size, frame.data.get()) <
-        0)
-      status = Status::Internal(tmp + ": H5Dwrite_chunk failed for /" + tensors[j.t].path + " chunk " +
-                                std::to_string(j.i));
-    unflushed += static_cast<int64_t>(frame.size);
-    if (o.fsync && unflushed >= kWritebackBytes) start_writeback();
   }
   if (jobs.empty() && o.midway) o.midway();
   while (!tensor_hashed.empty()) {
     tensor_hashed.front().get();
     tensor_hashed.pop_front();
   }
+  // Every chunk's place in the file: the regions of the digest.
+  std::vector<FileRegion> chunk_regions;
+  chunk_regions.reserve(jobs.size());
   {
     Hdf5Lock lock;
     if (status.ok()) {
@@ -272,6 +334,8 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
         uint64_t h = 0;
         if (!planned[t].layout.chunk_dims.empty()) {
           h = XXH3_64bits_digest(hashes[t]);
+          Status s = WriteUint64ArrayAttr(planned[t].dset.get(), kChunkHashAttr, chunk_hashes[t]);
+          if (!s.ok() && status.ok()) status = s;
         } else {
           const uint8_t* p = tensors[t].bytes > 0 ? source->Acquire(t, 0, tensors[t].bytes) : nullptr;
           h = XXH3_64bits(p, static_cast<size_t>(tensors[t].bytes));
@@ -279,6 +343,17 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
         }
         Status s = WriteStringAttr(planned[t].dset.get(), "xxh3", Hex64(h));
         if (!s.ok() && status.ok()) status = s;
+      }
+      for (size_t n = 0; n < jobs.size() && status.ok(); ++n) {
+        unsigned mask = 0;
+        haddr_t addr = HADDR_UNDEF;
+        hsize_t size = 0;
+        if (H5Dget_chunk_info_by_coord(planned[jobs[n].t].dset.get(), jobs[n].offset.data(), &mask, &addr,
+                                       &size) < 0 ||
+            addr == HADDR_UNDEF)
+          status = Status::Internal(tmp + ": cannot find chunk " + std::to_string(jobs[n].i) + " of /" +
+                                    tensors[jobs[n].t].path + " after writing it");
+        chunk_regions.push_back({addr, size, true});
       }
     }
     for (auto& p : planned) p.dset.reset();
@@ -289,20 +364,68 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     std::remove(tmp.c_str());
     return status;
   }
-  // The file hash reads the page cache while fsync waits for the disk.
+  // The digest: the chunks' hashes from the tasks, the gaps (metadata, a few
+  // KiB) hashed from the page cache while fsync waits for the disk.
   ShardWriteResult res;
-  uint64_t fh = 0;
-  Status hashed;
+  res.compression = ShardCompressionName(o.compress ? std::optional<int>(o.level) : std::nullopt);
+  Status digested;
   {
-    std::jthread hasher([&] { hashed = HashFile(tmp, &fh, &res.file_bytes); });
-    if (o.fsync) status = FsyncPath(tmp, false);
+    std::jthread digester([&] {
+      std::vector<FileRegion> regions;
+      int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
+      struct stat st {};
+      if (fd < 0 || ::fstat(fd, &st) != 0) {
+        digested = Status::Internal("cannot read back " + tmp + ": " + std::strerror(errno));
+        if (fd >= 0) ::close(fd);
+        return;
+      }
+      res.file_bytes = st.st_size;
+      const std::string bad = PartitionFile(chunk_regions, static_cast<uint64_t>(st.st_size), &regions);
+      if (!bad.empty()) {
+        ::close(fd);
+        digested = Status::Internal(tmp + ": " + bad);
+        return;
+      }
+      // Each chunk region's stored hash, matched by offset (both sorted).
+      std::vector<std::pair<uint64_t, uint64_t>> by_offset(jobs.size());
+      for (size_t n = 0; n < jobs.size(); ++n) by_offset[n] = {chunk_regions[n].offset, stored_hashes[n]};
+      std::sort(by_offset.begin(), by_offset.end());
+      std::vector<uint64_t> region_hashes(regions.size());
+      std::vector<uint8_t> buf;
+      size_t next_chunk = 0;
+      for (size_t i = 0; i < regions.size(); ++i) {
+        if (regions[i].chunk) {
+          region_hashes[i] = by_offset[next_chunk++].second;
+          continue;
+        }
+        buf.resize(static_cast<size_t>(regions[i].length));
+        size_t got = 0;
+        while (got < buf.size()) {
+          const ssize_t r =
+              ::pread(fd, buf.data() + got, buf.size() - got, static_cast<off_t>(regions[i].offset + got));
+          if (r <= 0) break;
+          got += static_cast<size_t>(r);
+        }
+        if (got != buf.size()) {
+          digested = Status::Internal("cannot read back " + tmp);
+          break;
+        }
+        region_hashes[i] = XXH3_64bits(buf.data(), buf.size());
+      }
+      ::close(fd);
+      if (digested.ok()) res.digest = Hex64(CombineDigest(regions, region_hashes));
+    });
+    if (o.fsync) {
+      IoTimer timed{&io_time};
+      status = FsyncPath(tmp, false);
+    }
   }
-  if (status.ok()) status = hashed;
+  res.io_seconds = std::chrono::duration<double>(io_time).count();
+  if (status.ok()) status = digested;
   if (!status.ok()) {
     std::remove(tmp.c_str());
     return status;
   }
-  res.file_xxh3 = Hex64(fh);
   if (std::rename(tmp.c_str(), final_path.c_str()) != 0)
     return Status::Internal("rename " + tmp + ": " + std::strerror(errno));
   if (o.fsync) {

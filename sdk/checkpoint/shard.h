@@ -21,11 +21,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "oomguard/checkpoint.h"
 #include "oomguard/status.h"
+#include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/thread_pool.h"
 
 namespace oomguard::ckpt {
@@ -80,7 +82,13 @@ struct ShardWriteOptions {
   int64_t step = 0;
   int rank = 0;
   int world_size = 1;
+  // Shuffle + zstd at `level`, or stored as they are (no filters).
+  bool compress = true;
   int level = 1;
+  // compression = auto: why it chose `compress` (a JSON object), kept in the
+  // root attribute kCompressionAutoAttr for the coordinated commit; empty:
+  // a fixed choice.
+  std::string compression_auto;
   int64_t chunk_bytes = 1 << 20;
   bool fsync = true;
   // Where frame buffers come from (a pool local to the call when null).
@@ -92,7 +100,12 @@ struct ShardWriteOptions {
 
 struct ShardWriteResult {
   int64_t file_bytes = 0;
-  std::string file_xxh3;
+  std::string digest;       // shard_digest.h, 16 lowercase hex digits
+  std::string compression;  // "none" or "zstd-<level>"
+  // Seconds the writing thread spent in writes, writeback and the final
+  // fsync of the file (not compression): file_bytes / io_seconds is the
+  // write throughput compression = auto compares with.
+  double io_seconds = 0;
 };
 
 // Writes <final_path>.tmp, fsyncs, renames to final_path, fsyncs the directory.
@@ -103,6 +116,25 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
 // The chunk layout a writer uses for a tensor (bytes per full chunk, count).
 int64_t ChunkCount(const ShardTensor& t, int64_t chunk_bytes);
 
+// A stored chunk of a dataset chunked in contiguous runs (the writer's
+// layout, hdf5_io.h): where its bytes are in the file and which bytes of the
+// tensor it holds.
+struct StoredChunk {
+  uint64_t offset = 0;  // in the file (the user block included)
+  uint64_t size = 0;    // stored bytes
+  int64_t begin = 0;    // tensor bytes [begin, begin + len)
+  int64_t len = 0;
+};
+
+// Root attribute of a format-2 shard: "none" or "zstd-<level>".
+inline constexpr const char* kCompressionAttr = "compression";
+// Optional root attribute of format 2: why compression = auto chose the
+// shard's compression (a JSON object, as in the manifest's "auto").
+inline constexpr const char* kCompressionAutoAttr = "compression_auto";
+// Dataset attribute of format 2: XXH3_64bits of each chunk's tensor bytes
+// [begin, begin + len), in chunk order (a 1-D uint64 array).
+inline constexpr const char* kChunkHashAttr = "chunk_xxh3";
+
 class ShardReader {
  public:
   // Opens `path` and reads its root attributes. kDataLoss when it is not a
@@ -112,6 +144,10 @@ class ShardReader {
 
   const std::string& path() const { return path_; }
   const std::string& format() const { return format_; }
+  // 1 or 2 (the formats this version reads).
+  int version() const { return version_; }
+  // Format 2: the root `compression` attribute ("none", "zstd-1", ...).
+  const std::string& compression() const { return compression_; }
   int64_t step() const { return step_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
@@ -143,6 +179,15 @@ class ShardReader {
     return ReadMany({ReadRequest{dataset, check, dtype, shape, out, bytes}}, pool);
   }
 
+  // Every stored chunk of `dataset`, in chunk order, when it is chunked in
+  // contiguous runs and its filters are none or shuffle + zstd; *raw says
+  // which. kDataLoss naming the tensor otherwise, or when a chunk is missing,
+  // was stored with filters skipped, or lies outside the file.
+  Status StoredChunks(const std::string& dataset, std::vector<StoredChunk>* out, ChunkLayout* layout,
+                      bool* raw);
+  // A read-only mapping of the whole file (made once).
+  StatusOr<std::span<const uint8_t>> Mapped();
+
   // The open HDF5 file, for CheckedShard's walk over it. REQUIRES: Hdf5Lock
   // held while it is used; valid as long as this reader.
   hid_t hdf5_file() const;
@@ -153,7 +198,8 @@ class ShardReader {
   ShardReader() = default;
   struct Impl;
   std::unique_ptr<Impl> impl_;
-  std::string path_, format_;
+  std::string path_, format_, compression_;
+  int version_ = 0;
   int64_t step_ = -1;
   int rank_ = -1, world_size_ = -1;
 };

@@ -151,6 +151,7 @@ StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64
   e.dtype = *dtype;
   const auto xxh3 = ReadStringAttr(d.get(), "xxh3");
   if (!xxh3 || !IsLowerHex16(*xxh3)) return bad("has no xxh3 attribute of 16 lowercase hex digits");
+  e.xxh3 = *xxh3;
 
   H5Handle type(H5Dget_type(d.get()));
   const H5T_class_t cls = H5Tget_class(type.get());
@@ -231,8 +232,6 @@ StatusOr<Manifest> ReadStepManifest(const std::string& step_dir, int64_t step) {
   return m;
 }
 
-CheckedShard::~CheckedShard() = default;
-
 StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& step_dir,
                                                            const Manifest& manifest,
                                                            const ManifestShard& shard, bool hash_file) {
@@ -249,10 +248,11 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   if (st.st_size != shard.bytes)
     return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
                             std::to_string(shard.bytes) + " (truncated or rewritten)");
-  // The whole-file hash runs on its own thread while the pool decodes: it
-  // reads the same pages, so the two passes share one trip through memory
-  // (or one read from disk when the file is not cached).
-  if (hash_file) c->file_check_.emplace(file, shard.xxh3);
+  const bool v1 = manifest.format == kCheckpointFormatV1;
+  // Format 1: the whole-file hash runs on its own thread while the pool
+  // decodes: it reads the same pages, so the two passes share one trip
+  // through memory (or one read from disk when the file is not cached).
+  if (hash_file && v1) c->file_check_.emplace(file, shard.xxh3);
   auto reader = ShardReader::Open(file);
   if (!reader.ok()) {
     // HDF5's own message names no tensor; a whole-file mismatch says more.
@@ -261,6 +261,12 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   }
   c->reader_ = std::move(reader).value();
   ShardReader& r = *c->reader_;
+  if (r.format() != manifest.format)
+    return Status::DataLoss(file + ": format '" + r.format() + "', the manifest's is '" + manifest.format +
+                            "'");
+  if (!v1 && r.compression() != shard.compression)
+    return Status::DataLoss(file + ": compression '" + r.compression() + "', the manifest says '" +
+                            shard.compression + "'");
   if (r.step() != manifest.step || r.rank() != shard.rank || r.world_size() != manifest.world_size)
     return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
                             std::to_string(r.rank()) + " world size " + std::to_string(r.world_size()) +
@@ -338,6 +344,7 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
       return Status::DataLoss(file + ": its tensors together declare more than 2^63 bytes");
     c->entries_.push_back(std::move(e).value());
   }
+  if (!v1) OOMGUARD_RETURN_IF_ERROR(c->PlanPass(shard, hash_file));
   return c;
 }
 
@@ -350,6 +357,7 @@ const ShardEntry* CheckedShard::Find(const std::string& dataset) const {
 Status CheckedShard::Read(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool) {
   for (const auto& q : requests)
     if (Find(q.dataset) == nullptr) return Status::DataLoss(path_ + ": tensor " + q.dataset + " is missing");
+  if (pass_) return ReadPass(requests, pool);
   return reader_->ReadMany(requests, pool);
 }
 
@@ -357,10 +365,11 @@ Status CheckedShard::ReadEverything(ThreadPool* pool) {
   std::vector<ShardReader::ReadRequest> all;
   all.reserve(entries_.size());
   for (const ShardEntry& e : entries_) all.push_back({e.dataset, true, e.dtype, e.shape, nullptr, e.bytes});
-  return reader_->ReadMany(all, pool);
+  return Read(all, pool);
 }
 
 Status CheckedShard::Finish(const Status& read_status) {
+  if (pass_) return read_status.ok() ? FinishPass() : read_status;
   Status fs = file_check_ ? file_check_->Verdict() : Status::Ok();
   if (!read_status.ok()) return read_status;
   return fs;

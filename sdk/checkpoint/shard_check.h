@@ -24,10 +24,22 @@
 //   * datasets other than the ones the shard's inventory attribute lists, a
 //     listed one missing, or one whose dtype or shape differs from the listed.
 // So nothing is allocated from a size the file does not back, and nothing
-// outside the checkpoint directory is read. Then Read/ReadEverything decode
-// and check every tensor's xxh3 while the whole file is hashed on a thread of
-// its own, and Finish joins the two verdicts (the tensor's first: it names the
-// tensor).
+// outside the checkpoint directory is read.
+//
+// Then Read/ReadEverything decode the tensors and Finish gives the verdict
+// on the whole file (a tensor's own error first: it names the tensor):
+//   * format 2 (shard_pass.cc): Open also requires every chunked tensor to be
+//     chunked as the writer chunks (contiguous runs; no filters, or shuffle +
+//     zstd, as the shard's `compression` says) with a `chunk_xxh3` attribute
+//     of one hash per chunk, and finds every chunk's place in the file. Each
+//     chunk is then hashed as stored, decoded and hashed again as decoded by
+//     one pool task while its bytes are in cache; a decoded chunk whose hash
+//     differs from its `chunk_xxh3` entry is refused at once, and Finish
+//     hashes what no task read (metadata, tensors not asked for) and compares
+//     the shard's digest (shard_digest.h) with the manifest's. One pass over
+//     the bytes, every byte of the file verified, as in format 1.
+//   * format 1: every tensor's xxh3 is checked while the whole file is hashed
+//     on a thread of its own, and Finish joins the two verdicts.
 //
 // Thread-safety: a CheckedShard is used by one thread at a time.
 #ifndef OOMGUARD_SDK_CHECKPOINT_SHARD_CHECK_H_
@@ -57,6 +69,7 @@ struct ShardEntry {
   DType dtype = DType::kUInt8;
   std::vector<int64_t> shape;
   int64_t bytes = 0;  // decoded
+  std::string xxh3;   // the stored hash of the tensor's bytes
 };
 
 // Reads <step_dir>/MANIFEST.json and checks that it names `step`.
@@ -66,9 +79,9 @@ StatusOr<Manifest> ReadStepManifest(const std::string& step_dir, int64_t step);
 class CheckedShard {
  public:
   // Checks shard `shard` of `manifest` (the file <step_dir>/<shard.file>) as
-  // described above; hash_file starts the whole-file hash (compared with the
-  // manifest's xxh3 in Finish). Errors are kDataLoss naming the file and,
-  // where one is at fault, the tensor.
+  // described above; hash_file: verify the whole file too (the format-1
+  // file hash, started at once; the format-2 digest, in Read and Finish). Errors are kDataLoss naming the
+  // file and, where one is at fault, the tensor.
   static StatusOr<std::unique_ptr<CheckedShard>> Open(const std::string& step_dir, const Manifest& manifest,
                                                       const ManifestShard& shard, bool hash_file);
   ~CheckedShard();
@@ -85,12 +98,20 @@ class CheckedShard {
   Status Read(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool);
   // Decodes every entry and checks its xxh3 without keeping the bytes.
   Status ReadEverything(ThreadPool* pool);
-  // Joins the whole-file hash and returns `read_status` when it failed (it
-  // names the tensor), else the file's verdict.
+  // Completes the whole-file check and returns `read_status` when it failed
+  // (it names the tensor), else the file's verdict.
   Status Finish(const Status& read_status);
 
  private:
-  CheckedShard() = default;
+  CheckedShard();  // out of line, like the destructor: Pass is complete only there
+  // Format 2 (shard_pass.cc): every chunk's place and hashes, what has been
+  // hashed so far, and the manifest's digest.
+  struct Pass;
+  // REQUIRES: Hdf5Lock held, entries_ filled.
+  Status PlanPass(const ManifestShard& shard, bool verify_file);
+  Status ReadPass(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool);
+  Status FinishPass();
+  std::unique_ptr<Pass> pass_;
   std::string path_;
   std::unique_ptr<ShardReader> reader_;
   std::vector<ShardEntry> entries_;

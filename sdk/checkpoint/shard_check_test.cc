@@ -20,6 +20,7 @@
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/shard_digest.h"
 
 namespace oomguard {
 namespace {
@@ -78,11 +79,10 @@ class ShardCheckTest : public ::testing::Test {
   // as someone who edited the shard by hand would.
   void FixManifest(int64_t step) {
     auto m = ckpt::ReadManifest(StepDir(step)).value();
-    uint64_t h = 0;
-    int64_t n = 0;
-    ASSERT_TRUE(ckpt::HashFile(Shard(step), &h, &n).ok());
-    m.shards[0].bytes = n;
-    m.shards[0].xxh3 = ckpt::Hex64(h);
+    auto d = ckpt::DigestShardFile(Shard(step));
+    ASSERT_TRUE(d.ok()) << d.status();
+    m.shards[0].bytes = d->bytes;
+    m.shards[0].digest = d->digest;
     ASSERT_TRUE(
         ckpt::WriteFileDurably(StepDir(step) + "/MANIFEST.json", ckpt::ManifestToJson(m), false).ok());
   }
@@ -192,7 +192,15 @@ TEST(ManifestParseTest, RefusesHostileFields) {
   m.format = std::string(kCheckpointFormat);
   m.step = 7;
   m.world_size = 2;
-  m.shards = {{0, "rank-00000.h5", 10, "00000000000000ff"}, {1, "rank-00001.h5", 10, "00000000000000ff"}};
+  for (int r = 0; r < 2; ++r) {
+    ckpt::ManifestShard sh;
+    sh.rank = r;
+    sh.file = ckpt::ShardFileName(r);
+    sh.bytes = 10;
+    sh.digest = "00000000000000ff";
+    sh.compression = "none";
+    m.shards.push_back(sh);
+  }
   ASSERT_TRUE(ckpt::ParseManifest(ckpt::ManifestToJson(m)).ok());
   auto refused = [&](ckpt::Manifest bad, const char* needle) {
     auto r = ckpt::ParseManifest(ckpt::ManifestToJson(bad));
@@ -211,8 +219,11 @@ TEST(ManifestParseTest, RefusesHostileFields) {
   bad.shards[1].rank = 5;
   refused(bad, "rank");
   bad = m;
-  bad.shards[0].xxh3 = "xyz";
+  bad.shards[0].digest = "xyz";
   refused(bad, "16 lowercase hex");
+  bad = m;
+  bad.shards[0].compression = "zstd-99";
+  refused(bad, "compression");
   bad = m;
   bad.shards[0].bytes = -1;
   refused(bad, "bytes");

@@ -17,6 +17,7 @@
 #include <new>
 
 #include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
@@ -97,9 +98,19 @@ StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string& path
   auto ws = ReadInt64Attr(f, "world_size");
   if (!format || !step || !rank || !ws)
     return Status::DataLoss(path + ": missing root attribute format/step/rank/world_size");
-  if (*format != kCheckpointFormat)
+  if (*format == kCheckpointFormat) {
+    r->version_ = 2;
+    auto compression = ReadStringAttr(f, kCompressionAttr, 64);
+    if (!compression || !IsCompressionName(*compression))
+      return Status::DataLoss(path +
+                              ": root attribute compression is missing or not 'none' or 'zstd-<level>'");
+    r->compression_ = *compression;
+  } else if (*format == kCheckpointFormatV1) {
+    r->version_ = 1;
+  } else {
     return Status::DataLoss(path + ": format '" + *format + "', expected '" + std::string(kCheckpointFormat) +
-                            "'");
+                            "' (or '" + std::string(kCheckpointFormatV1) + "')");
+  }
   r->format_ = *format;
   r->step_ = *step;
   r->rank_ = static_cast<int>(*rank);
@@ -210,6 +221,96 @@ bool FastLayout(hid_t dcpl, const std::vector<int64_t>& shape, size_t es, ChunkL
 
 }  // namespace
 
+StatusOr<std::span<const uint8_t>> ShardReader::Mapped() {
+  if (impl_->map == nullptr) {
+    int fd = ::open(path_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+      void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) {
+        impl_->map = p;
+        impl_->map_bytes = static_cast<size_t>(st.st_size);
+        (void)::madvise(p, impl_->map_bytes, MADV_SEQUENTIAL);
+      }
+    }
+    ::close(fd);
+    if (impl_->map == nullptr) return Status::DataLoss(path_ + ": cannot map the file");
+  }
+  return std::span<const uint8_t>(static_cast<const uint8_t*>(impl_->map), impl_->map_bytes);
+}
+
+Status ShardReader::StoredChunks(const std::string& dataset, std::vector<StoredChunk>* out, ChunkLayout* L,
+                                 bool* raw) {
+  auto bad = [&](const std::string& why) {
+    return Status::DataLoss(path_ + ": tensor " + dataset + " " + why);
+  };
+  Hdf5Lock lock;
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0) return Status::DataLoss(path_ + " is gone");
+  const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
+  H5Handle d(H5Dopen2(impl_->file.get(), dataset.c_str(), H5P_DEFAULT));
+  if (!d.valid()) return bad("cannot be opened");
+  H5Handle type(H5Dget_type(d.get()));
+  const size_t es = H5Tget_size(type.get());
+  H5Handle space(H5Dget_space(d.get()));
+  const int nd = H5Sget_simple_extent_ndims(space.get());
+  if (nd <= 0 || nd > H5S_MAX_RANK || es == 0) return bad("is not a chunked tensor");
+  std::vector<hsize_t> dims(static_cast<size_t>(nd));
+  H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+  const std::vector<int64_t> shape(dims.begin(), dims.end());
+  H5Handle dcpl(H5Dget_create_plist(d.get()));
+  if (H5Pget_layout(dcpl.get()) != H5D_CHUNKED) return bad("is not chunked");
+  const int nf = H5Pget_nfilters(dcpl.get());
+  if (nf == 0) {
+    *raw = true;
+  } else if (nf == 2) {
+    unsigned flags = 0, cdv[4] = {0}, config = 0;
+    size_t n = 4;
+    const H5Z_filter_t f0 = H5Pget_filter2(dcpl.get(), 0, &flags, &n, cdv, 0, nullptr, &config);
+    n = 4;
+    const H5Z_filter_t f1 = H5Pget_filter2(dcpl.get(), 1, &flags, &n, cdv, 0, nullptr, &config);
+    if (f0 != H5Z_FILTER_SHUFFLE || f1 != kZstdFilter) return bad("uses filters other than shuffle + zstd");
+    *raw = false;
+  } else {
+    return bad("uses filters other than shuffle + zstd");
+  }
+  std::vector<hsize_t> cd(dims.size());
+  int k = 0;
+  if (H5Pget_chunk(dcpl.get(), nd, cd.data()) != nd || !IsContiguousLayout(shape, cd, &k))
+    return bad("is not chunked in contiguous runs of its bytes, as checkpoint writers chunk tensors");
+  // The writer's layout, recomputed from the stored chunk dims.
+  L->k = k;
+  L->chunk_dims = cd;
+  int64_t row = static_cast<int64_t>(es);
+  for (size_t i = static_cast<size_t>(k) + 1; i < cd.size(); ++i) row *= shape[i];
+  const int64_t r = static_cast<int64_t>(cd[static_cast<size_t>(k)]);
+  L->chunk_bytes = row * r;
+  int64_t outer = 1;
+  for (int i = 0; i < k; ++i) outer *= shape[static_cast<size_t>(i)];
+  L->count = outer * ((shape[static_cast<size_t>(k)] + r - 1) / r);
+  out->clear();
+  out->reserve(static_cast<size_t>(L->count));
+  std::vector<hsize_t> offset;
+  for (int64_t i = 0; i < L->count; ++i) {
+    StoredChunk c;
+    ChunkPosition(shape, *L, i, &offset, &c.begin, &c.len);
+    unsigned mask = 0;
+    haddr_t addr = HADDR_UNDEF;
+    hsize_t size = 0;
+    if (H5Dget_chunk_info_by_coord(d.get(), offset.data(), &mask, &addr, &size) < 0 || addr == HADDR_UNDEF ||
+        size == 0)
+      return bad("chunk " + std::to_string(i) + " is missing");
+    if (mask != 0) return bad("chunk " + std::to_string(i) + " was stored with filters skipped");
+    c.offset = addr + impl_->base;
+    c.size = size;
+    if (c.offset < addr || c.offset > file_bytes || c.size > file_bytes - c.offset)
+      return bad("chunk " + std::to_string(i) + " lies outside the file (corrupt chunk index)");
+    out->push_back(c);
+  }
+  return Status::Ok();
+}
+
 Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
   auto where = [&](size_t r) { return path_ + ": tensor " + requests[r].dataset; };
   std::vector<std::string> stored_hash(requests.size());
@@ -289,20 +390,9 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   }
 
   // Phase 2: decode out of the mapping in the pool, hash in order here.
-  if (!chunks.empty() && impl_->map == nullptr) {
-    int fd = ::open(path_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
-      void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) {
-        impl_->map = p;
-        impl_->map_bytes = static_cast<size_t>(st.st_size);
-        (void)::madvise(p, impl_->map_bytes, MADV_SEQUENTIAL);
-      }
-    }
-    ::close(fd);
-    if (impl_->map == nullptr) return Status::DataLoss(path_ + ": cannot map the file");
+  if (!chunks.empty()) {
+    auto mapped = Mapped();
+    if (!mapped.ok()) return mapped.status();
   }
   const auto* base = static_cast<const uint8_t*>(impl_->map);
   std::vector<XXH3_state_t*> hashes(requests.size(), nullptr);

@@ -7,15 +7,39 @@
 
 namespace oomguard::ckpt_internal {
 
+void ShapeStagedState(StagedState& s, const std::vector<int64_t>& layout) {
+  s.data.resize(layout.size());
+  if (s.layout == layout) return;
+  for (void* p : s.pinned) ckpt::UnpinHost(p, s.device);
+  s.pinned.assign(layout.size(), nullptr);
+  // Page-aligned runs: a CUDA entry's run is pinned on its own, and every run
+  // starts where non-temporal stores want it.
+  const int64_t page = 4096;
+  int64_t total = 0;
+  for (int64_t b : layout)
+    if (b > 0) total += (b + page - 1) / page * page;
+  s.layout.clear();
+  s.arena = ckpt::HostBuffer(static_cast<size_t>(total));
+  int64_t off = 0;
+  for (size_t i = 0; i < layout.size(); ++i) {
+    s.data[i] = ckpt::StagedBytes();
+    if (layout[i] < 0) continue;
+    s.data[i] = ckpt::StagedBytes(layout[i] > 0 ? s.arena.data() + off : nullptr, static_cast<size_t>(layout[i]));
+    if (layout[i] > 0) off += (layout[i] + page - 1) / page * page;
+  }
+  s.layout = layout;
+}
+
 // Copies every range on the calling thread and the helpers of `pool` (if
 // any), in slices handed out through one atomic counter. Small copies stay on
-// the calling thread: waking helpers costs more than it saves.
+// the calling thread: waking helpers costs more than it saves. Streamed
+// stores (host_buffer.h): nobody reads the staged bytes before the writer.
 void ParallelCopy(const std::vector<CopyRange>& ranges, ckpt::ThreadPool* pool) {
   constexpr size_t kSlice = size_t{4} << 20;
   size_t total = 0;
   for (const auto& r : ranges) total += r.bytes;
   if (pool == nullptr || total < 4 * kSlice) {
-    for (const auto& r : ranges) std::memcpy(r.dst, r.src, r.bytes);
+    for (const auto& r : ranges) ckpt::StreamCopy(r.dst, r.src, r.bytes);
     return;
   }
   std::vector<CopyRange> slices;
@@ -26,7 +50,7 @@ void ParallelCopy(const std::vector<CopyRange>& ranges, ckpt::ThreadPool* pool) 
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i = next.fetch_add(1); i < slices.size(); i = next.fetch_add(1))
-      std::memcpy(slices[i].dst, slices[i].src, slices[i].bytes);
+      ckpt::StreamCopy(slices[i].dst, slices[i].src, slices[i].bytes);
   };
   std::vector<std::future<void>> helpers;
   for (int h = 0; h < pool->size(); ++h) helpers.push_back(pool->Submit(work));
@@ -54,8 +78,12 @@ StatusOr<std::shared_ptr<StagedState>> CheckpointerImpl::StageWithinBudget(
     snap = std::move(spare_);
   }
   if (!snap) snap = std::make_shared<StagedState>();
-  snap->data.resize(entries_.size());
-  snap->pinned.resize(entries_.size(), nullptr);
+  const std::vector<int64_t> layout = StagingLayout();
+  if (snap->layout != layout) {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.stall_allocations;
+  }
+  ShapeStagedState(*snap, layout);
   snap->step = step;
   snap->bytes = need;
   bool device_copies = false;
@@ -63,17 +91,10 @@ StatusOr<std::shared_ptr<StagedState>> CheckpointerImpl::StageWithinBudget(
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     if (e.is_object) {
-      snap->data[i] = std::move(object_bytes[i]);
+      snap->data[i] = ckpt::StagedBytes(std::move(object_bytes[i]));
       continue;
     }
     auto& buf = snap->data[i];
-    if (static_cast<int64_t>(buf.size()) != e.bytes) {
-      // Resize without value-initialising what memcpy overwrites anyway.
-      ckpt::UnpinHost(snap->pinned[i], snap->device);
-      snap->pinned[i] = nullptr;
-      buf = std::vector<uint8_t>();
-      buf.resize(static_cast<size_t>(e.bytes));
-    }
     if (e.bytes == 0) continue;
     if (e.on_cuda) {
       if (!device_copies) OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());

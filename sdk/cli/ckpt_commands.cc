@@ -1,5 +1,5 @@
 // `oomguard ckpt ...`: list, verify and inspect checkpoints (format
-// oomguard-ckpt/1). Read-only: safe to run next to a training job.
+// oomguard-ckpt/2, and format 1). Read-only: safe to run next to a training job.
 #include <cinttypes>
 #include <cstdio>
 #include <memory>
@@ -160,7 +160,7 @@ int Inspect(const CkptArgs& a) {
 }  // namespace
 
 void AddCkptCommands(CLI::App* app, CommandResult* result) {
-  CLI::App* ckpt = app->add_subcommand("ckpt", "List, verify and inspect checkpoints (oomguard-ckpt/1)");
+  CLI::App* ckpt = app->add_subcommand("ckpt", "List, verify and inspect checkpoints (oomguard-ckpt/2 and /1)");
   ckpt->require_subcommand(1);
   auto args = std::make_shared<CkptArgs>();
 

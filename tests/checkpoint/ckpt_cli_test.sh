@@ -17,7 +17,7 @@ echo "$out" | /usr/bin/python3 -c 'import json,sys; l=json.load(sys.stdin); asse
   || fail "list --json: $out"
 "$CLI" ckpt verify "$D" > /dev/null || fail "verify of good checkpoints"
 out=$("$CLI" ckpt inspect "$D/step-00000014/rank-00000.h5" --json) || fail "inspect"
-echo "$out" | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["step"]==14 and j["format"]=="oomguard-ckpt/1"; t={x["path"]:x for x in j["tensors"]}; assert t["/model/fc2.weight"]["shape"]==[16,16] and t["/model/fc2.weight"]["filters"]==["shuffle","zstd(level=1)"], t' \
+echo "$out" | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["step"]==14 and j["format"]=="oomguard-ckpt/2"; t={x["path"]:x for x in j["tensors"]}; assert t["/model/fc2.weight"]["shape"]==[16,16] and t["/model/fc2.weight"]["filters"]==["shuffle","zstd(level=1)"], t' \
   || fail "inspect --json: $out"
 
 # Flip one byte near the end of a shard's data: verify names the file, exits 1.

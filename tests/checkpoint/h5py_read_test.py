@@ -23,7 +23,10 @@ with tempfile.TemporaryDirectory() as work:
                     "--ckpt-every", "5", "--dump-params", params], check=True)
     shard = os.path.join(ckpt, "step-00000009", "rank-00000.h5")
     with h5py.File(shard, "r") as f:
-        assert f.attrs["format"] in (b"oomguard-ckpt/1", "oomguard-ckpt/1"), f.attrs["format"]
+        assert f.attrs["format"] in (b"oomguard-ckpt/2", "oomguard-ckpt/2"), f.attrs["format"]
+        # A small state is always compressed (compression = auto decides only
+        # for states large enough that the choice matters).
+        assert f.attrs["compression"] in (b"zstd-1", "zstd-1"), f.attrs["compression"]
         assert int(f.attrs["step"]) == 9 and int(f.attrs["rank"]) == 0 and int(f.attrs["world_size"]) == 1
         w = f["model/fc2.weight"]
         assert w.shape == (24, 24) and w.dtype == np.float64, (w.shape, w.dtype)
@@ -32,6 +35,8 @@ with tempfile.TemporaryDirectory() as work:
         ids = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
         assert ids == [2, 32015], ids
         assert len(w.attrs["xxh3"]) == 16
+        # Format 2: one XXH3 per chunk of the tensor's bytes.
+        assert w.attrs["chunk_xxh3"].dtype == np.uint64 and w.attrs["chunk_xxh3"].shape == (w.id.get_num_chunks(),)
         names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
         got = np.concatenate([f["model/" + n][()].ravel() for n in names])
     want = np.fromfile(params, dtype="<f8")

@@ -138,6 +138,12 @@ def run_cases(og, mlp, tmp):
     r = run(train + ["--ckpt-dir", base])
     check(r.returncode == 0, "mlp_train writes the base checkpoints: %s" % r.stderr)
     check(run([og, "ckpt", "verify", base]).returncode == 0, "the base checkpoints verify")
+    # The fix-up below recomputes digests the way the writer does: checked on
+    # an untouched shard, so that refusals below come from the edits alone.
+    with open(os.path.join(base, "step-00000009", "MANIFEST.json")) as f:
+        pristine = json.load(f)["shards"][0]
+    got = ckpt_edit.shard_digest(os.path.join(base, "step-00000009", pristine["file"]))
+    check(got == pristine["digest"], "ckpt_edit.shard_digest matches the writer's: %s vs %s" % (got, pristine["digest"]))
     for case in CASES:
         name = case.__name__
         outside = os.path.join(tmp, name + "-outside")

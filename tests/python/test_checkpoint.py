@@ -69,7 +69,7 @@ json.dump(out, sys.stdout)
 """
     proc = run_python(["-c", script], HDF5_PLUGIN_PATH=str(HDF5_PLUGINS))
     read = json.loads(proc.stdout)
-    assert read["format"] == "oomguard-ckpt/1"
+    assert read["format"] == "oomguard-ckpt/2"
     for name in ("0.weight", "0.bias", "1.running_mean", "2.weight"):
         assert read[name]["dtype"] == "float64"
         assert read[name]["values"] == saved[name].reshape(-1).tolist(), name
@@ -120,3 +120,24 @@ def test_parallel_staging_of_a_large_tensor(tmp_path):
     assert torch.equal(t, torch.arange(6 << 20, dtype=torch.float32))
     with pytest.raises(Exception, match="stage_threads"):
         oomguard.Checkpointer(str(tmp_path / "bad"), stage_threads=-1)
+
+
+def test_compression_choice_is_an_option_and_recorded(tmp_path):
+    np = pytest.importorskip("numpy")
+    for mode, want in (("none", "none"), ("zstd", "zstd-2"), ("auto", "zstd-2")):
+        a = np.linspace(-1, 1, 4096, dtype=np.float32)
+        ckpt = oomguard.Checkpointer(str(tmp_path / mode), fsync=False, compression=mode, compression_level=2)
+        ckpt.add_tensor("model/a", a)
+        ckpt.save_async(1)
+        ckpt.wait()
+        assert ckpt.stats.last_compression == want, mode
+        with open(tmp_path / mode / "step-00000001" / "MANIFEST.json") as f:
+            shard = json.load(f)["shards"][0]
+        assert shard["compression"] == want
+        # Only auto explains itself (a small state is always compressed).
+        assert ("auto" in shard) == (mode == "auto"), shard
+        a[:] = 0
+        assert ckpt.load_latest() == 1
+        assert np.array_equal(a, np.linspace(-1, 1, 4096, dtype=np.float32)), mode
+    with pytest.raises(ValueError):
+        oomguard.Checkpointer(str(tmp_path / "bad"), compression="gzip")

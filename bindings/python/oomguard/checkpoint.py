@@ -73,7 +73,7 @@ def _torch_current_streams() -> list:
 
 
 class Checkpointer:
-    """Sharded checkpoints in format oomguard-ckpt/1 (HDF5 + shuffle + zstd).
+    """Sharded checkpoints in format oomguard-ckpt/2 (HDF5; shuffle + zstd when it pays).
 
     Give it to ``Guard(recovery=...)``: the guard then saves every
     ``every_steps`` steps (and after an OOM was recovered), restores the
@@ -97,6 +97,7 @@ class Checkpointer:
         every_steps: int = 0,
         save_after_recovery: bool = True,
         keep: int = 3,
+        compression: str = "auto",
         compression_level: int = 1,
         chunk_bytes: int = 1 << 20,
         threads: int = 0,
@@ -125,6 +126,7 @@ class Checkpointer:
         o.every_steps = every_steps
         o.save_after_recovery = save_after_recovery
         o.keep = keep
+        o.compression = compression
         o.compression_level = compression_level
         o.chunk_bytes = chunk_bytes
         o.threads = threads

@@ -51,6 +51,23 @@ void BindCheckpoint(py::module_& m) {
       .def_readwrite("every_steps", &CheckpointOptions::every_steps)
       .def_readwrite("save_after_recovery", &CheckpointOptions::save_after_recovery)
       .def_readwrite("keep", &CheckpointOptions::keep)
+      .def_property(
+          "compression",
+          [](const CheckpointOptions& o) {
+            return o.compression == CheckpointCompression::kNone   ? "none"
+                   : o.compression == CheckpointCompression::kZstd ? "zstd"
+                                                                   : "auto";
+          },
+          [](CheckpointOptions& o, const std::string& v) {
+            if (v == "auto")
+              o.compression = CheckpointCompression::kAuto;
+            else if (v == "none")
+              o.compression = CheckpointCompression::kNone;
+            else if (v == "zstd")
+              o.compression = CheckpointCompression::kZstd;
+            else
+              throw py::value_error("compression: '" + v + "' (expected auto, none or zstd)");
+          })
       .def_readwrite("compression_level", &CheckpointOptions::compression_level)
       .def_readwrite("chunk_bytes", &CheckpointOptions::chunk_bytes)
       .def_readwrite("threads", &CheckpointOptions::threads)
@@ -65,10 +82,14 @@ void BindCheckpoint(py::module_& m) {
                                                                         : "auto";
           },
           [](CheckpointOptions& o, const std::string& v) {
-            if (v == "auto") o.manifest_commit = ManifestCommit::kAuto;
-            else if (v == "local") o.manifest_commit = ManifestCommit::kLocal;
-            else if (v == "coordinated") o.manifest_commit = ManifestCommit::kCoordinated;
-            else throw py::value_error("manifest_commit: '" + v + "' (expected auto, local or coordinated)");
+            if (v == "auto")
+              o.manifest_commit = ManifestCommit::kAuto;
+            else if (v == "local")
+              o.manifest_commit = ManifestCommit::kLocal;
+            else if (v == "coordinated")
+              o.manifest_commit = ManifestCommit::kCoordinated;
+            else
+              throw py::value_error("manifest_commit: '" + v + "' (expected auto, local or coordinated)");
           })
       .def_readwrite("fsync", &CheckpointOptions::fsync)
       .def_readwrite("verify_file_checksum", &CheckpointOptions::verify_file_checksum)
@@ -108,7 +129,10 @@ void BindCheckpoint(py::module_& m) {
       .def_readonly("state_bytes", &CheckpointStats::state_bytes)
       .def_readonly("last_file_bytes", &CheckpointStats::last_file_bytes)
       .def_readonly("stall_ms", &CheckpointStats::stall_ms)
+      .def_readonly("stall_allocations", &CheckpointStats::stall_allocations)
       .def_readonly("last_write_ms", &CheckpointStats::last_write_ms)
+      .def_readonly("last_compression", &CheckpointStats::last_compression)
+      .def_readonly("last_compression_auto", &CheckpointStats::last_compression_auto)
       .def_readonly("last_error", &CheckpointStats::last_error);
 
   py::class_<RecoveryStore>(m, "RecoveryStore")

@@ -1,0 +1,149 @@
+// Checkpoints written in format oomguard-ckpt/1, by the code before format 2
+// (testdata/ckpt-v1, see testdata/README.md): today's loader reads them, with
+// their whole-file and per-tensor checksums, and refuses them when damaged.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <span>
+#include <vector>
+
+#include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/hdf5_io.h"
+
+#ifndef OOMGUARD_CKPT_TESTDATA
+#error "OOMGUARD_CKPT_TESTDATA must name sdk/checkpoint/testdata"
+#endif
+
+namespace oomguard {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A writable copy of the fixture: tests never touch the checked-in files.
+class FormatV1Test : public ::testing::Test {
+ protected:
+  FormatV1Test() {
+    static std::atomic<int> n{0};
+    dir_ = (fs::temp_directory_path() / ("oomguard-v1-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
+               .string();
+    fs::remove_all(dir_);
+    fs::copy(std::string(OOMGUARD_CKPT_TESTDATA) + "/ckpt-v1", dir_, fs::copy_options::recursive);
+  }
+  ~FormatV1Test() override { fs::remove_all(dir_); }
+
+  void Make(bool verify_file = true) {
+    CheckpointOptions o;
+    o.dir = dir_;
+    o.fsync = false;
+    o.threads = 2;
+    o.keep = 0;
+    o.verify_file_checksum = verify_file;
+    c_ = Checkpointer::Create(o).value();
+    ASSERT_TRUE(c_->AddTensor("model/w", DType::kFloat32, {40, 100}, w_.data()).ok());
+    ASSERT_TRUE(c_->AddTensor("model/b", DType::kFloat64, {700}, b_.data()).ok());
+    ASSERT_TRUE(c_->AddTensor("model/h", DType::kBFloat16, {33}, h_.data()).ok());
+    ASSERT_TRUE(c_->AddTensor("train/scalar", DType::kInt64, {}, &scalar_).ok());
+    ASSERT_TRUE(c_->AddTensor("train/empty", DType::kFloat32, {0, 5}, nullptr).ok());
+    ASSERT_TRUE(c_->AddObject(
+                      "optimizer/state", [this] { return object_; },
+                      [this](std::span<const uint8_t> b) {
+                        object_.assign(b.begin(), b.end());
+                        return Status::Ok();
+                      })
+                    .ok());
+  }
+  // The values the fixture holds for step s (testdata/README.md).
+  void ExpectStep(int s) {
+    for (size_t i = 0; i < w_.size(); ++i)
+      ASSERT_EQ(w_[i], static_cast<float>(s) + 0.001f * static_cast<float>(i)) << i;
+    for (size_t i = 0; i < b_.size(); ++i) ASSERT_EQ(b_[i], s * 1e6 + static_cast<double>(i)) << i;
+    for (size_t i = 0; i < h_.size(); ++i) ASSERT_EQ(h_[i], static_cast<uint16_t>(s * 100 + i)) << i;
+    EXPECT_EQ(scalar_, s * 7);
+    EXPECT_EQ(object_, std::vector<uint8_t>(300 + static_cast<size_t>(s), static_cast<uint8_t>(s)));
+  }
+  std::string Shard(int step) { return dir_ + "/step-0000000" + std::to_string(step) + "/rank-00000.h5"; }
+  // Flips one byte in the middle of the chunk of /model/w that holds `row`.
+  void FlipChunkByte(int step, hsize_t row) {
+    haddr_t addr = 0;
+    {
+      ckpt::Hdf5Lock lock;
+      ckpt::H5Handle f(H5Fopen(Shard(step).c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+      ckpt::H5Handle ds(H5Dopen2(f.get(), "/model/w", H5P_DEFAULT));
+      hsize_t off[2] = {row, 0}, size = 0;
+      unsigned mask = 0;
+      ASSERT_GE(H5Dget_chunk_info_by_coord(ds.get(), off, &mask, &addr, &size), 0);
+      addr += size / 2;
+    }
+    std::fstream f(Shard(step), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(addr));
+    char ch = 0;
+    f.read(&ch, 1);
+    f.seekp(static_cast<std::streamoff>(addr));
+    ch = static_cast<char>(ch ^ 0x5a);
+    f.write(&ch, 1);
+  }
+
+  std::string dir_;
+  std::vector<float> w_ = std::vector<float>(4000);
+  std::vector<double> b_ = std::vector<double>(700);
+  std::vector<uint16_t> h_ = std::vector<uint16_t>(33);
+  int64_t scalar_ = 0;
+  std::vector<uint8_t> object_;
+  std::unique_ptr<Checkpointer> c_;
+};
+
+TEST_F(FormatV1Test, LoadsTheNewestAndAnExactStep) {
+  Make();
+  auto s = c_->LoadLatest();
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*s, 7);
+  ExpectStep(7);
+  ASSERT_TRUE(c_->Load(3).ok());
+  ExpectStep(3);
+  EXPECT_TRUE(VerifyCheckpoint(dir_, 7, 1).ok());
+  auto info = InspectShard(Shard(7));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->format, "oomguard-ckpt/1");
+}
+
+TEST_F(FormatV1Test, DamagedChunkIsRefusedWithAndWithoutTheFileChecksum) {
+  FlipChunkByte(7, 20);
+  Make();
+  auto s = c_->LoadLatest();
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*s, 3) << "the damaged step 7 is skipped";
+  ExpectStep(3);
+  EXPECT_EQ(VerifyCheckpoint(dir_, 7).code(), StatusCode::kDataLoss);
+  Make(/*verify_file=*/false);
+  auto direct = c_->Load(7);
+  ASSERT_EQ(direct.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(direct.status().message().find("/model/w"), std::string::npos) << direct.status();
+}
+
+TEST_F(FormatV1Test, AByteFlippedAnywhereIsRefused) {
+  std::string bytes;
+  {
+    std::ifstream in(Shard(7), std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  int refused = 0, tried = 0;
+  for (size_t off = 0; off < bytes.size(); off += 61) {
+    std::string bad = bytes;
+    bad[off] = static_cast<char>(bad[off] ^ 0x10);
+    std::ofstream(Shard(7), std::ios::binary | std::ios::trunc)
+        .write(bad.data(), static_cast<std::streamsize>(bad.size()));
+    ++tried;
+    const Status v = VerifyCheckpoint(dir_, 7);
+    EXPECT_EQ(v.code(), StatusCode::kDataLoss) << "byte " << off << ": " << v;
+    refused += v.code() == StatusCode::kDataLoss;
+  }
+  EXPECT_GT(tried, 100);
+  EXPECT_EQ(refused, tried);
+}
+
+}  // namespace
+}  // namespace oomguard

@@ -1,0 +1,284 @@
+// CheckedShard's reading of format 2 (shard_check.h): one pass over the
+// bytes. Every chunk is read by one pool task that hashes it as stored (its
+// region of the shard's digest), decodes it into the caller's buffer and
+// hashes the decoded bytes block by block as they are written (codec.h), so
+// each byte of a chunk is fetched from memory (or disk) once. Finish hashes
+// the rest of the file (metadata, tensors not asked for) and compares the
+// digest with the manifest's.
+#include <xxhash.h>
+
+#include <algorithm>
+#include <deque>
+#include <future>
+#include <limits>
+
+#include "sdk/checkpoint/codec.h"
+#include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/shard_check.h"
+#include "sdk/checkpoint/shard_digest.h"
+
+namespace oomguard::ckpt {
+namespace {
+
+// In-flight chunks per worker: enough to keep every worker busy while the
+// calling thread collects the oldest, small enough to bound memory.
+constexpr int kWindowPerThread = 4;
+// Decoded bytes of check-only requests in flight at once.
+constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
+
+std::string ShapeString(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Waits for every task still in `q` when it goes out of scope, so that no
+// task outlives the buffers it writes, however the scope is left.
+template <typename T>
+struct WaitForAll {
+  std::deque<std::future<T>>* q;
+  ~WaitForAll() {
+    for (auto& f : *q)
+      if (f.valid()) f.wait();
+  }
+};
+
+}  // namespace
+
+struct CheckedShard::Pass {
+  struct Tensor {
+    bool chunked = false;
+    bool raw = false;  // chunks stored without filters
+    size_t elem_size = 0;
+    int64_t full = 0;  // bytes of a whole chunk
+    std::vector<StoredChunk> chunks;
+    std::vector<uint64_t> expect;  // chunk_xxh3
+    std::vector<size_t> region;    // each chunk's index in `regions`
+  };
+  std::vector<Tensor> tensors;  // parallel to entries_
+  std::vector<FileRegion> regions;
+  std::vector<uint64_t> region_hash;
+  std::vector<uint8_t> hashed;  // per region: region_hash is known
+  std::span<const uint8_t> file;
+  bool verify_file = true;
+  std::string digest;  // the manifest's
+};
+
+// Here, where Pass is complete.
+CheckedShard::CheckedShard() = default;
+CheckedShard::~CheckedShard() = default;
+
+Status CheckedShard::PlanPass(const ManifestShard& shard, bool verify_file) {
+  pass_ = std::make_unique<Pass>();
+  Pass& p = *pass_;
+  p.verify_file = verify_file;
+  p.digest = shard.digest;
+  auto mapped = reader_->Mapped();
+  if (!mapped.ok()) return mapped.status();
+  p.file = *mapped;
+  const bool uncompressed = reader_->compression() == "none";
+  std::vector<FileRegion> chunks;
+  p.tensors.resize(entries_.size());
+  for (size_t t = 0; t < entries_.size(); ++t) {
+    const ShardEntry& e = entries_[t];
+    Pass::Tensor& T = p.tensors[t];
+    auto bad = [&](const std::string& why) {
+      return Status::DataLoss(path_ + ": tensor " + e.dataset + " " + why);
+    };
+    H5Handle d(H5Dopen2(reader_->hdf5_file(), e.dataset.c_str(), H5P_DEFAULT));
+    if (!d.valid()) return bad("cannot be opened (corrupt header)");
+    H5Handle dcpl(H5Dget_create_plist(d.get()));
+    T.chunked = dcpl.valid() && H5Pget_layout(dcpl.get()) == H5D_CHUNKED;
+    if (!T.chunked) continue;  // a scalar or an empty tensor: read through HDF5, in the gaps of the digest
+    ChunkLayout L;
+    OOMGUARD_RETURN_IF_ERROR(reader_->StoredChunks(e.dataset, &T.chunks, &L, &T.raw));
+    if (T.raw != uncompressed)
+      return bad(std::string(T.raw ? "is stored without filters" : "is stored with filters") +
+                 ", but the shard's compression is '" + reader_->compression() + "'");
+    T.elem_size = DTypeSize(e.dtype);
+    T.full = L.chunk_bytes;
+    auto expect = ReadUint64ArrayAttr(d.get(), kChunkHashAttr, T.chunks.size(), p.file.size());
+    if (!expect)
+      return bad("has no " + std::string(kChunkHashAttr) + " attribute of " +
+                 std::to_string(T.chunks.size()) + " uint64 chunk hashes");
+    T.expect = std::move(*expect);
+    for (const StoredChunk& c : T.chunks) chunks.push_back({c.offset, c.size, true});
+  }
+  const std::string why = PartitionFile(std::move(chunks), p.file.size(), &p.regions);
+  if (!why.empty()) return Status::DataLoss(path_ + ": " + why);
+  p.region_hash.assign(p.regions.size(), 0);
+  p.hashed.assign(p.regions.size(), 0);
+  // Each chunk's region, by offset (regions are sorted and chunks unique).
+  for (Pass::Tensor& T : p.tensors) {
+    T.region.reserve(T.chunks.size());
+    for (const StoredChunk& c : T.chunks) {
+      auto it = std::lower_bound(p.regions.begin(), p.regions.end(), c.offset,
+                                 [](const FileRegion& r, uint64_t off) { return r.offset < off; });
+      T.region.push_back(static_cast<size_t>(it - p.regions.begin()));
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool) {
+  Pass& p = *pass_;
+  auto where = [&](const std::string& ds) { return path_ + ": tensor " + ds; };
+  // One work item per chunk of the chunked requests, in file order.
+  struct Item {
+    size_t req, t, chunk;
+  };
+  std::vector<Item> items;
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const ShardReader::ReadRequest& q = requests[r];
+    const ShardEntry* e = Find(q.dataset);
+    const size_t t = static_cast<size_t>(e - entries_.data());
+    if (q.check && e->dtype != q.dtype)
+      return Status::DataLoss(where(q.dataset) + " has dtype '" + std::string(DTypeName(e->dtype)) +
+                              "', expected '" + std::string(DTypeName(q.dtype)) + "'");
+    if (q.check && e->shape != q.shape)
+      return Status::DataLoss(where(q.dataset) + " has shape " + ShapeString(e->shape) + ", expected " +
+                              ShapeString(q.shape));
+    if (e->bytes != q.bytes)
+      return Status::DataLoss(where(q.dataset) + " holds " + std::to_string(e->bytes) + " bytes, expected " +
+                              std::to_string(q.bytes));
+    const Pass::Tensor& T = p.tensors[t];
+    if (T.chunked) {
+      for (size_t c = 0; c < T.chunks.size(); ++c) items.push_back({r, t, c});
+      continue;
+    }
+    // Not chunked: nothing or a few bytes (a scalar), read through HDF5;
+    // its bytes lie in the gaps of the digest.
+    std::vector<uint8_t> scratch;
+    uint8_t* dst = q.out;
+    if (q.bytes > 0) {
+      if (dst == nullptr) {
+        scratch.resize(static_cast<size_t>(q.bytes));  // bounded by the file (CheckDataset)
+        dst = scratch.data();
+      }
+      Hdf5Lock lock;
+      H5Handle d(H5Dopen2(reader_->hdf5_file(), q.dataset.c_str(), H5P_DEFAULT));
+      H5Handle type(d.valid() ? H5Dget_type(d.get()) : H5I_INVALID_HID);
+      if (!d.valid() || !type.valid() || H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
+        return Status::DataLoss(where(q.dataset) + ": HDF5 could not read it (corrupt file)");
+    }
+    const std::string got = Hex64(XXH3_64bits(dst, static_cast<size_t>(q.bytes)));
+    if (got != e->xxh3)
+      return Status::DataLoss(where(q.dataset) + ": xxh3 mismatch (stored " + e->xxh3 + ", computed " + got +
+                              ")");
+  }
+  std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return p.tensors[a.t].chunks[a.chunk].offset < p.tensors[b.t].chunks[b.chunk].offset;
+  });
+
+  struct Result {
+    std::string error;
+    uint64_t stored_hash = 0;
+  };
+  Status status;
+  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
+  // Check-only zstd chunks decode into recycled buffers, at most
+  // kCheckWindowBytes of them in flight (at least one chunk).
+  std::vector<std::vector<uint8_t>> free_buffers;
+  std::deque<std::vector<uint8_t>> inflight_buffers;  // one per check-only chunk in flight, in order
+  int64_t inflight_check_bytes = 0;
+  std::deque<std::future<Result>> inflight;
+  WaitForAll<Result> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
+  const bool verify_file = p.verify_file;
+  size_t next = 0, drained = 0;
+  auto buffered = [&](const Item& it) { return requests[it.req].out == nullptr && !p.tensors[it.t].raw; };
+  while (drained < items.size()) {
+    while (next < items.size() && inflight.size() < window && status.ok()) {
+      const Item it = items[next];
+      const Pass::Tensor& T = p.tensors[it.t];
+      const StoredChunk& c = T.chunks[it.chunk];
+      const bool own_buffer = buffered(it);
+      if (own_buffer && inflight_check_bytes > 0 && inflight_check_bytes + c.len > kCheckWindowBytes) break;
+      ++next;
+      uint8_t* dst = nullptr;
+      if (own_buffer) {
+        std::vector<uint8_t> buf;
+        if (!free_buffers.empty()) {
+          buf = std::move(free_buffers.back());
+          free_buffers.pop_back();
+        }
+        buf.resize(static_cast<size_t>(c.len));
+        dst = buf.data();  // stays valid: moving a vector keeps its storage
+        inflight_buffers.push_back(std::move(buf));
+        inflight_check_bytes += c.len;
+      } else if (requests[it.req].out != nullptr) {
+        dst = requests[it.req].out + c.begin;
+      }
+      const uint8_t* frame = p.file.data() + c.offset;
+      const uint64_t expect = T.expect[it.chunk];
+      const size_t index = it.chunk;
+      const bool raw = T.raw;
+      const size_t es = T.elem_size;
+      const int64_t full = T.full;
+      inflight.push_back(pool->Submit([frame, c, dst, expect, index, raw, es, full, verify_file]() -> Result {
+        thread_local std::vector<uint8_t> scratch;
+        Result res;
+        uint64_t got = 0;
+        const auto size = static_cast<size_t>(c.size);
+        const auto len = static_cast<size_t>(c.len);
+        if (raw) {
+          if (c.size != static_cast<uint64_t>(full)) {
+            res.error = "chunk " + std::to_string(index) + " stores " + std::to_string(c.size) +
+                        " bytes, a whole chunk is " + std::to_string(full);
+            return res;
+          }
+          got = dst == nullptr ? XXH3_64bits(frame, len) : CopyHashed(frame, dst, len);
+          if (verify_file) res.stored_hash = len == size ? got : XXH3_64bits(frame, size);
+        } else {
+          // The stored bytes first: they are then in cache for the decoder.
+          if (verify_file) res.stored_hash = XXH3_64bits(frame, size);
+          const std::string err =
+              DecodeChunkHashed(frame, size, es, dst, static_cast<size_t>(full), len, &scratch, &got);
+          if (!err.empty()) {
+            res.error = "chunk " + std::to_string(index) + ": " + err;
+            return res;
+          }
+        }
+        if (got != expect)
+          res.error = "chunk " + std::to_string(index) + ": xxh3 mismatch (stored " + Hex64(expect) +
+                      ", computed " + Hex64(got) + ")";
+        return res;
+      }));
+    }
+    if (inflight.empty()) break;  // stopped submitting on an error
+    Result res = inflight.front().get();
+    inflight.pop_front();
+    const Item& it = items[drained++];
+    if (buffered(it)) {
+      std::vector<uint8_t> buf = std::move(inflight_buffers.front());
+      inflight_buffers.pop_front();
+      inflight_check_bytes -= p.tensors[it.t].chunks[it.chunk].len;
+      free_buffers.push_back(std::move(buf));
+    }
+    if (!res.error.empty()) {
+      if (status.ok()) status = Status::DataLoss(where(requests[it.req].dataset) + ": " + res.error);
+      continue;
+    }
+    const size_t region = p.tensors[it.t].region[it.chunk];
+    p.region_hash[region] = res.stored_hash;
+    p.hashed[region] = verify_file;
+  }
+  return status;
+}
+
+Status CheckedShard::FinishPass() {
+  Pass& p = *pass_;
+  if (!p.verify_file) return Status::Ok();
+  for (size_t i = 0; i < p.regions.size(); ++i) {
+    if (p.hashed[i]) continue;
+    p.region_hash[i] =
+        XXH3_64bits(p.file.data() + p.regions[i].offset, static_cast<size_t>(p.regions[i].length));
+    p.hashed[i] = 1;
+  }
+  const std::string got = Hex64(CombineDigest(p.regions, p.region_hash));
+  if (got != p.digest)
+    return Status::DataLoss(path_ + ": shard digest " + got + " differs from the manifest's " + p.digest +
+                            " (the file was changed after it was written)");
+  return Status::Ok();
+}
+
+}  // namespace oomguard::ckpt
