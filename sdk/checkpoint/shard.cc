@@ -34,17 +34,6 @@ constexpr int kWindowPerThread = 4;
 // the final fsync.
 constexpr int64_t kWritebackBytes = int64_t{32} << 20;
 
-// Waits for every task still in `q` when it goes out of scope, so that no
-// task outlives the locals and buffers it uses, however the scope is left.
-template <typename T>
-struct WaitForAll {
-  std::deque<std::future<T>>* q;
-  ~WaitForAll() {
-    for (auto& f : *q)
-      if (f.valid()) f.wait();
-  }
-};
-
 bool IsFloatingPoint(DType t) {
   return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 || t == DType::kFloat64;
 }

@@ -32,17 +32,6 @@ std::string ShapeString(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// Waits for every task still in `q` when it goes out of scope, so that no
-// task outlives the buffers it writes, however the scope is left.
-template <typename T>
-struct WaitForAll {
-  std::deque<std::future<T>>* q;
-  ~WaitForAll() {
-    for (auto& f : *q)
-      if (f.valid()) f.wait();
-  }
-};
-
 }  // namespace
 
 struct CheckedShard::Pass {

@@ -32,17 +32,6 @@ constexpr int kWindowPerThread = 4;
 // Decoded bytes of check-only requests in flight at once.
 constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
 
-// Waits for every task still in `q` when it goes out of scope, so that no
-// task outlives the buffers it writes, however the scope is left.
-template <typename T>
-struct WaitForAll {
-  std::deque<std::future<T>>* q;
-  ~WaitForAll() {
-    for (auto& f : *q)
-      if (f.valid()) f.wait();
-  }
-};
-
 std::string ShapeString(const std::vector<int64_t>& s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);

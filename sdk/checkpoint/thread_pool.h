@@ -49,6 +49,18 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
+// Waits for every task still in `q` when it goes out of scope, so that no
+// task outlives the locals and buffers it uses, however the scope is left
+// (an early error return included).
+template <typename T>
+struct WaitForAll {
+  std::deque<std::future<T>>* q;
+  ~WaitForAll() {
+    for (auto& f : *q)
+      if (f.valid()) f.wait();
+  }
+};
+
 }  // namespace oomguard::ckpt
 
 #endif  // OOMGUARD_SDK_CHECKPOINT_THREAD_POOL_H_
