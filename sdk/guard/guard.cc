@@ -272,8 +272,9 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   // injected faults, which say nothing about memory, nor from a host OOM,
   // which says nothing about the device's).
   std::optional<MicroBatchMemory> figures;
-  if (device != nullptr && at_failure && !info.injected && info.kind == OomKind::kDevice && info.requested_bytes > 0 && before.total > 0 &&
-      where == Where::kLocal && run.pos < run.plan.size() && run.mem_base >= 0) {
+  if (device != nullptr && at_failure && !info.injected && info.kind == OomKind::kDevice &&
+      info.requested_bytes > 0 && before.total > 0 && where == Where::kLocal && run.pos < run.plan.size() &&
+      run.mem_base >= 0) {
     figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes,
                                before.reserved + before.free};
   }
