@@ -26,9 +26,6 @@
 namespace oomguard::ckpt {
 namespace {
 
-// In-flight compressed chunks per worker: enough to keep every worker busy
-// while the writer thread waits on the oldest, small enough to bound memory.
-constexpr int kWindowPerThread = 4;
 // Dirty bytes after which the writer asks the kernel to start writing them
 // back, so the disk works while later chunks are compressed instead of all at
 // the final fsync.
@@ -191,7 +188,7 @@ StatusOr<ShardWriteResult> WriteShard(const std::string& final_path, const std::
     uint64_t chunk_hash = 0;
     uint64_t stored_hash = 0;
   };
-  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
+  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kTasksPerWorker));
   FramePool local_frames;
   FramePool* frames = o.frames != nullptr ? o.frames : &local_frames;
   std::deque<std::future<Encoded>> inflight;

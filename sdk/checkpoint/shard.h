@@ -40,6 +40,13 @@ namespace oomguard::ckpt {
 // take the datasets present as the inventory.
 inline constexpr const char* kInventoryAttr = "tensors";
 
+// "[256, 32]": a shape as the readers' and the checker's errors write it.
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+// Decoded bytes of check-only reads (verify) in flight at once, in the
+// format-1 reader and the format-2 pass alike.
+inline constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
+
 struct ShardTensor {
   std::string path;  // without the leading '/'
   DType dtype = DType::kUInt8;

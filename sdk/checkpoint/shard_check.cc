@@ -11,6 +11,13 @@
 #include "sdk/checkpoint/zstd_filter.h"
 
 namespace oomguard::ckpt {
+
+std::string ShapeString(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
 namespace {
 
 // Links a shard may hold; a model with more tensors than this is not a
@@ -45,12 +52,6 @@ bool IsLowerHex16(const std::string& s) {
   return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) {
            return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
          });
-}
-
-std::string ShapeString(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
 }
 
 bool MulOverflows(uint64_t a, uint64_t b, uint64_t* out) { return __builtin_mul_overflow(a, b, out); }

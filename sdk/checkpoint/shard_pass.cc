@@ -18,21 +18,6 @@
 #include "sdk/checkpoint/shard_digest.h"
 
 namespace oomguard::ckpt {
-namespace {
-
-// In-flight chunks per worker: enough to keep every worker busy while the
-// calling thread collects the oldest, small enough to bound memory.
-constexpr int kWindowPerThread = 4;
-// Decoded bytes of check-only requests in flight at once.
-constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
-
-std::string ShapeString(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-}  // namespace
 
 struct CheckedShard::Pass {
   struct Tensor {
@@ -164,7 +149,7 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
     uint64_t stored_hash = 0;
   };
   Status status;
-  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
+  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kTasksPerWorker));
   // Check-only zstd chunks decode into recycled buffers, at most
   // kCheckWindowBytes of them in flight (at least one chunk).
   std::vector<std::vector<uint8_t>> free_buffers;

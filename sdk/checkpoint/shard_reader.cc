@@ -24,21 +24,6 @@
 #include "sdk/checkpoint/zstd_filter.h"
 
 namespace oomguard::ckpt {
-namespace {
-
-// In-flight decoded chunks per worker: enough to keep every worker busy while
-// the calling thread hashes the oldest, small enough to bound memory.
-constexpr int kWindowPerThread = 4;
-// Decoded bytes of check-only requests in flight at once.
-constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
-
-std::string ShapeString(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-}  // namespace
 
 struct ShardReader::Impl {
   ~Impl() {
@@ -399,7 +384,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
       status = Status::DataLoss(where(r) + ": xxh3 mismatch (stored " + stored_hash[r] + ", computed " + got +
                                 ")");
   };
-  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kWindowPerThread));
+  const size_t window = static_cast<size_t>(std::max(1, pool->size() * kTasksPerWorker));
   // Chunks of check-only requests decode into recycled buffers, at most
   // kCheckWindowBytes of them in flight (at least one chunk), so checking a
   // shard needs memory for a few chunks, not for its tensors.

@@ -49,6 +49,11 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
+// Chunk tasks in flight per worker, in the writer and the readers: enough to
+// keep every worker busy while the calling thread handles the oldest, few
+// enough to bound the memory their buffers take.
+inline constexpr int kTasksPerWorker = 4;
+
 // Waits for every task still in `q` when it goes out of scope, so that no
 // task outlives the locals and buffers it uses, however the scope is left
 // (an early error return included).
