@@ -1,6 +1,6 @@
 #include "sdk/checkpoint/codec.h"
 
-#include <xxhash.h>
+#include "sdk/checkpoint/xxh.h"
 #include <zstd.h>
 
 #include <cstring>

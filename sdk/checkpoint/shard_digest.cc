@@ -1,6 +1,6 @@
 #include "sdk/checkpoint/shard_digest.h"
 
-#include <xxhash.h>
+#include "sdk/checkpoint/xxh.h"
 
 #include <algorithm>
 

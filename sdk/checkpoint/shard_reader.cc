@@ -5,7 +5,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
+#include "sdk/checkpoint/xxh.h"
 
 #include <algorithm>
 #include <cerrno>
