@@ -1,6 +1,5 @@
 #include "sdk/checkpoint/codec.h"
 
-#include "sdk/checkpoint/xxh.h"
 #include <zstd.h>
 
 #include <cstring>
@@ -8,6 +7,8 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+
+#include "sdk/checkpoint/xxh.h"
 
 namespace oomguard::ckpt {
 

@@ -4,7 +4,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include "sdk/checkpoint/xxh.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -17,6 +16,7 @@
 #include "oomguard/checkpoint.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/compression.h"
+#include "sdk/checkpoint/xxh.h"
 
 namespace oomguard::ckpt {
 

@@ -1,12 +1,11 @@
 #include "sdk/checkpoint/shard_digest.h"
 
-#include "sdk/checkpoint/xxh.h"
-
 #include <algorithm>
 
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/xxh.h"
 
 namespace oomguard::ckpt {
 

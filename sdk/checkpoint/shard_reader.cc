@@ -5,7 +5,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include "sdk/checkpoint/xxh.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -21,6 +20,7 @@
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/xxh.h"
 #include "sdk/checkpoint/zstd_filter.h"
 
 namespace oomguard::ckpt {
