@@ -26,6 +26,7 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
   if (o.staging_budget_bytes < 0) return bad("staging_budget_bytes must be >= 0");
   if (o.threads < 0) return bad("threads must be >= 0");
   if (o.stage_threads < 0) return bad("stage_threads must be >= 0");
+  OOMGUARD_RETURN_IF_ERROR(ckpt::CheckReadsSetting());
   std::error_code ec;
   std::filesystem::create_directories(o.dir, ec);
   if (ec)

@@ -56,6 +56,7 @@ StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& dir) {
 
 Status VerifyCheckpoint(const std::string& dir, int64_t step, int expected_world_size,
                         const std::function<void(int64_t, int64_t)>& progress) {
+  OOMGUARD_RETURN_IF_ERROR(ckpt::CheckReadsSetting());
   const std::string sdir = dir + "/" + ckpt::StepDirName(step);
   std::error_code ec;
   if (!fs::is_directory(sdir, ec)) return Status::NotFound(sdir + " does not exist");

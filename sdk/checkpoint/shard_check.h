@@ -76,6 +76,16 @@ struct ShardEntry {
 // kNotFound when there is none; kDataLoss naming the file otherwise.
 StatusOr<Manifest> ReadStepManifest(const std::string& step_dir, int64_t step);
 
+// The environment variable OOMGUARD_CKPT_READS chooses how a format-2 load
+// fetches its chunks: auto (unset: by the page cache's state), mapping or
+// pread (shard_pass.cc). InvalidArgument, naming it, for anything else;
+// checked where a Checkpointer is created and where a checkpoint is verified.
+Status CheckReadsSetting();
+
+// Chunks this process has fetched with pread rather than through the
+// mapping, over every load and verification (for tests and diagnostics).
+uint64_t ChunksReadWithPread();
+
 class CheckedShard {
  public:
   // Checks shard `shard` of `manifest` (the file <step_dir>/<shard.file>) as

@@ -5,19 +5,101 @@
 // each byte of a chunk is fetched from memory (or disk) once. Finish hashes
 // the rest of the file (metadata, tensors not asked for) and compares the
 // digest with the manifest's.
-#include <xxhash.h>
+//
+// Where the chunks come from depends on the page cache. A shard that is
+// mostly cached (a warm load) is read through its mapping, in the tasks. A
+// shard mostly on disk (a cold load, after a restart) is read by this thread
+// with pread, in file order, a few chunks ahead of the tasks: the kernel's
+// readahead sees one sequential reader and keeps the disk busy while the
+// workers decode, where faulting the mapping in from every worker would
+// leave each one waiting for its own reads and the disk idle between them.
+// An uncompressed chunk is read straight into the caller's tensor. The
+// environment variable OOMGUARD_CKPT_READS=mapping|pread|auto (the default)
+// forces one way, to compare them or to test both.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <future>
 #include <limits>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
+#include "sdk/checkpoint/xxh.h"
 
 namespace oomguard::ckpt {
+namespace {
+
+struct FileDescriptor {
+  int fd = -1;
+  ~FileDescriptor() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Less than half of the mapped file is in the page cache. Asked a slice at
+// a time, so that a huge shard needs no huge vector.
+bool MostlyOnDisk(std::span<const uint8_t> file) {
+  const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  constexpr size_t kSlicePages = size_t{1} << 16;
+  std::vector<unsigned char> resident(kSlicePages);
+  size_t cached = 0, pages = 0;
+  for (size_t off = 0; off < file.size(); off += kSlicePages * page) {
+    const size_t len = std::min(file.size() - off, kSlicePages * page);
+    if (::mincore(const_cast<uint8_t*>(file.data() + off), len, resident.data()) != 0)
+      return false;  // unknown: the mapping, as before
+    const size_t n = (len + page - 1) / page;
+    for (size_t i = 0; i < n; ++i) cached += resident[i] & 1;
+    pages += n;
+  }
+  return cached * 2 < pages;
+}
+
+enum class Reads { kAuto, kMapping, kPread };
+
+// OOMGUARD_CKPT_READS.
+StatusOr<Reads> ReadsSetting() {
+  const char* v = std::getenv("OOMGUARD_CKPT_READS");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return Reads::kAuto;
+  if (std::strcmp(v, "pread") == 0) return Reads::kPread;
+  if (std::strcmp(v, "mapping") == 0) return Reads::kMapping;
+  return Status::InvalidArgument("OOMGUARD_CKPT_READS='" + std::string(v).substr(0, 64) +
+                                 "': expected auto, mapping or pread");
+}
+
+std::atomic<uint64_t> g_chunks_preads{0};
+
+// Reads exactly n bytes at `offset`; an error says why.
+std::string ReadFully(int fd, uint8_t* out, size_t n, uint64_t offset) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::pread(fd, out + got, n - got, static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return std::string("cannot read: ") + std::strerror(errno);
+    if (r == 0) return "the file ends at byte " + std::to_string(offset + got) + " (it was truncated)";
+    got += static_cast<size_t>(r);
+  }
+  return "";
+}
+
+}  // namespace
+
+Status CheckReadsSetting() { return ReadsSetting().status(); }
+
+uint64_t ChunksReadWithPread() { return g_chunks_preads.load(std::memory_order_relaxed); }
 
 struct CheckedShard::Pass {
   struct Tensor {
@@ -143,11 +225,33 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
   std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return p.tensors[a.t].chunks[a.chunk].offset < p.tensors[b.t].chunks[b.chunk].offset;
   });
+  // A cold shard is read here, ahead of the tasks (see the top of the file).
+  // A setting changed since the Checkpointer checked it (CheckReadsSetting)
+  // counts as auto: it is no reason to call the shard corrupt.
+  auto setting = ReadsSetting();
+  const Reads reads = setting.ok() ? *setting : Reads::kAuto;
+  FileDescriptor fd;
+  if (!items.empty() && (reads == Reads::kPread || (reads == Reads::kAuto && MostlyOnDisk(p.file)))) {
+    fd.fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st {};
+    if (fd.fd < 0 || ::fstat(fd.fd, &st) != 0)
+      return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
+    if (static_cast<uint64_t>(st.st_size) != p.file.size())
+      return Status::DataLoss(path_ + ": changed size while it was read (" + std::to_string(p.file.size()) +
+                              " bytes, now " + std::to_string(st.st_size) + ")");
+  }
+  const bool stream = fd.fd >= 0;
 
   struct Result {
     std::string error;
     uint64_t stored_hash = 0;
   };
+  // Frames read ahead of their tasks, recycled: one per task in flight when
+  // streaming (empty for a chunk read into its tensor), at most
+  // kCheckWindowBytes of them (at least one).
+  std::vector<std::vector<uint8_t>> free_frames;
+  std::deque<std::vector<uint8_t>> inflight_frames;
+  int64_t inflight_frame_bytes = 0;
   Status status;
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kTasksPerWorker));
   // Check-only zstd chunks decode into recycled buffers, at most
@@ -167,6 +271,9 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
       const StoredChunk& c = T.chunks[it.chunk];
       const bool own_buffer = buffered(it);
       if (own_buffer && inflight_check_bytes > 0 && inflight_check_bytes + c.len > kCheckWindowBytes) break;
+      if (stream && inflight_frame_bytes > 0 &&
+          inflight_frame_bytes + static_cast<int64_t>(c.size) > kCheckWindowBytes)
+        break;
       ++next;
       uint8_t* dst = nullptr;
       if (own_buffer) {
@@ -183,12 +290,48 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
         dst = requests[it.req].out + c.begin;
       }
       const uint8_t* frame = p.file.data() + c.offset;
+      // Read into the tensor itself: a stored chunk that is exactly its part.
+      bool in_place = false;
+      if (stream) {
+        in_place = T.raw && dst != nullptr && T.full == c.len && c.size == static_cast<uint64_t>(T.full);
+        uint8_t* into = dst;
+        if (!in_place) {
+          std::vector<uint8_t> buf;
+          if (!free_frames.empty()) {
+            buf = std::move(free_frames.back());
+            free_frames.pop_back();
+          }
+          buf.resize(static_cast<size_t>(c.size));
+          into = buf.data();  // stays valid: moving a vector keeps its storage
+          frame = into;
+          inflight_frames.push_back(std::move(buf));
+          inflight_frame_bytes += static_cast<int64_t>(c.size);
+        } else {
+          inflight_frames.emplace_back();
+        }
+        const std::string err = ReadFully(fd.fd, into, static_cast<size_t>(c.size), c.offset);
+        if (!err.empty()) {
+          status = Status::DataLoss(where(requests[it.req].dataset) + ": chunk " + std::to_string(it.chunk) +
+                                    ": " + err);
+          inflight_frame_bytes -= static_cast<int64_t>(inflight_frames.back().size());
+          inflight_frames.pop_back();
+          if (own_buffer) {
+            free_buffers.push_back(std::move(inflight_buffers.back()));
+            inflight_buffers.pop_back();
+            inflight_check_bytes -= c.len;
+          }
+          break;  // not submitted: the drain below stops at the tasks that were
+        }
+        if (in_place) frame = dst;
+        g_chunks_preads.fetch_add(1, std::memory_order_relaxed);
+      }
       const uint64_t expect = T.expect[it.chunk];
       const size_t index = it.chunk;
       const bool raw = T.raw;
       const size_t es = T.elem_size;
       const int64_t full = T.full;
-      inflight.push_back(pool->Submit([frame, c, dst, expect, index, raw, es, full, verify_file]() -> Result {
+      inflight.push_back(
+          pool->Submit([frame, c, dst, expect, index, raw, es, full, verify_file, in_place]() -> Result {
         thread_local std::vector<uint8_t> scratch;
         Result res;
         uint64_t got = 0;
@@ -200,7 +343,7 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
                         " bytes, a whole chunk is " + std::to_string(full);
             return res;
           }
-          got = dst == nullptr ? XXH3_64bits(frame, len) : CopyHashed(frame, dst, len);
+          got = in_place || dst == nullptr ? XXH3_64bits(frame, len) : CopyHashed(frame, dst, len);
           if (verify_file) res.stored_hash = len == size ? got : XXH3_64bits(frame, size);
         } else {
           // The stored bytes first: they are then in cache for the decoder.
@@ -221,6 +364,11 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
     if (inflight.empty()) break;  // stopped submitting on an error
     Result res = inflight.front().get();
     inflight.pop_front();
+    if (stream) {
+      inflight_frame_bytes -= static_cast<int64_t>(inflight_frames.front().size());
+      if (!inflight_frames.front().empty()) free_frames.push_back(std::move(inflight_frames.front()));
+      inflight_frames.pop_front();
+    }
     const Item& it = items[drained++];
     if (buffered(it)) {
       std::vector<uint8_t> buf = std::move(inflight_buffers.front());
