@@ -45,6 +45,7 @@
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/host_buffer.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/reaper.h"
 #include "sdk/checkpoint/shard.h"
 #include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
@@ -201,6 +202,7 @@ class CheckpointerImpl final : public Checkpointer {
     if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
     for (int64_t step : CommittedSteps(o_.dir))
       if (fs::exists(ShardPath(step))) durable_.insert(step);
+    RemoveLeftovers();
     writer_ = std::thread([this] { WriterLoop(); });
   }
 
@@ -387,6 +389,8 @@ class CheckpointerImpl final : public Checkpointer {
   Status CommitManifest(int64_t step, int world_size);
   Status LoadStep(int64_t step);
   void ApplyRetention(int64_t newest_committed);
+  // Hands directories a crash left under ckpt::kRemovingPrefix names to the reaper.
+  void RemoveLeftovers();
   void RecordCorrupt(int64_t step, const Status& why);
 
   const CheckpointOptions o_;
@@ -418,6 +422,7 @@ class CheckpointerImpl final : public Checkpointer {
   int64_t pending_error_step_ = -1;                    // guarded by mu_: the step that failed
   CheckpointStats stats_;                              // guarded by mu_
   std::mutex commit_mu_;                               // serialises CommitManifest + retention
+  ckpt::Reaper reaper_;                                // deletes what retention dropped
   std::thread writer_;
 };
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -460,6 +461,33 @@ TEST_F(SavedRun, RetentionKeepsTheLastK) {
   EXPECT_EQ(list[1].step, 4);
   EXPECT_TRUE(list[1].committed);
   EXPECT_EQ(c_->DurableSteps(), (std::vector<int64_t>{3, 4})) << "what retention removed is no longer durable";
+}
+
+// Retention deletes in the background: what it dropped is out of sight when
+// the save returns and gone from disk once the Checkpointer is; what a
+// crash left half-deleted goes when the next Checkpointer starts.
+TEST_F(SavedRun, RetentionDeletesInTheBackgroundAndCleansUpAfterACrash) {
+  auto o = Opts(d_.path());
+  o.keep = 1;
+  Make(o);
+  SaveSteps(3);
+  auto entries = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(d_.path())) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  for (const std::string& name : entries())
+    EXPECT_TRUE(name == "step-00000002" || name.rfind(".removing-", 0) == 0) << name;
+  c_.reset();
+  EXPECT_EQ(entries(), std::vector<std::string>{"step-00000002"});
+  // A crash in the middle of a deletion.
+  fs::create_directories(d_.path() + "/.removing-step-00000001-0123456789abcdef/sub");
+  std::ofstream(d_.path() + "/.removing-step-00000001-0123456789abcdef/sub/rank-00000.h5") << "half gone";
+  Make(o);
+  EXPECT_EQ(c_->DurableSteps(), std::vector<int64_t>{2});
+  c_.reset();
+  EXPECT_EQ(entries(), std::vector<std::string>{"step-00000002"});
 }
 
 TEST_F(SavedRun, SaveOverlapsTrainingAndEachSaveHoldsItsOwnStep) {

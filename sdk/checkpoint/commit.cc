@@ -1,6 +1,9 @@
 // The commit of a checkpoint: MANIFEST.json, written last, names every rank's
 // shard (its size and whole-file hash); retention keeps the newest committed
 // ones; DurableSteps says which steps this rank can load.
+#include <cerrno>
+#include <cstdio>
+
 #include "sdk/checkpoint/checkpointer_impl.h"
 
 namespace oomguard::ckpt_internal {
@@ -82,10 +85,26 @@ void CheckpointerImpl::ApplyRetention(int64_t newest_committed) {
     // Remove the manifest first: a crash mid-delete leaves an uncommitted directory, never a
     // committed one with shards missing.
     fs::remove(StepDir(s) + "/" + ckpt::kManifestName, ec);
+    // Out of the way under a hidden name now, deleted in the background
+    // (reaper.h): the save that committed `newest_committed` does not wait
+    // for the blocks to be freed.
+    const std::string hidden =
+        o_.dir + "/" + ckpt::kRemovingPrefix + ckpt::StepDirName(s) + "-" + internal::RandomHex16();
+    if (std::rename(StepDir(s).c_str(), hidden.c_str()) == 0) {
+      reaper_.Remove(hidden);
+      continue;
+    }
+    if (errno == ENOENT) continue;  // another rank sharing the directory took it
     fs::remove_all(StepDir(s), ec);
     if (ec) Logger()->warn("retention: cannot remove {}: {}", StepDir(s), ec.message());
   }
   if (!doomed.empty() && o_.fsync) (void)ckpt::FsyncPath(o_.dir, true);
+}
+
+void CheckpointerImpl::RemoveLeftovers() {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(o_.dir, ec))
+    if (e.path().filename().string().rfind(ckpt::kRemovingPrefix, 0) == 0) reaper_.Remove(e.path().string());
 }
 
 std::vector<int64_t> CheckpointerImpl::DurableSteps() {
