@@ -25,6 +25,7 @@
 #include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/xxh.h"
 
 namespace oomguard {
 namespace {
@@ -99,6 +100,30 @@ TEST(CodecTest, ShuffleMatchesDefinitionForEveryElementSizeAndLength) {
       for (size_t t = n * es; t < bytes; ++t) EXPECT_EQ(mid[t], in[t]) << "trailing byte " << t;
       ckpt::Unshuffle(mid.data(), out.data(), bytes, es);
       EXPECT_EQ(in, out) << "elem_size " << es << " bytes " << bytes;
+    }
+  }
+}
+
+// The load's fused unshuffle + hash (AVX2 blocks of 32 elements where the
+// CPU has them, SSE2 blocks of 16, scalar tails) against the definition: the
+// first `keep` bytes in element order, their XXH3, nothing written past them.
+TEST(CodecTest, UnshuffleHashedMatchesDefinitionAndHash) {
+  std::mt19937 rng(11);
+  for (size_t es : {1u, 2u, 4u, 8u}) {
+    for (size_t n : {0u, 1u, 16u, 31u, 32u, 33u, 47u, 48u, 64u, 95u, 100u, 1000u, 4096u + 19u}) {
+      const size_t bytes = n * es;
+      std::vector<uint8_t> in(bytes), shuffled(bytes);
+      for (auto& b : in) b = static_cast<uint8_t>(rng());
+      ckpt::Shuffle(in.data(), shuffled.data(), bytes, es);
+      for (size_t keep_elems : {n, n / 2, n > 0 ? n - 1 : 0}) {
+        const size_t keep = keep_elems * es;
+        std::vector<uint8_t> out(bytes + 8, 0xcd);
+        const uint64_t h = ckpt::UnshuffleHashed(shuffled.data(), out.data(), bytes, es, keep);
+        EXPECT_TRUE(std::equal(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(keep), out.begin()))
+            << "elem_size " << es << " n " << n << " keep " << keep;
+        EXPECT_EQ(h, XXH3_64bits(in.data(), keep)) << "elem_size " << es << " n " << n << " keep " << keep;
+        for (size_t t = keep; t < out.size(); ++t) ASSERT_EQ(out[t], 0xcd) << "byte " << t << " written";
+      }
     }
   }
 }

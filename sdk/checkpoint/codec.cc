@@ -7,6 +7,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 #include "sdk/checkpoint/xxh.h"
 
@@ -90,10 +93,67 @@ void TransposeVector(const uint8_t* in, uint8_t* out, size_t n, size_t b0, size_
 }
 #endif
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define OOMGUARD_CODEC_AVX2 1
+// Unshuffling with AVX2, for CPUs that have it (the build targets baseline
+// x86-64): `blocks` blocks of 32 elements of N = 2 or 4 bytes from element
+// `first`. The SSE2 rounds above, run in both 128-bit lanes at once, leave
+// elements 0-7 | 16-23 and 8-15 | 24-31 in lane pairs (N = 2; quarters
+// for N = 4); a lane permute puts them in order. About twice SSE2's speed.
+template <size_t N>
+__attribute__((target("avx2"))) void UnshuffleAvx2(const uint8_t* in, uint8_t* out, size_t n, size_t first,
+                                                   size_t blocks) {
+  static_assert(N == 2 || N == 4);
+  // (No lambdas: they would not inherit the target attribute.)
+  for (size_t k = 0; k < blocks; ++k) {
+    const size_t e = first + 32 * k;
+    const uint8_t* src = in + e;
+    __m256i* dst = reinterpret_cast<__m256i*>(out + e * N);
+    if constexpr (N == 2) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + n));
+      const __m256i lo = _mm256_unpacklo_epi8(a, b);  // elements 0-7 | 16-23
+      const __m256i hi = _mm256_unpackhi_epi8(a, b);  // elements 8-15 | 24-31
+      _mm256_storeu_si256(dst, _mm256_permute2x128_si256(lo, hi, 0x20));
+      _mm256_storeu_si256(dst + 1, _mm256_permute2x128_si256(lo, hi, 0x31));
+    } else {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + n));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * n));
+      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 3 * n));
+      const __m256i ab_lo = _mm256_unpacklo_epi8(a, b), ab_hi = _mm256_unpackhi_epi8(a, b);
+      const __m256i cd_lo = _mm256_unpacklo_epi8(c, d), cd_hi = _mm256_unpackhi_epi8(c, d);
+      const __m256i r0 = _mm256_unpacklo_epi16(ab_lo, cd_lo);  // elements 0-3 | 16-19
+      const __m256i r1 = _mm256_unpackhi_epi16(ab_lo, cd_lo);  // 4-7 | 20-23
+      const __m256i r2 = _mm256_unpacklo_epi16(ab_hi, cd_hi);  // 8-11 | 24-27
+      const __m256i r3 = _mm256_unpackhi_epi16(ab_hi, cd_hi);  // 12-15 | 28-31
+      _mm256_storeu_si256(dst, _mm256_permute2x128_si256(r0, r1, 0x20));
+      _mm256_storeu_si256(dst + 1, _mm256_permute2x128_si256(r2, r3, 0x20));
+      _mm256_storeu_si256(dst + 2, _mm256_permute2x128_si256(r0, r1, 0x31));
+      _mm256_storeu_si256(dst + 3, _mm256_permute2x128_si256(r2, r3, 0x31));
+    }
+  }
+}
+
+bool CpuHasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
 // Elements [first, last) of a chunk of n elements; `first` is a multiple of 16.
 template <bool kShuffle>
 void TransposeRange(const uint8_t* in, uint8_t* out, size_t n, size_t elem_size, size_t first, size_t last,
                     bool stream) {
+#if defined(OOMGUARD_CODEC_AVX2)
+  // Unshuffle into cached memory (the streaming stores stay SSE2).
+  if (!kShuffle && !stream && (elem_size == 2 || elem_size == 4) && last > first && CpuHasAvx2()) {
+    const size_t blocks = (last - first) / 32;
+    if (elem_size == 2) UnshuffleAvx2<2>(in, out, n, first, blocks);
+    if (elem_size == 4) UnshuffleAvx2<4>(in, out, n, first, blocks);
+    first += 32 * blocks;
+  }
+#endif
   size_t done = first;
 #if defined(__SSE2__)
   const size_t b0 = first / 16, b1 = last / 16;
