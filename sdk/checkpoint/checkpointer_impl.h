@@ -403,6 +403,8 @@ class CheckpointerImpl final : public Checkpointer {
   // last sample of compression (piece-wise saves cannot take one).
   std::optional<double> write_bytes_per_s_;
   std::optional<ckpt::CompressionSample> last_sample_;
+  ckpt::AutoCalibration calibration_;     // writer thread: compressed saves against their samples
+  double sampled_compress_seconds_ = 0;   // writer thread: the save in progress, when auto compressed it
   // Chooses the compression of `job` (writer thread).
   void ChooseCompression(const WriteJob& job, ckpt::ShardWriteOptions* wo);
   std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered

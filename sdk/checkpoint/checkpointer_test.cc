@@ -260,6 +260,42 @@ TEST(AutoCompressionTest, ChoosesFromMeasuredThroughputs) {
   EXPECT_FALSE(ckpt::ChooseCompression(big, 1, 100e6, std::nullopt).compress);
 }
 
+// The model assumes compression and writing overlap; calibration carries
+// how much slower compression ran inside real compressed saves.
+TEST(AutoCompressionTest, CalibrationFromObservedSavesOverridesTheOverlapModel) {
+  const int64_t big = int64_t{512} << 20;
+  const double b = static_cast<double>(big);
+  const ckpt::CompressionSample sample{1.6e9, 0.835, 4 << 20};
+  const double disk = 700e6;  // the model: none 767 ms, zstd max(335, 640) ms: compress
+  const auto uncalibrated = ckpt::ChooseCompression(big, 1, disk, sample);
+  ASSERT_TRUE(uncalibrated.compress) << uncalibrated.why;
+  EXPECT_NEAR(uncalibrated.sampled_compress_seconds, b / 1.6e9, 1e-9);
+  // That compressed save took 1024 ms (compression and writes taking turns
+  // on two cores): k = 3.05, so the next save at this disk speed is none.
+  ckpt::AutoCalibration cal;
+  cal.Observe(1.024, uncalibrated.sampled_compress_seconds);
+  ASSERT_TRUE(cal.compress_slowdown.has_value());
+  EXPECT_NEAR(*cal.compress_slowdown, 1.024 / (b / 1.6e9), 1e-9);
+  const auto calibrated = ckpt::ChooseCompression(big, 1, disk, sample, cal);
+  EXPECT_FALSE(calibrated.compress) << calibrated.why;
+  EXPECT_EQ(calibrated.sampled_compress_seconds, 0);
+  EXPECT_NE(calibrated.why.find("\"compress_slowdown\":3.05"), std::string::npos) << calibrated.why;
+  // On a slow disk the write term dominates: compressing still pays.
+  const auto slow = ckpt::ChooseCompression(big, 1, 200e6, sample, cal);
+  EXPECT_TRUE(slow.compress) << slow.why;
+  // Each observation moves k halfway; outliers are clamped; nothing
+  // measured is ignored.
+  ckpt::AutoCalibration c2;
+  c2.Observe(2.0, 1.0);
+  c2.Observe(1.0, 1.0);
+  EXPECT_NEAR(*c2.compress_slowdown, 1.5, 1e-9);
+  c2.Observe(100.0, 1.0);
+  EXPECT_NEAR(*c2.compress_slowdown, 0.5 * 1.5 + 0.5 * 8.0, 1e-9);
+  c2.Observe(0, 1.0);
+  c2.Observe(1.0, 0);
+  EXPECT_NEAR(*c2.compress_slowdown, 4.75, 1e-9);
+}
+
 TEST(AutoCompressionTest, SampleMeasuresRatioAndThroughput) {
   ckpt::ThreadPool pool(2);
   const std::vector<float> w = Weights(1 << 20, 7);

@@ -83,8 +83,15 @@ namespace {
 double Rounded(double v, double unit) { return std::round(v / unit) * unit; }
 }  // namespace
 
+void AutoCalibration::Observe(double seconds, double sampled_compress_seconds) {
+  if (!(seconds > 0) || !(sampled_compress_seconds > 0)) return;
+  // Clamped: one save stalled by something else must not silence compression.
+  const double k = std::clamp(seconds / sampled_compress_seconds, 0.5, 8.0);
+  compress_slowdown = compress_slowdown ? 0.5 * *compress_slowdown + 0.5 * k : k;
+}
+
 AutoCompression ChooseCompression(int64_t state_bytes, int level, std::optional<double> write_bytes_per_s,
-                                  std::optional<CompressionSample> sample) {
+                                  std::optional<CompressionSample> sample, const AutoCalibration& calibration) {
   AutoCompression c;
   nlohmann::ordered_json why;
   if (state_bytes < kAutoMinBytes) {
@@ -97,14 +104,18 @@ AutoCompression ChooseCompression(int64_t state_bytes, int level, std::optional<
     why["write_MBps"] = Rounded(*write_bytes_per_s / 1e6, 0.1);
   } else {
     const double b = static_cast<double>(state_bytes), w = *write_bytes_per_s;
+    const double k = calibration.compress_slowdown.value_or(1);
     const double none_s = b / w;
-    const double zstd_s = std::max(b / sample->bytes_per_s, sample->ratio * b / w);
+    const double compress_s = b / sample->bytes_per_s;
+    const double zstd_s = std::max(compress_s * k, sample->ratio * b / w);
     c.compress = zstd_s < (1 - kAutoMinGain) * none_s;
+    if (c.compress) c.sampled_compress_seconds = compress_s;
     why["basis"] = "measured";
     why["compress_MBps"] = Rounded(sample->bytes_per_s / 1e6, 0.1);
     why["ratio"] = Rounded(sample->ratio, 0.001);
     why["sampled_bytes"] = sample->sampled_bytes;
     why["write_MBps"] = Rounded(w / 1e6, 0.1);
+    why["compress_slowdown"] = Rounded(k, 0.01);
     why["predicted_ms"] = {{"none", Rounded(none_s * 1e3, 0.1)}, {"zstd", Rounded(zstd_s * 1e3, 0.1)}};
   }
   why["level"] = level;

@@ -11,6 +11,14 @@
 // measures a high W and the next save writes uncompressed; an uncompressed
 // save on a slow disk measures a low W and the next one compresses.
 //
+// The overlap is rarely perfect: on two cores whose writes cost CPU (a VM's
+// disk), the writer, the hashing and the kernel's I/O take cores from the
+// compression, and compressed saves predicted at 622 ms took 1033. So the
+// compression term is scaled by how much slower compression ran inside
+// earlier compressed saves than in its sample (AutoCalibration): a
+// compressed save takes about max(B / C * k, r * B / W). On a slow disk the
+// write term still dominates and compressing still pays.
+//
 // Thread-safety: pure functions; SampleCompression uses the pool it is given.
 #ifndef OOMGUARD_SDK_CHECKPOINT_COMPRESSION_H_
 #define OOMGUARD_SDK_CHECKPOINT_COMPRESSION_H_
@@ -68,13 +76,29 @@ CompressionSample SampleCompression(const std::vector<SampleSource>& state, int 
 struct AutoCompression {
   bool compress = false;
   std::string why;  // a JSON object: the basis and the figures it used
+  // For a compressed save chosen from measurements: B / C, the time its
+  // compression alone would take at the sampled speed; else 0.
+  double sampled_compress_seconds = 0;
+};
+
+// How much longer compressed saves took than their compression alone at the
+// sampled speed (k above), averaged over recent ones; nullopt: none
+// measured yet (k = 1).
+struct AutoCalibration {
+  std::optional<double> compress_slowdown;
+  // Folds in one compressed save of `seconds` whose compression alone was
+  // predicted at `sampled_compress_seconds` (ignored unless both are
+  // positive). A save bound by the disk overstates k, which only matters
+  // once the disk is fast, where writing uncompressed is the better guess.
+  void Observe(double seconds, double sampled_compress_seconds);
 };
 
 // The choice for a save of `state_bytes` at `level`, from the write
-// throughput of earlier saves (nullopt: none measured yet) and a sample of
-// this state (nullopt: none could be taken).
+// throughput of earlier saves (nullopt: none measured yet), a sample of
+// this state (nullopt: none could be taken) and the calibration of earlier
+// saves.
 AutoCompression ChooseCompression(int64_t state_bytes, int level, std::optional<double> write_bytes_per_s,
-                                  std::optional<CompressionSample> sample);
+                                  std::optional<CompressionSample> sample, const AutoCalibration& calibration = {});
 
 }  // namespace oomguard::ckpt
 

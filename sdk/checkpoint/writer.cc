@@ -117,11 +117,17 @@ Status CheckpointerImpl::Write(WriteJob& job) {
   const FaultContext ctx{job.step, o_.rank, -1, 0};
   wo.midway = [ctx] { FaultPoint(FaultSite::kCkptWrite, ctx); };
   const std::string file = ckpt::ShardFileName(o_.rank);
+  const auto started = std::chrono::steady_clock::now();
   auto res = ckpt::WriteShard(dir + "/" + file, job.tensors, job.source.get(), pool_.get(), wo);
   if (!res.ok()) return res.status();
   // Only a large, fsynced file measures the disk rather than latency.
-  if (o_.fsync && res->file_bytes >= ckpt::kAutoMinBytes && res->io_seconds > 0)
+  if (o_.fsync && res->file_bytes >= ckpt::kAutoMinBytes && res->io_seconds > 0) {
     write_bytes_per_s_ = static_cast<double>(res->file_bytes) / res->io_seconds;
+    // A compressed save against its compression alone at the sampled speed.
+    if (wo.compress)
+      calibration_.Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
+                           sampled_compress_seconds_);
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     // With local commit a step counts once its manifest is written (below).
@@ -144,6 +150,7 @@ Status CheckpointerImpl::Write(WriteJob& job) {
 }
 
 void CheckpointerImpl::ChooseCompression(const WriteJob& job, ckpt::ShardWriteOptions* wo) {
+  sampled_compress_seconds_ = 0;
   if (o_.compression != CheckpointCompression::kAuto) {
     wo->compress = o_.compression == CheckpointCompression::kZstd;
     return;
@@ -165,9 +172,10 @@ void CheckpointerImpl::ChooseCompression(const WriteJob& job, ckpt::ShardWriteOp
     last_sample_ = sample;
   }
   const ckpt::AutoCompression c =
-      ckpt::ChooseCompression(state_bytes, o_.compression_level, write_bytes_per_s_, sample);
+      ckpt::ChooseCompression(state_bytes, o_.compression_level, write_bytes_per_s_, sample, calibration_);
   wo->compress = c.compress;
   wo->compression_auto = c.why;
+  sampled_compress_seconds_ = c.sampled_compress_seconds;
 }
 
 }  // namespace oomguard::ckpt_internal
