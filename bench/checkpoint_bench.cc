@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +42,7 @@ struct BenchState {
   int64_t bytes = 0;
   std::unique_ptr<oomguard::Checkpointer> ckpt;
   int64_t step = 0;
+  std::unique_ptr<oomguard::Checkpointer> zstd;  // compression = zstd, for the cold load of a compressed shard
 };
 
 uint64_t Next(uint64_t* s) {
@@ -190,7 +192,7 @@ void WholeIo(int fd, float* data, size_t bytes, Io io) {
 // one deleted once the new one is durable), so both sides allocate fresh
 // page cache and disk blocks: rewriting one file in place reuses both and
 // is not what a checkpoint does.
-void RawWrite(BenchState& s, int k, bool rotate = true) {
+void RawWrite(BenchState& s, int k) {
   const std::string path = s.dir + "/raw-" + std::to_string(k % 2) + ".bin";
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) std::abort();
@@ -199,10 +201,24 @@ void RawWrite(BenchState& s, int k, bool rotate = true) {
             [](int f, char* p, size_t n) { return ::write(f, p, n); });
   ::fsync(fd);
   ::close(fd);
-  if (rotate) std::filesystem::remove(s.dir + "/raw-" + std::to_string((k + 1) % 2) + ".bin");
   int dfd = ::open(s.dir.c_str(), O_RDONLY | O_DIRECTORY);
   ::fsync(dfd);
   ::close(dfd);
+}
+
+// Untimed, after each raw write and each save: the raw file before the
+// newest goes, and whatever the Checkpointer's retention dropped (deleted in
+// the background under a hidden name) is waited for, so that neither
+// deletion lands inside the next timed operation.
+void DeleteOlder(BenchState& s, int k) {
+  std::filesystem::remove(s.dir + "/raw-" + std::to_string((k + 1) % 2) + ".bin");
+  for (;;) {
+    bool removing = false;
+    for (const auto& e : std::filesystem::directory_iterator(s.dir + "/ckpt"))
+      removing |= e.path().filename().string().rfind(".removing-", 0) == 0;
+    if (!removing) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
 }
 
 void RawRead(BenchState& s, std::vector<std::vector<float>>* dst) {
@@ -223,8 +239,11 @@ double Median(std::vector<double> v) {
 // machine state (disk, page cache, free memory) and neither always goes
 // first. The benchmark's own time is b's; medians, minima and maxima of both
 // are counters, and so is b's process CPU time (all threads).
-template <typename A, typename B>
-void Alternate(benchmark::State& state, const std::string& a_name, A a, const std::string& b_name, B b) {
+// `after` runs untimed after each a and each b: deleting what they left
+// behind, so that neither pays for the other's cleanup.
+template <typename A, typename B, typename After>
+void Alternate(benchmark::State& state, const std::string& a_name, A a, const std::string& b_name, B b,
+               After after) {
   std::vector<double> ta, tb, cpu_b;
   int i = 0;
   for (auto _ : state) {
@@ -233,6 +252,7 @@ void Alternate(benchmark::State& state, const std::string& a_name, A a, const st
       auto t0 = Clock::now();
       a(i);
       da = Seconds(t0);
+      after();
     };
     auto run_b = [&] {
       const double c0 = ProcessCpuSeconds();
@@ -240,6 +260,7 @@ void Alternate(benchmark::State& state, const std::string& a_name, A a, const st
       b(i);
       db = Seconds(t0);
       cpu_b.push_back((ProcessCpuSeconds() - c0) * 1000);
+      after();
     };
     if (i % 2 == 0) {
       run_a();
@@ -270,14 +291,21 @@ void Alternate(benchmark::State& state, const std::string& a_name, A a, const st
 void BM_SaveVsRawWrite(benchmark::State& state) {
   auto& s = State();
   int compressed = 0, saves = 0;
+  int last_raw = 0;
   Alternate(
-      state, "raw", [&](int k) { RawWrite(s, k); }, "save",
+      state, "raw",
+      [&](int k) {
+        RawWrite(s, k);
+        last_raw = k;
+      },
+      "save",
       [&](int) {
         if (!s.ckpt->SaveAsync(s.step++).ok()) state.SkipWithError("SaveAsync failed");
         if (!s.ckpt->Wait().ok()) state.SkipWithError("save failed");
         ++saves;
         if (s.ckpt->Stats().last_compression != "none") ++compressed;
-      });
+      },
+      [&] { DeleteOlder(s, last_raw); });
   const auto st = s.ckpt->Stats();
   // What compression = auto chose: how many timed saves compressed, and the
   // last choice with its measurements (for checkpoint_bench.sh).
@@ -302,24 +330,46 @@ void BM_RawWriteInPlace(benchmark::State& state) {
   auto& s = State();
   for (auto _ : state) {
     auto t0 = Clock::now();
-    RawWrite(s, 0, /*rotate=*/false);
+    RawWrite(s, 0);
     state.SetIterationTime(Seconds(t0));
   }
   std::filesystem::remove(s.dir + "/raw-0.bin");
   state.SetBytesProcessed(state.iterations() * s.bytes);
 }
 
-// Load (LoadLatest: newest manifest, file xxh3, decode, tensor xxh3) against
-// a raw read of the same bytes into buffers of the same shape. Arg 0: both
-// from the page cache; arg 1: both from the disk (pages evicted first).
+// A second checkpointer of the same tensors that always compresses, with
+// one checkpoint saved: auto may have written the main one uncompressed, and
+// a cold load of a compressed shard is the case that has to hide its decode.
+oomguard::Checkpointer& ZstdCheckpoint(BenchState& s) {
+  if (!s.zstd) {
+    oomguard::CheckpointOptions o;
+    o.dir = s.dir + "/ckpt-zstd";
+    o.keep = 1;
+    o.compression = oomguard::CheckpointCompression::kZstd;
+    s.zstd = oomguard::Checkpointer::Create(o).value();
+    for (size_t i = 0; i < s.tensors.size(); ++i)
+      if (!s.zstd->AddTensor(s.names[i], oomguard::DType::kFloat32, s.shapes[i], s.tensors[i].data()).ok())
+        std::abort();
+    if (!s.zstd->SaveAsync(0).ok() || !s.zstd->Wait().ok()) std::abort();
+  }
+  return *s.zstd;
+}
+
+// Load (LoadLatest: newest manifest, chunk hashes, decode, digest) against a
+// raw read of the same bytes into buffers of the same shape. Arg 0: both from
+// the page cache; arg 1: both from the disk (pages evicted first); arg 2: as
+// 1, of a shard compressed with zstd whatever auto chose.
 void BM_LoadVsRawRead(benchmark::State& state) {
   auto& s = State();
   const bool cold = state.range(0) != 0;
+  oomguard::Checkpointer& ckpt = state.range(0) == 2 ? ZstdCheckpoint(s) : *s.ckpt;
+  const std::string tree = state.range(0) == 2 ? s.dir + "/ckpt-zstd" : s.dir + "/ckpt";
+  state.counters["compressed"] = ckpt.Stats().last_compression != "none" ? 1 : 0;
   std::vector<std::vector<float>> dst(s.tensors.size());
   for (size_t i = 0; i < dst.size(); ++i) dst[i].assign(s.tensors[i].size(), 0.f);  // pre-faulted
   if (!cold) {  // both files in the page cache before the first timed read
     RawRead(s, &dst);
-    if (!s.ckpt->LoadLatest().ok()) state.SkipWithError("load failed");
+    if (!ckpt.LoadLatest().ok()) state.SkipWithError("load failed");
   }
   Alternate(
       state, "raw",
@@ -329,9 +379,10 @@ void BM_LoadVsRawRead(benchmark::State& state) {
       },
       "load",
       [&](int) {
-        if (cold) EvictTree(s.dir + "/ckpt");
-        if (!s.ckpt->LoadLatest().ok()) state.SkipWithError("load failed");
-      });
+        if (cold) EvictTree(tree);
+        if (!ckpt.LoadLatest().ok()) state.SkipWithError("load failed");
+      },
+      [] {});
   state.SetBytesProcessed(state.iterations() * s.bytes);
 }
 
@@ -343,6 +394,7 @@ BENCHMARK(BM_RawWriteInPlace)->UseManualTime()->Iterations(3)->Unit(benchmark::k
 BENCHMARK(BM_SaveVsRawWrite)->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LoadVsRawRead)->Arg(0)->UseManualTime()->Iterations(6)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LoadVsRawRead)->Arg(1)->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LoadVsRawRead)->Arg(2)->UseManualTime()->Iterations(8)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

