@@ -246,19 +246,15 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
     std::string error;
     uint64_t stored_hash = 0;
   };
-  // Frames read ahead of their tasks, recycled: one per task in flight when
-  // streaming (empty for a chunk read into its tensor), at most
-  // kCheckWindowBytes of them (at least one).
-  std::vector<std::vector<uint8_t>> free_frames;
-  std::deque<std::vector<uint8_t>> inflight_frames;
-  int64_t inflight_frame_bytes = 0;
+  // Frames read ahead of their tasks: one per task in flight when streaming
+  // (none for a chunk read into its tensor), at most kCheckWindowBytes of
+  // them (at least one).
+  ChunkBuffers frames;
   Status status;
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kTasksPerWorker));
   // Check-only zstd chunks decode into recycled buffers, at most
   // kCheckWindowBytes of them in flight (at least one chunk).
-  std::vector<std::vector<uint8_t>> free_buffers;
-  std::deque<std::vector<uint8_t>> inflight_buffers;  // one per check-only chunk in flight, in order
-  int64_t inflight_check_bytes = 0;
+  ChunkBuffers checks;
   std::deque<std::future<Result>> inflight;
   WaitForAll<Result> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
   const bool verify_file = p.verify_file;
@@ -270,22 +266,12 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
       const Pass::Tensor& T = p.tensors[it.t];
       const StoredChunk& c = T.chunks[it.chunk];
       const bool own_buffer = buffered(it);
-      if (own_buffer && inflight_check_bytes > 0 && inflight_check_bytes + c.len > kCheckWindowBytes) break;
-      if (stream && inflight_frame_bytes > 0 &&
-          inflight_frame_bytes + static_cast<int64_t>(c.size) > kCheckWindowBytes)
-        break;
+      if (own_buffer && !checks.Fits(c.len, kCheckWindowBytes)) break;
+      if (stream && !frames.Fits(static_cast<int64_t>(c.size), kCheckWindowBytes)) break;
       ++next;
       uint8_t* dst = nullptr;
       if (own_buffer) {
-        std::vector<uint8_t> buf;
-        if (!free_buffers.empty()) {
-          buf = std::move(free_buffers.back());
-          free_buffers.pop_back();
-        }
-        buf.resize(static_cast<size_t>(c.len));
-        dst = buf.data();  // stays valid: moving a vector keeps its storage
-        inflight_buffers.push_back(std::move(buf));
-        inflight_check_bytes += c.len;
+        dst = checks.Take(static_cast<size_t>(c.len));
       } else if (requests[it.req].out != nullptr) {
         dst = requests[it.req].out + c.begin;
       }
@@ -296,30 +282,17 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
         in_place = T.raw && dst != nullptr && T.full == c.len && c.size == static_cast<uint64_t>(T.full);
         uint8_t* into = dst;
         if (!in_place) {
-          std::vector<uint8_t> buf;
-          if (!free_frames.empty()) {
-            buf = std::move(free_frames.back());
-            free_frames.pop_back();
-          }
-          buf.resize(static_cast<size_t>(c.size));
-          into = buf.data();  // stays valid: moving a vector keeps its storage
+          into = frames.Take(static_cast<size_t>(c.size));
           frame = into;
-          inflight_frames.push_back(std::move(buf));
-          inflight_frame_bytes += static_cast<int64_t>(c.size);
         } else {
-          inflight_frames.emplace_back();
+          frames.TakeNone();
         }
         const std::string err = ReadFully(fd.fd, into, static_cast<size_t>(c.size), c.offset);
         if (!err.empty()) {
           status = Status::DataLoss(where(requests[it.req].dataset) + ": chunk " + std::to_string(it.chunk) +
                                     ": " + err);
-          inflight_frame_bytes -= static_cast<int64_t>(inflight_frames.back().size());
-          inflight_frames.pop_back();
-          if (own_buffer) {
-            free_buffers.push_back(std::move(inflight_buffers.back()));
-            inflight_buffers.pop_back();
-            inflight_check_bytes -= c.len;
-          }
+          frames.DropNewest();
+          if (own_buffer) checks.DropNewest();
           break;  // not submitted: the drain below stops at the tasks that were
         }
         if (in_place) frame = dst;
@@ -364,18 +337,9 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
     if (inflight.empty()) break;  // stopped submitting on an error
     Result res = inflight.front().get();
     inflight.pop_front();
-    if (stream) {
-      inflight_frame_bytes -= static_cast<int64_t>(inflight_frames.front().size());
-      if (!inflight_frames.front().empty()) free_frames.push_back(std::move(inflight_frames.front()));
-      inflight_frames.pop_front();
-    }
+    if (stream) frames.Reuse(frames.Oldest());
     const Item& it = items[drained++];
-    if (buffered(it)) {
-      std::vector<uint8_t> buf = std::move(inflight_buffers.front());
-      inflight_buffers.pop_front();
-      inflight_check_bytes -= p.tensors[it.t].chunks[it.chunk].len;
-      free_buffers.push_back(std::move(buf));
-    }
+    if (buffered(it)) checks.Reuse(checks.Oldest());
     if (!res.error.empty()) {
       if (status.ok()) status = Status::DataLoss(where(requests[it.req].dataset) + ": " + res.error);
       continue;

@@ -388,9 +388,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   // Chunks of check-only requests decode into recycled buffers, at most
   // kCheckWindowBytes of them in flight (at least one chunk), so checking a
   // shard needs memory for a few chunks, not for its tensors.
-  std::vector<std::vector<uint8_t>> free_buffers;
-  std::deque<std::vector<uint8_t>> inflight_buffers;  // one per check-only chunk in flight, in order
-  int64_t inflight_check_bytes = 0;
+  ChunkBuffers checks;
   std::deque<std::future<std::string>> inflight;
   WaitForAll<std::string> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
   size_t next = 0, drained = 0;
@@ -398,7 +396,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
     while (next < chunks.size() && inflight.size() < window && status.ok()) {
       const ReadChunk c = chunks[next];
       const bool check_only = requests[c.req].out == nullptr;
-      if (check_only && inflight_check_bytes > 0 && inflight_check_bytes + c.full > kCheckWindowBytes) break;
+      if (check_only && !checks.Fits(c.full, kCheckWindowBytes)) break;
       ++next;
       const uint64_t start = c.addr + impl_->base;
       if (start < c.addr || start > impl_->map_bytes || c.size > impl_->map_bytes - start) {
@@ -409,15 +407,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
       const uint8_t* frame = base + start;
       uint8_t* dst = nullptr;
       if (check_only) {
-        std::vector<uint8_t> buf;
-        if (!free_buffers.empty()) {
-          buf = std::move(free_buffers.back());
-          free_buffers.pop_back();
-        }
-        buf.resize(static_cast<size_t>(c.full));
-        dst = buf.data();  // stays valid: moving a vector keeps its storage
-        inflight_buffers.push_back(std::move(buf));
-        inflight_check_bytes += c.full;
+        dst = checks.Take(static_cast<size_t>(c.full));
       } else {
         dst = requests[c.req].out + c.begin;
       }
@@ -440,18 +430,12 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
     const ReadChunk& c = chunks[drained++];
     const bool check_only = requests[c.req].out == nullptr;
     std::vector<uint8_t> check_buf;
-    if (check_only) {
-      check_buf = std::move(inflight_buffers.front());
-      inflight_buffers.pop_front();
-      inflight_check_bytes -= c.full;
-    }
+    if (check_only) check_buf = checks.Oldest();
     struct Recycle {
-      std::vector<std::vector<uint8_t>>* pool;
+      ChunkBuffers* checks;
       std::vector<uint8_t>* buf;
-      ~Recycle() {
-        if (!buf->empty()) pool->push_back(std::move(*buf));
-      }
-    } recycle{&free_buffers, &check_buf};
+      ~Recycle() { checks->Reuse(std::move(*buf)); }
+    } recycle{&checks, &check_buf};
     if (!err.empty()) {
       if (status.ok()) status = Status::DataLoss(where(c.req) + ": " + err);
       continue;

@@ -7,6 +7,7 @@
 #define OOMGUARD_SDK_CHECKPOINT_THREAD_POOL_H_
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <future>
@@ -64,6 +65,51 @@ struct WaitForAll {
     for (auto& f : *q)
       if (f.valid()) f.wait();
   }
+};
+
+// Buffers of the chunk tasks in flight, one per task, in submission order:
+// taken for the newest task, handed back oldest first and reused, so that a
+// pipeline needs memory for its window of chunks, not for all it reads.
+class ChunkBuffers {
+ public:
+  // Whether n more bytes stay within `budget` (the first buffer always does).
+  bool Fits(int64_t n, int64_t budget) const { return bytes_ == 0 || bytes_ + n <= budget; }
+  // A buffer of n bytes for the newest task; valid until it is handed back
+  // (moving a vector keeps its storage).
+  uint8_t* Take(size_t n) {
+    std::vector<uint8_t> buf;
+    if (!free_.empty()) {
+      buf = std::move(free_.back());
+      free_.pop_back();
+    }
+    buf.resize(n);
+    bytes_ += static_cast<int64_t>(n);
+    inflight_.push_back(std::move(buf));
+    return inflight_.back().data();
+  }
+  // No buffer for the newest task (it has one elsewhere).
+  void TakeNone() { inflight_.emplace_back(); }
+  // The oldest task's buffer, out of flight; Reuse it once done with it.
+  std::vector<uint8_t> Oldest() {
+    std::vector<uint8_t> buf = std::move(inflight_.front());
+    inflight_.pop_front();
+    bytes_ -= static_cast<int64_t>(buf.size());
+    return buf;
+  }
+  void Reuse(std::vector<uint8_t>&& buf) {
+    if (!buf.empty()) free_.push_back(std::move(buf));
+  }
+  // The newest task was not submitted after all.
+  void DropNewest() {
+    bytes_ -= static_cast<int64_t>(inflight_.back().size());
+    Reuse(std::move(inflight_.back()));
+    inflight_.pop_back();
+  }
+
+ private:
+  std::vector<std::vector<uint8_t>> free_;
+  std::deque<std::vector<uint8_t>> inflight_;
+  int64_t bytes_ = 0;  // of the buffers in flight
 };
 
 }  // namespace oomguard::ckpt
