@@ -25,6 +25,7 @@
 #include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/xxh.h"
 
 namespace oomguard {
@@ -32,22 +33,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> n{0};
-    path_ = (fs::temp_directory_path() /
-             ("oomguard-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
-                .string();
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TempDir = ckpt::ScratchDir;
 
 CheckpointOptions Opts(const std::string& dir) {
   CheckpointOptions o;

@@ -19,6 +19,7 @@
 
 #include "oomguard/checkpoint.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard_check.h"
 
 namespace oomguard {
@@ -73,14 +74,7 @@ double Evict(const std::string& path) {
 
 class ColdLoadTest : public ::testing::TestWithParam<CheckpointCompression> {
  protected:
-  ColdLoadTest() {
-    static std::atomic<int> n{0};
-    dir_ = (fs::temp_directory_path() /
-            ("oomguard-coldload-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
-               .string();
-    fs::remove_all(dir_);
-  }
-  ~ColdLoadTest() override { fs::remove_all(dir_); }
+  ckpt::ScratchDir scratch_{"oomguard-coldload"};
 
   // A model whose tensors end in partial chunks, saved at step 1.
   void SaveOne() {
@@ -106,7 +100,7 @@ class ColdLoadTest : public ::testing::TestWithParam<CheckpointCompression> {
   }
   std::string Shard() const { return dir_ + "/" + ckpt::StepDirName(1) + "/rank-00000.h5"; }
 
-  std::string dir_;
+  const std::string dir_ = scratch_.path();
   std::vector<float> w_ = std::vector<float>(1000 * 333);
   std::vector<double> b_ = std::vector<double>(12345);
   std::vector<float> expect_w_;

@@ -13,6 +13,7 @@
 
 #include "oomguard/checkpoint.h"
 #include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/scratch_dir.h"
 
 #ifndef OOMGUARD_CKPT_TESTDATA
 #error "OOMGUARD_CKPT_TESTDATA must name sdk/checkpoint/testdata"
@@ -27,13 +28,8 @@ namespace fs = std::filesystem;
 class FormatV1Test : public ::testing::Test {
  protected:
   FormatV1Test() {
-    static std::atomic<int> n{0};
-    dir_ = (fs::temp_directory_path() / ("oomguard-v1-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
-               .string();
-    fs::remove_all(dir_);
     fs::copy(std::string(OOMGUARD_CKPT_TESTDATA) + "/ckpt-v1", dir_, fs::copy_options::recursive);
   }
-  ~FormatV1Test() override { fs::remove_all(dir_); }
 
   void Make(bool verify_file = true) {
     CheckpointOptions o;
@@ -87,7 +83,8 @@ class FormatV1Test : public ::testing::Test {
     f.write(&ch, 1);
   }
 
-  std::string dir_;
+  ckpt::ScratchDir scratch_{"oomguard-v1"};
+  std::string dir_ = scratch_.path();
   std::vector<float> w_ = std::vector<float>(4000);
   std::vector<double> b_ = std::vector<double>(700);
   std::vector<uint16_t> h_ = std::vector<uint16_t>(33);

@@ -19,6 +19,7 @@
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
 #include "sdk/checkpoint/shard_digest.h"
 
@@ -29,15 +30,7 @@ namespace fs = std::filesystem;
 
 class ShardCheckTest : public ::testing::Test {
  protected:
-  ShardCheckTest() {
-    static std::atomic<int> n{0};
-    dir_ = (fs::temp_directory_path() /
-            ("oomguard-shardcheck-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
-               .string();
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  ~ShardCheckTest() override { fs::remove_all(dir_); }
+  ckpt::ScratchDir scratch_{"oomguard-shardcheck"};
 
   // A checkpointer with `tensors` float32 tensors of 300 elements, named
   // <prefix>0, <prefix>1, ..., and one object.
@@ -98,7 +91,7 @@ class ShardCheckTest : public ::testing::Test {
     return fut.get();
   }
 
-  std::string dir_;
+  const std::string dir_ = scratch_.path();
   std::vector<std::vector<float>> values_;
   int64_t counter_ = 0;
 };

@@ -35,6 +35,7 @@
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
 #include "sdk/checkpoint/shard_digest.h"
 
@@ -72,11 +73,6 @@ class ShardFuzzTest : public ::testing::Test {
   static constexpr int kSteps = 3;
 
   ShardFuzzTest() {
-    static std::atomic<int> n{0};
-    root_ = (fs::temp_directory_path() /
-             ("oomguard-fuzz-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
-                .string();
-    fs::remove_all(root_);
     dir_ = root_ + "/ckpt";
     outside_ = root_ + "/outside";
     fs::create_directories(dir_);
@@ -87,7 +83,6 @@ class ShardFuzzTest : public ::testing::Test {
     EXPECT_EQ(::mkfifo((outside_ + "/data.bin").c_str(), 0644), 0);
     EXPECT_EQ(::mkfifo((outside_ + "/other.h5").c_str(), 0644), 0);
   }
-  ~ShardFuzzTest() override { fs::remove_all(root_); }
 
   // float32 across many chunks, float64 with a partial edge chunk, a bf16
   // vector, an int64 scalar (contiguous, unfiltered), an empty tensor, an object.
@@ -265,7 +260,8 @@ class ShardFuzzTest : public ::testing::Test {
     }
   }
 
-  std::string root_, dir_, outside_;
+  ckpt::ScratchDir scratch_{"oomguard-fuzz"};
+  std::string root_ = scratch_.path(), dir_, outside_;
   std::vector<float> w_ = std::vector<float>(4000);
   std::vector<double> b_ = std::vector<double>(700);
   std::vector<uint16_t> h_ = std::vector<uint16_t>(33);
