@@ -279,6 +279,16 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
       // Read into the tensor itself: a stored chunk that is exactly its part.
       bool in_place = false;
       if (stream) {
+        // A stored size no chunk can have (a damaged index) is refused
+        // before a buffer of that size is allocated.
+        const uint64_t most = T.raw ? static_cast<uint64_t>(T.full) : EncodeBound(static_cast<size_t>(T.full));
+        if (c.size > most) {
+          status = Status::DataLoss(where(requests[it.req].dataset) + ": chunk " + std::to_string(it.chunk) +
+                                    " stores " + std::to_string(c.size) + " bytes, more than a chunk of " +
+                                    std::to_string(T.full) + " bytes can take");
+          if (own_buffer) checks.DropNewest();
+          break;
+        }
         in_place = T.raw && dst != nullptr && T.full == c.len && c.size == static_cast<uint64_t>(T.full);
         uint8_t* into = dst;
         if (!in_place) {
