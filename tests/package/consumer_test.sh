@@ -21,10 +21,14 @@ fi
 LD_LIBRARY_PATH="$T/prefix/lib" "$T/build/consumer"
 if [ "$MPI" = ON ]; then
   test -f "$T/prefix/lib/liboomguard_mpi.so" || { echo "liboomguard_mpi.so not installed"; exit 1; }
-  ldd "$T/build/consumer" | grep -q liboomguard_mpi || { echo "the consumer does not link oomguard::mpi"; exit 1; }
+  # Captured first: under pipefail, `ldd | grep -q` fails when grep stops
+  # reading at the match and ldd dies of SIGPIPE (seen once in CI).
+  linked=$(ldd "$T/build/consumer")
+  grep -q liboomguard_mpi <<< "$linked" || { echo "the consumer does not link oomguard::mpi"; exit 1; }
 fi
 # Only the public API is exported from the shared library.
-if nm -DC --defined-only "$T/prefix/lib/liboomguard.so" | grep -q "GuardImpl"; then
+exported=$(nm -DC --defined-only "$T/prefix/lib/liboomguard.so")
+if grep -q "GuardImpl" <<< "$exported"; then
   echo "private symbols are exported"; exit 1
 fi
 echo "installed package consumer: ok"
