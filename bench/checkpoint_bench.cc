@@ -212,11 +212,16 @@ void RawWrite(BenchState& s, int k) {
 // deletion lands inside the next timed operation.
 void DeleteOlder(BenchState& s, int k) {
   std::filesystem::remove(s.dir + "/raw-" + std::to_string((k + 1) % 2) + ".bin");
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
   for (;;) {
     bool removing = false;
     for (const auto& e : std::filesystem::directory_iterator(s.dir + "/ckpt"))
       removing |= e.path().filename().string().rfind(".removing-", 0) == 0;
     if (!removing) break;
+    if (Clock::now() > deadline) {
+      std::fprintf(stderr, "checkpoint_bench: what retention dropped is still not deleted after 60 s\n");
+      std::exit(2);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
 }
