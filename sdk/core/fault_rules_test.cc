@@ -69,6 +69,12 @@ TEST(FaultParseTest, EachKey) {
   EXPECT_EQ(r.site, FaultSite::kCkptWrite);
   EXPECT_EQ(r.text, "kill@step=57,site=ckpt_write");
 
+  // Error rules and the commit-phase sites.
+  EXPECT_EQ(ParseOne("error@site=apply").kind, FaultKind::kError);
+  EXPECT_EQ(ParseOne("error@site=apply").site, FaultSite::kApply);
+  EXPECT_EQ(ParseOne("oom@site=sync").site, FaultSite::kSync);
+  EXPECT_FALSE(ParseFaultRules("error@bytes=5").ok()) << "bytes is for OOM kinds only";
+
   r = ParseOne("oom@step=1,rank=2,site=vote,micro=3,times=4,min_size=5,bytes=6");
   EXPECT_EQ(r.step_lo, 1);
   EXPECT_EQ(r.rank, 2);
