@@ -262,6 +262,21 @@ if(OOMGUARD_XXHASH_DISPATCH)
   set_property(TARGET oomguard_ext::xxhash APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS OOMGUARD_XXH_DISPATCH=1)
 endif()
 
+# oomguard_use_backends(<target> [CUDA] [TORCH]): compiles <target> with the
+# optional backends named that this build has (OOMGUARD_WITH_CUDA=1,
+# OOMGUARD_WITH_TORCH=1) and links their runtime libraries privately.
+function(oomguard_use_backends target)
+  cmake_parse_arguments(_ob "CUDA;TORCH" "" "" ${ARGN})
+  if(_ob_CUDA AND OOMGUARD_WITH_CUDA)
+    target_compile_definitions(${target} PRIVATE OOMGUARD_WITH_CUDA=1)
+    target_link_libraries(${target} PRIVATE CUDA::cudart)
+  endif()
+  if(_ob_TORCH AND OOMGUARD_WITH_TORCH)
+    target_compile_definitions(${target} PRIVATE OOMGUARD_WITH_TORCH=1)
+    target_link_libraries(${target} PRIVATE oomguard_ext::c10)
+  endif()
+endfunction()
+
 function(oomguard_report_options)
   message(STATUS "oomguard ${PROJECT_VERSION} configuration:")
   foreach(line IN LISTS _og_report)
