@@ -98,51 +98,54 @@ class MultiRank : public ::testing::Test {
     }
   }
 
+  // Runs fn(r) for every rank r < n, each on a thread of its own, and joins them.
+  template <typename F>
+  static void OnEachRank(int n, F fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
+    for (auto& t : threads) t.join();
+  }
+
   // Each rank runs `steps` Step calls of 32 samples on its own thread; each
   // sample adds 1 + rank to the gradient (weighted), so the synced gradient of
   // a step is the mean over ranks of (1 + rank).
   void Run(int steps, const std::vector<int64_t>& units = {}) {
-    std::vector<std::thread> threads;
-    for (auto& rp : ranks_) {
-      Rank* rk = rp.get();
-      const int rank = static_cast<int>(&rp - &ranks_[0]);
-      threads.emplace_back([rk, steps, rank, &units] {
-        for (int s = 0; s < steps; ++s) {
-          StepRequest req;
-          req.samples = 32;
-          if (!units.empty()) req.units = units;
-          req.micro = [rk, rank](const MicroBatch& mb) {
-            rk->guard->MarkPhase(Phase::kForward);
-            rk->guard->MarkPhase(Phase::kBackward);
-            rk->samples_kept += mb.size;
-            rk->grad += mb.weight * (1.0 + rank);
-          };
-          req.reset = [rk] {
-            rk->samples_kept = 0;
-            rk->grad = 0;
-            rk->resets++;
-          };
-          req.sync = [rk] { return std::vector<SumBuffer>{SumBuffer::Host(&rk->grad, 1)}; };
-          req.apply = [rk] {
-            rk->guard->MarkPhase(Phase::kOptimizer);
-            rk->applies++;
-            rk->synced = rk->grad;
-            rk->samples_kept = 0;
-            rk->grad = 0;
-          };
-          StepReport rep;
-          try {
-            rk->statuses.push_back(rk->guard->Step(req, &rep));
-          } catch (const std::exception& e) {
-            rk->thrown = e.what();
-            rk->statuses.push_back(Status(StatusCode::kUnknown, e.what()));
-          }
-          rk->reports.push_back(rep);
-          if (!rk->statuses.back().ok() && rk->statuses.back().code() != StatusCode::kAborted) return;
+    OnEachRank(static_cast<int>(ranks_.size()), [&](int rank) {
+      Rank* rk = ranks_[rank].get();
+      for (int s = 0; s < steps; ++s) {
+        StepRequest req;
+        req.samples = 32;
+        if (!units.empty()) req.units = units;
+        req.micro = [rk, rank](const MicroBatch& mb) {
+          rk->guard->MarkPhase(Phase::kForward);
+          rk->guard->MarkPhase(Phase::kBackward);
+          rk->samples_kept += mb.size;
+          rk->grad += mb.weight * (1.0 + rank);
+        };
+        req.reset = [rk] {
+          rk->samples_kept = 0;
+          rk->grad = 0;
+          rk->resets++;
+        };
+        req.sync = [rk] { return std::vector<SumBuffer>{SumBuffer::Host(&rk->grad, 1)}; };
+        req.apply = [rk] {
+          rk->guard->MarkPhase(Phase::kOptimizer);
+          rk->applies++;
+          rk->synced = rk->grad;
+          rk->samples_kept = 0;
+          rk->grad = 0;
+        };
+        StepReport rep;
+        try {
+          rk->statuses.push_back(rk->guard->Step(req, &rep));
+        } catch (const std::exception& e) {
+          rk->thrown = e.what();
+          rk->statuses.push_back(Status(StatusCode::kUnknown, e.what()));
         }
-      });
-    }
-    for (auto& t : threads) t.join();
+        rk->reports.push_back(rep);
+        if (!rk->statuses.back().ok() && rk->statuses.back().code() != StatusCode::kAborted) return;
+      }
+    });
   }
 
   std::vector<std::unique_ptr<Rank>> ranks_;
@@ -261,24 +264,20 @@ TEST_F(MultiRank, ErrorOnOneRankIsRethrownThereAndStopsTheOthersAtOnce) {
 // it is no OOM to split away; every rank stops for a restart (exit 75).
 TEST_F(MultiRank, CommunicatorOutOfMemoryIsACoordinationFailureNotAnOom) {
   Make(3);
-  std::vector<std::thread> threads;
   std::vector<Status> got(3);
   std::vector<StepReport> reps(3);
-  for (int r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      StepRequest req;
-      req.samples = 32;
-      req.micro = [r](const MicroBatch&) {
-        if (r == 1)
-          throw std::runtime_error(
-              "NCCL error in: ProcessGroupNCCL.cpp:1191, unhandled cuda error, NCCL version 2.28.3 "
-              "ncclUnhandledCudaError: Call to CUDA function failed. Last error: Cuda failure 'out of memory'");
-      };
-      req.reset = [] {};
-      got[r] = ranks_[r]->guard->Step(req, &reps[r]);
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnEachRank(3, [&](int r) {
+    StepRequest req;
+    req.samples = 32;
+    req.micro = [r](const MicroBatch&) {
+      if (r == 1)
+        throw std::runtime_error(
+            "NCCL error in: ProcessGroupNCCL.cpp:1191, unhandled cuda error, NCCL version 2.28.3 "
+            "ncclUnhandledCudaError: Call to CUDA function failed. Last error: Cuda failure 'out of memory'");
+    };
+    req.reset = [] {};
+    got[r] = ranks_[r]->guard->Step(req, &reps[r]);
+  });
   EXPECT_EQ(reps[1].ooms, 0) << "not retried as an OOM";
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(got[r].code(), StatusCode::kUnavailable) << got[r];
@@ -290,19 +289,15 @@ TEST_F(MultiRank, BadRequestOnOneRankStopsEveryRankWithoutWaiting) {
   GuardOptions o;
   o.vote_deadline_ms = 30000;
   Make(3, o);
-  std::vector<std::thread> threads;
   std::vector<Status> got(3);
   const auto t0 = Clock::now();
-  for (int r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      StepRequest req;
-      req.samples = r == 1 ? 0 : 8;  // rank 1's request is invalid
-      req.micro = [](const MicroBatch&) {};
-      req.reset = [] {};
-      got[r] = ranks_[r]->guard->Step(req);
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnEachRank(3, [&](int r) {
+    StepRequest req;
+    req.samples = r == 1 ? 0 : 8;  // rank 1's request is invalid
+    req.micro = [](const MicroBatch&) {};
+    req.reset = [] {};
+    got[r] = ranks_[r]->guard->Step(req);
+  });
   EXPECT_LT(SecondsSince(t0), 5.0) << "nobody waits for the 30 s deadline";
   EXPECT_EQ(got[1].code(), StatusCode::kInvalidArgument) << got[1];
   for (int r : {0, 2}) {
@@ -319,18 +314,14 @@ TEST_F(MultiRank, MissingResetHookOnOneRankIsRefusedOnEntry) {
   GuardOptions o;
   o.vote_deadline_ms = 30000;
   Make(2, o);
-  std::vector<std::thread> threads;
   std::vector<Status> got(2);
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      StepRequest req;
-      req.samples = 4;
-      req.micro = [](const MicroBatch&) {};
-      if (r == 0) req.reset = [] {};
-      got[r] = ranks_[r]->guard->Step(req);
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnEachRank(2, [&](int r) {
+    StepRequest req;
+    req.samples = 4;
+    req.micro = [](const MicroBatch&) {};
+    if (r == 0) req.reset = [] {};
+    got[r] = ranks_[r]->guard->Step(req);
+  });
   EXPECT_EQ(got[1].code(), StatusCode::kFailedPrecondition) << got[1];
   EXPECT_NE(got[1].message().find("StepRequest.reset must be set"), std::string::npos) << got[1];
   EXPECT_EQ(got[0].code(), StatusCode::kCancelled) << got[0];
@@ -471,27 +462,23 @@ TEST_F(MultiRank, RepeatedRollbacksToOneStepStopWithAClearError) {
 TEST_F(MultiRank, UnitsWeighTheGradientByEveryRanksShareOfTheGlobalBatch) {
   // Rank r's samples carry r+1 units each: rank shares 1/10, 2/10, 3/10, 4/10.
   Make(4);
-  std::vector<std::thread> threads;
   std::vector<double> synced(4);
   std::vector<int64_t> global(4);
-  for (int r = 0; r < 4; ++r) {
-    threads.emplace_back([&, r] {
-      std::vector<int64_t> units(32, r + 1);
-      units[5] = 0;  // a sample that is all padding
-      double grad = 0;
-      StepRequest req;
-      req.samples = 32;
-      req.units = units;
-      req.micro = [&](const MicroBatch& mb) { grad += mb.weight * (1.0 + r); };
-      req.reset = [&] { grad = 0; };
-      req.sync = [&] { return std::vector<SumBuffer>{SumBuffer::Host(&grad, 1)}; };
-      req.apply = [&] { synced[r] = grad; };
-      StepReport rep;
-      EXPECT_TRUE(ranks_[r]->guard->Step(req, &rep).ok());
-      global[r] = rep.global_units;
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnEachRank(4, [&](int r) {
+    std::vector<int64_t> units(32, r + 1);
+    units[5] = 0;  // a sample that is all padding
+    double grad = 0;
+    StepRequest req;
+    req.samples = 32;
+    req.units = units;
+    req.micro = [&](const MicroBatch& mb) { grad += mb.weight * (1.0 + r); };
+    req.reset = [&] { grad = 0; };
+    req.sync = [&] { return std::vector<SumBuffer>{SumBuffer::Host(&grad, 1)}; };
+    req.apply = [&] { synced[r] = grad; };
+    StepReport rep;
+    EXPECT_TRUE(ranks_[r]->guard->Step(req, &rep).ok());
+    global[r] = rep.global_units;
+  });
   const double u[4] = {31, 62, 93, 124};
   const double total = u[0] + u[1] + u[2] + u[3];
   const double expected = (u[0] * 1 + u[1] * 2 + u[2] * 3 + u[3] * 4) / total;
@@ -505,22 +492,18 @@ TEST_F(MultiRank, UnitsWeighTheGradientByEveryRanksShareOfTheGlobalBatch) {
 // different point of the sequence: detected, never misread.
 TEST_F(MultiRank, DivergedCollectiveSequenceIsDetected) {
   Make(2);
-  std::vector<std::thread> threads;
   std::vector<Status> got(2);
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      if (r == 1) {
-        // An extra allgather of the guard's vote size, where rank 0 votes.
-        std::vector<int64_t> mine(19, 0), all(38);
-        (void)ranks_[r]->coord->Allgather(mine, all, std::chrono::milliseconds(5000));
-      }
-      StepRequest req;
-      req.samples = 8;
-      req.micro = [](const MicroBatch&) {};
-      got[r] = ranks_[r]->guard->Step(req);
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnEachRank(2, [&](int r) {
+    if (r == 1) {
+      // An extra allgather of the guard's vote size, where rank 0 votes.
+      std::vector<int64_t> mine(19, 0), all(38);
+      (void)ranks_[r]->coord->Allgather(mine, all, std::chrono::milliseconds(5000));
+    }
+    StepRequest req;
+    req.samples = 8;
+    req.micro = [](const MicroBatch&) {};
+    got[r] = ranks_[r]->guard->Step(req);
+  });
   EXPECT_NE(got[0].message().find("collective sequence diverged"), std::string::npos) << got[0];
   EXPECT_FALSE(got[1].ok());
 }
@@ -529,19 +512,15 @@ TEST_F(MultiRank, SilentRankTurnsIntoUnavailableWithAnIncident) {
   GuardOptions o;
   o.vote_deadline_ms = 200;
   Make(3, o);
-  std::vector<std::thread> threads;
   std::vector<Status> got(3);
   std::vector<StepReport> reps(3);
   const auto t0 = Clock::now();
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      StepRequest req;
-      req.samples = 8;
-      req.micro = [](const MicroBatch&) {};
-      got[r] = ranks_[r]->guard->Step(req, &reps[r]);
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnEachRank(2, [&](int r) {
+    StepRequest req;
+    req.samples = 8;
+    req.micro = [](const MicroBatch&) {};
+    got[r] = ranks_[r]->guard->Step(req, &reps[r]);
+  });
   EXPECT_LT(SecondsSince(t0), 2.0);
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(got[r].code(), StatusCode::kUnavailable) << got[r];
@@ -556,10 +535,8 @@ TEST_F(MultiRank, FinishCommitsWhatEveryRankHoldsAndAgreesOnTheNewest) {
   ranks_[0]->recovery.durable = {4, 9, 14};
   ranks_[1]->recovery.durable = {4, 9, 14};
   ranks_[2]->recovery.durable = {4, 9};  // its 14 failed
-  std::vector<std::thread> threads;
   std::vector<StatusOr<int64_t>> got(3, Status::Internal("not run"));
-  for (int r = 0; r < 3; ++r) threads.emplace_back([&, r] { got[r] = ranks_[r]->guard->Finish(); });
-  for (auto& t : threads) t.join();
+  OnEachRank(3, [&](int r) { got[r] = ranks_[r]->guard->Finish(); });
   for (int r = 0; r < 3; ++r) {
     ASSERT_TRUE(got[r].ok()) << got[r].status();
     EXPECT_EQ(*got[r], 9);
