@@ -1,7 +1,9 @@
 # Thin wrapper over CMake. Every target installs missing packages first
-# (scripts/install-deps), then configures and builds into $(BUILD).
+# (scripts/install-deps: Debian's packages and the project's Python environment),
+# then configures and builds into $(BUILD). The Python interpreter is
+# scripts/python's environment (torch 2.11 from PyPI) unless PYTHON names another.
 BUILD ?= build
-PYTHON ?= /usr/bin/python3
+PYTHON ?=
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
@@ -13,7 +15,7 @@ deps:
 	scripts/install-deps
 
 configure: deps
-	cmake -S . -B $(BUILD) -DPython_EXECUTABLE=$(PYTHON) $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DPython_EXECUTABLE=$${PYTHON:-$$(scripts/python --executable)} $(CMAKE_FLAGS)
 
 build: configure
 	cmake --build $(BUILD) -j$(JOBS)

@@ -72,31 +72,18 @@ else()
   _og_note(OOMGUARD_WITH_MPI OFF "MPI not found")
 endif()
 
-# ---- torch (c10 only in the core: c10::OutOfMemoryError classification) ----
-find_path(C10_INCLUDE_DIR c10/util/Exception.h)
-find_library(C10_LIBRARY c10)
-if(C10_INCLUDE_DIR AND C10_LIBRARY)
-  oomguard_import_library(oomguard_ext::c10 "${C10_LIBRARY}" "${C10_INCLUDE_DIR}")
-  set(_og_torch_default ON)
-else()
-  set(_og_torch_default OFF)
-endif()
-option(OOMGUARD_WITH_TORCH "Recognise c10::OutOfMemoryError (libtorch)" ${_og_torch_default})
-if(OOMGUARD_WITH_TORCH)
-  if(NOT (C10_INCLUDE_DIR AND C10_LIBRARY))
-    message(FATAL_ERROR "OOMGUARD_WITH_TORCH=ON but libc10 was not found (apt-get install libtorch-dev)")
-  endif()
-  _og_note(OOMGUARD_WITH_TORCH ON "${C10_LIBRARY}")
-elseif(C10_LIBRARY)
-  _og_note(OOMGUARD_WITH_TORCH OFF "disabled by the user")
-else()
-  _og_note(OOMGUARD_WITH_TORCH OFF "libtorch (c10) not found")
-endif()
-
-# ---- Python bindings (pybind11) and the budgeted CPU allocator for torch ----
-# Use /usr/bin/python3 (-DPython_EXECUTABLE=/usr/bin/python3): the python3 first
-# on PATH may be another interpreter without torch, numpy or h5py.
+# ---- Python bindings (pybind11) ----
+# The project's interpreter is scripts/python (a virtual environment with torch
+# 2.11 from PyPI); the Makefile passes it as Python_EXECUTABLE. pybind11 comes
+# from that environment (python -m pybind11 --cmakedir), or a system install.
 find_package(Python QUIET COMPONENTS Interpreter Development.Module)
+if(Python_FOUND AND NOT pybind11_DIR)
+  execute_process(COMMAND ${Python_EXECUTABLE} -m pybind11 --cmakedir
+                  RESULT_VARIABLE _og_pb_rc OUTPUT_VARIABLE _og_pb_dir OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(_og_pb_rc EQUAL 0 AND IS_DIRECTORY "${_og_pb_dir}")
+    set(pybind11_DIR "${_og_pb_dir}" CACHE PATH "pybind11's CMake package (from ${Python_EXECUTABLE})")
+  endif()
+endif()
 if(Python_FOUND)
   find_package(pybind11 CONFIG QUIET)
 endif()
@@ -110,15 +97,69 @@ option(OOMGUARD_BUILD_PYTHON "Build the Python package oomguard (pybind11 module
 if(OOMGUARD_BUILD_PYTHON)
   if(NOT (Python_FOUND AND pybind11_FOUND))
     message(FATAL_ERROR "OOMGUARD_BUILD_PYTHON=ON needs the Python interpreter and headers and pybind11 "
-                        "(apt-get install python3-dev pybind11-dev)")
+                        "(scripts/python has them: -DPython_EXECUTABLE=$(scripts/python --executable))")
   endif()
   _og_note(OOMGUARD_BUILD_PYTHON ON "Python ${Python_VERSION} at ${Python_EXECUTABLE}, pybind11 ${pybind11_VERSION}")
 elseif(NOT Python_FOUND)
   _og_note(OOMGUARD_BUILD_PYTHON OFF "Python interpreter or headers not found")
 elseif(NOT pybind11_FOUND)
-  _og_note(OOMGUARD_BUILD_PYTHON OFF "pybind11 not found (apt-get install pybind11-dev)")
+  _og_note(OOMGUARD_BUILD_PYTHON OFF "pybind11 not found (pip install pybind11, or use scripts/python)")
 else()
   _og_note(OOMGUARD_BUILD_PYTHON OFF "disabled by the user")
+endif()
+
+# ---- torch: the one that the Python interpreter imports (a pip wheel's
+# torch/include and torch/lib), else a libtorch on the search paths ----
+# Asked with -I, so that a build environment's PYTHONPATH (pip's isolated
+# builds) does not hide the torch installed where the package will run.
+set(OOMGUARD_TORCH_ROOT "" CACHE INTERNAL "The torch package the build compiles against")
+set(OOMGUARD_TORCH_VERSION "" CACHE INTERNAL "Its version")
+if(Python_Interpreter_FOUND)
+  execute_process(
+    COMMAND ${Python_EXECUTABLE} -I -c
+      "import os, torch; print(os.path.dirname(torch.__file__)); print(torch.__version__); print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"
+    RESULT_VARIABLE _og_torch_rc OUTPUT_VARIABLE _og_torch_out ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(_og_torch_rc EQUAL 0)
+    string(REPLACE "\n" ";" _og_torch_out "${_og_torch_out}")
+    list(GET _og_torch_out 0 _og_torch_root)
+    list(GET _og_torch_out 1 _og_torch_version)
+    list(GET _og_torch_out 2 _og_torch_abi)
+    if(_og_torch_abi EQUAL 1)
+      set(OOMGUARD_TORCH_ROOT "${_og_torch_root}" CACHE INTERNAL "The torch package the build compiles against")
+      set(OOMGUARD_TORCH_VERSION "${_og_torch_version}" CACHE INTERNAL "Its version")
+    else()
+      message(STATUS "oomguard: torch ${_og_torch_version} at ${_og_torch_root} uses the pre-C++11 string ABI; "
+                     "not compiled against (torch >= 2.7 wheels use the C++11 ABI)")
+    endif()
+  endif()
+endif()
+if(OOMGUARD_TORCH_ROOT)
+  find_path(C10_INCLUDE_DIR c10/util/Exception.h HINTS ${OOMGUARD_TORCH_ROOT}/include NO_DEFAULT_PATH)
+  find_library(C10_LIBRARY c10 HINTS ${OOMGUARD_TORCH_ROOT}/lib NO_DEFAULT_PATH)
+  if(NOT DEFINED Torch_DIR AND EXISTS ${OOMGUARD_TORCH_ROOT}/share/cmake/Torch/TorchConfig.cmake)
+    set(Torch_DIR ${OOMGUARD_TORCH_ROOT}/share/cmake/Torch CACHE PATH "libtorch's CMake package (torch.utils.cmake_prefix_path)")
+  endif()
+else()
+  find_path(C10_INCLUDE_DIR c10/util/Exception.h)
+  find_library(C10_LIBRARY c10)
+endif()
+if(C10_INCLUDE_DIR AND C10_LIBRARY)
+  oomguard_import_library(oomguard_ext::c10 "${C10_LIBRARY}" "${C10_INCLUDE_DIR}")
+  set(_og_torch_default ON)
+else()
+  set(_og_torch_default OFF)
+endif()
+option(OOMGUARD_WITH_TORCH "Recognise c10::OutOfMemoryError (libtorch)" ${_og_torch_default})
+if(OOMGUARD_WITH_TORCH)
+  if(NOT (C10_INCLUDE_DIR AND C10_LIBRARY))
+    message(FATAL_ERROR "OOMGUARD_WITH_TORCH=ON but libc10 was not found (pip install torch for the interpreter "
+                        "given as Python_EXECUTABLE, or a libtorch on CMAKE_PREFIX_PATH)")
+  endif()
+  _og_note(OOMGUARD_WITH_TORCH ON "${C10_LIBRARY}")
+elseif(C10_LIBRARY)
+  _og_note(OOMGUARD_WITH_TORCH OFF "disabled by the user")
+else()
+  _og_note(OOMGUARD_WITH_TORCH OFF "libtorch (c10) not found")
 endif()
 
 # The budgeted CPU allocator (oomguard._budget): real torch OOMs on CPU, for the
@@ -132,7 +173,7 @@ option(OOMGUARD_BUILD_TORCH_BUDGET "Build oomguard._budget (c10::SetCPUAllocator
        ${_og_budget_default})
 if(OOMGUARD_BUILD_TORCH_BUDGET)
   if(NOT (OOMGUARD_BUILD_PYTHON AND C10_INCLUDE_DIR AND C10_LIBRARY))
-    message(FATAL_ERROR "OOMGUARD_BUILD_TORCH_BUDGET=ON needs OOMGUARD_BUILD_PYTHON and libtorch (apt-get install libtorch-dev)")
+    message(FATAL_ERROR "OOMGUARD_BUILD_TORCH_BUDGET=ON needs OOMGUARD_BUILD_PYTHON and torch (c10) for that interpreter")
   endif()
   _og_note(OOMGUARD_BUILD_TORCH_BUDGET ON "${C10_LIBRARY}")
 elseif(NOT OOMGUARD_BUILD_PYTHON)
@@ -183,7 +224,8 @@ if(OOMGUARD_WITH_TORCH AND OOMGUARD_BUILD_EXAMPLES)
     set(_og_probe_dir ${PROJECT_BINARY_DIR}/torch-probe)
     file(REMOVE_RECURSE ${_og_probe_dir})
     file(WRITE ${_og_probe_dir}/CMakeLists.txt
-         "cmake_minimum_required(VERSION 3.20)\nproject(oomguard_torch_probe CXX)\nfind_package(Torch REQUIRED)\n")
+         "cmake_minimum_required(VERSION 3.20)\nproject(oomguard_torch_probe CXX)\nset(CMAKE_CXX_STANDARD 20)\n"
+         "include(${PROJECT_SOURCE_DIR}/cmake/OomguardTorch.cmake)\noomguard_find_torch()\n")
     set(_og_probe_args -S ${_og_probe_dir} -B ${_og_probe_dir}/build "-DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER}")
     foreach(v Torch_DIR CMAKE_PREFIX_PATH CUDAToolkit_ROOT CUDA_TOOLKIT_ROOT_DIR CMAKE_CUDA_COMPILER)
       if(DEFINED ${v})
