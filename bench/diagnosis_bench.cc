@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "sdk/kb/classifier_facts.h"
 #include "tests/kb/dev_set.h"
 
 namespace {
@@ -83,14 +84,46 @@ LogResult RunLog(const std::filesystem::path& p, int reps) {
   return r;
 }
 
+// One line per report for scripts/train_text_model.py: every OOM event's
+// model text and rule candidates (rules alone, before the text model).
+void DumpCase(std::ostream& out, const Case& c, const char* set) {
+  oomguard::kb::LogParseOptions o;
+  o.source_name = c.file;
+  auto incs = oomguard::kb::ParseOomLog(c.text, o);
+  out << "{\"case\":" << JsonString(c.file) << ",\"set\":" << JsonString(set) << ",\"source\":"
+      << JsonString(c.source) << ",\"repo\":" << JsonString(c.repo) << ",\"split\":" << JsonString(c.split)
+      << ",\"batch\":" << JsonString(c.batch) << ",\"label\":" << JsonString(c.label) << ",\"events\":[";
+  if (incs.ok()) {
+    bool first = true;
+    for (const auto& inc : *incs) {
+      out << (first ? "" : ",") << "{\"text\":" << JsonString(std::string(oomguard::kb::ModelText(inc)))
+          << ",\"rules\":[";
+      bool f2 = true;
+      for (const auto& cand : oomguard::kb::RuleCandidates(inc)) {
+        out << (f2 ? "" : ",") << "[" << JsonString(cand.pattern) << "," << cand.confidence << "]";
+        f2 = false;
+      }
+      out << "]}";
+      first = false;
+    }
+  }
+  out << "]}\n";
+}
+
+struct CorpusScore {
+  size_t right = 0, total = 0, found = 0, confident = 0, confident_wrong = 0;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path;
+  std::string json_path, dump_path;
   int reps = 20;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--json=", 7) == 0) {
       json_path = argv[i] + 7;
+    } else if (std::strncmp(argv[i], "--dump=", 7) == 0) {
+      dump_path = argv[i] + 7;
     } else if (std::strncmp(argv[i], "--reps=", 7) == 0) {
       reps = std::atoi(argv[i] + 7);
       if (reps < 1) {
@@ -98,7 +131,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::fprintf(stderr, "usage: diagnosis_bench [--json=PATH] [--reps=N]\n");
+      std::fprintf(stderr, "usage: diagnosis_bench [--json=PATH] [--dump=PATH] [--reps=N]\n");
       return 2;
     }
   }
@@ -109,6 +142,50 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "diagnosis_bench: %s\n", error.c_str());
     return 1;
   }
+
+  std::vector<Case> corpus = oomguard::devset::LoadCorpus(data + "/corpus", &error);
+  if (!error.empty()) {
+    std::fprintf(stderr, "diagnosis_bench: %s\n", error.c_str());
+    return 1;
+  }
+  if (!dump_path.empty()) {
+    std::ofstream dump(dump_path);
+    for (const auto& c : cases) DumpCase(dump, c, "dev");
+    for (const auto& c : corpus) DumpCase(dump, c, "corpus");
+    if (!dump.good()) {
+      std::fprintf(stderr, "diagnosis_bench: cannot write %s\n", dump_path.c_str());
+      return 1;
+    }
+    std::printf("dumped %zu reports to %s\n", cases.size() + corpus.size(), dump_path.c_str());
+    return 0;
+  }
+
+  // The corpus: accuracy by batch and by split, confident mistakes, OOMs found.
+  std::map<std::string, CorpusScore> by_corpus_batch, by_split;
+  std::map<std::string, std::map<std::string, size_t>> test_confusion;
+  std::vector<std::pair<const Case*, Verdict>> corpus_wrong;
+  for (const auto& c : corpus) {
+    Verdict v = oomguard::devset::Diagnose(c);
+    const bool ok = v.pattern == c.label;
+    for (CorpusScore* sc : {&by_corpus_batch[c.batch], &by_split[c.split]}) {
+      sc->right += ok;
+      ++sc->total;
+      sc->found += v.events > 0;
+      if (v.confidence >= 0.8) {
+        ++sc->confident;
+        sc->confident_wrong += !ok;
+      }
+    }
+    if (c.split == "test") ++test_confusion[c.label][v.pattern];
+    if (!ok) corpus_wrong.emplace_back(&c, v);
+  }
+  for (const auto& [name, sc] : by_corpus_batch)
+    std::printf("corpus %-10s %zu/%zu right, OOM found in %zu, %zu wrong of %zu at confidence >= 0.8\n",
+                name.c_str(), sc.right, sc.total, sc.found, sc.confident_wrong, sc.confident);
+  for (const auto& [name, sc] : by_split)
+    std::printf("split  %-10s %zu/%zu right (%.1f%%), OOM found in %zu, %zu wrong of %zu at confidence >= 0.8\n",
+                name.c_str(), sc.right, sc.total, sc.total ? 100.0 * sc.right / sc.total : 0.0, sc.found,
+                sc.confident_wrong, sc.confident);
 
   // Verdicts, and the time of one pass over the set (mean of `reps` passes).
   std::vector<Verdict> verdicts(cases.size());
@@ -191,7 +268,45 @@ int main(int argc, char** argv) {
         << JsonString(verdicts[i].pattern) << ",\"confidence\":" << verdicts[i].confidence << "}";
     first = false;
   }
-  out << "],\"logs\":[";
+  out << "],\"corpus\":{\"by_batch\":{";
+  first = true;
+  auto score_json = [&](const CorpusScore& sc) {
+    out << "{\"right\":" << sc.right << ",\"total\":" << sc.total << ",\"found\":" << sc.found
+        << ",\"confident\":" << sc.confident << ",\"confident_wrong\":" << sc.confident_wrong << "}";
+  };
+  for (const auto& [name, sc] : by_corpus_batch) {
+    out << (first ? "" : ",") << JsonString(name) << ":";
+    score_json(sc);
+    first = false;
+  }
+  out << "},\"by_split\":{";
+  first = true;
+  for (const auto& [name, sc] : by_split) {
+    out << (first ? "" : ",") << JsonString(name) << ":";
+    score_json(sc);
+    first = false;
+  }
+  out << "},\"test_confusion\":{";
+  first = true;
+  for (const auto& [label, row] : test_confusion) {
+    out << (first ? "" : ",") << JsonString(label) << ":{";
+    bool f2 = true;
+    for (const auto& [answer, n] : row) {
+      out << (f2 ? "" : ",") << JsonString(answer) << ":" << n;
+      f2 = false;
+    }
+    out << "}";
+    first = false;
+  }
+  out << "},\"wrong\":[";
+  first = true;
+  for (const auto& [c, v] : corpus_wrong) {
+    out << (first ? "" : ",") << "{\"file\":" << JsonString(c->file) << ",\"source\":" << JsonString(c->source)
+        << ",\"split\":" << JsonString(c->split) << ",\"label\":" << JsonString(c->label)
+        << ",\"answer\":" << JsonString(v.pattern) << ",\"confidence\":" << v.confidence << "}";
+    first = false;
+  }
+  out << "]},\"logs\":[";
   first = true;
   for (const auto& l : logs) {
     out << (first ? "" : ",") << "{\"file\":" << JsonString(l.file) << ",\"bytes\":" << l.bytes

@@ -17,6 +17,7 @@
 #include "oomguard/oom.h"
 #include "sdk/core/format.h"
 #include "sdk/kb/classifier_facts.h"
+#include "sdk/kb/text_model.h"
 #include "sdk/kb/text_scan.h"
 
 namespace oomguard {
@@ -167,23 +168,112 @@ std::string Situation(const Facts& f) {
 
 }  // namespace
 
-Classification ClassifyIncident(const Incident& incident) {
-  Facts f = BuildFacts(incident);
+namespace kb {
+
+std::vector<Candidate> CandidatesOf(const Facts& f) {
   std::vector<Candidate> all;
-  for (size_t i = 0; i < kb::kRuleCount; ++i)
-    if (std::optional<Candidate> c = kb::kRules[i](f)) all.push_back(std::move(*c));
+  for (size_t i = 0; i < kRuleCount; ++i)
+    if (std::optional<Candidate> c = kRules[i](f)) all.push_back(std::move(*c));
   // Stable: ties keep rule order (the more specific signal first).
   std::stable_sort(all.begin(), all.end(),
                    [](const Candidate& a, const Candidate& b) { return a.confidence > b.confidence; });
+  return all;
+}
+
+std::vector<Candidate> RuleCandidates(const Incident& incident) { return CandidatesOf(BuildFacts(incident)); }
+
+std::string_view ModelText(const Incident& incident) {
+  return incident.context.empty() ? std::string_view(incident.message) : std::string_view(incident.context);
+}
+
+}  // namespace kb
+
+namespace {
+
+std::string Percent(double p) { return std::to_string(static_cast<int>(p * 100 + 0.5)) + "%"; }
+
+// What the rules alone conclude: the most confident candidate, lowered and
+// named with a close runner-up.
+struct RuleVerdict {
+  const Candidate* best = nullptr;
+  double confidence = 0;
+  std::string evidence;
+};
+
+RuleVerdict RulesDecide(const std::vector<Candidate>& all) {
+  RuleVerdict v;
+  if (all.empty()) return v;
+  v.best = &all[0];
+  v.confidence = all[0].confidence;
+  v.evidence = all[0].evidence;
+  // A close runner-up lowers confidence and is named, so a reader sees the doubt.
+  for (size_t i = 1; i < all.size(); ++i) {
+    if (all[i].pattern == all[0].pattern) continue;
+    if (all[i].confidence >= all[0].confidence - 0.1) {
+      v.confidence = std::max(0.3, v.confidence - 0.1);
+      v.evidence += "; also consistent with " + all[i].pattern + " (" + all[i].evidence + ")";
+    }
+    break;
+  }
+  return v;
+}
+
+}  // namespace
+
+Classification ClassifyIncident(const Incident& incident) {
+  Facts f = BuildFacts(incident);
+  const std::vector<Candidate> all = kb::CandidatesOf(f);
+  const RuleVerdict rules = RulesDecide(all);
 
   Classification out;
   const std::string used = Used(f);
   const std::string absent = Absent(f);
-  if (all.empty() || all[0].confidence < kDecisionFloor) {
+  std::string pattern = rules.best != nullptr ? rules.best->pattern : "unknown";
+  double confidence = rules.confidence;
+  // The rules alone conclude from their best candidate's own confidence; a
+  // runner-up lowers the confidence reported, not whether one is concluded.
+  double deciding = rules.best != nullptr ? rules.best->confidence : 0;
+  std::string evidence = rules.evidence;
+  std::string weak;  // what the unknown case mentions
+
+  // Figures and recorded fields that decide strongly stand alone; otherwise
+  // the text model's reading of the report and the rules' candidates are
+  // combined, and the combined score is mapped to the share of validation
+  // reports answered right at that score.
+  const kb::TextModelInfo& model = kb::TextModel();
+  if (model.trained && !(rules.best != nullptr && rules.best->confidence >= model.strong_rule)) {
+    const std::vector<double> p = kb::TextProbabilities(kb::ModelText(incident));
+    size_t top = 0;
+    double top_score = -1;
+    std::vector<double> score(p.size());
+    for (size_t c = 0; c < p.size(); ++c) {
+      double rule = 0;
+      for (const Candidate& cand : all)
+        if (cand.pattern == model.classes[c]) rule = std::max(rule, cand.confidence);
+      score[c] = p[c] + model.combine_rule_weight * rule;
+      if (score[c] > top_score) top_score = score[c], top = c;
+    }
+    pattern = model.classes[top];
+    deciding = confidence = kb::CalibratedConfidence(top_score);
+    const Candidate* agreeing = nullptr;
+    for (const Candidate& cand : all)
+      if (cand.pattern == pattern) {
+        agreeing = &cand;
+        break;
+      }
+    const std::string reading = "the report's wording reads like past " + pattern + " reports (text model " +
+                                Percent(p[top]) + ")";
+    evidence = agreeing != nullptr ? agreeing->evidence + "; " + reading : reading;
+    weak = pattern + " (" + evidence + ")";
+  } else if (rules.best != nullptr) {
+    weak = rules.best->pattern + " (" + rules.best->evidence + ")";
+  }
+
+  if (deciding < kDecisionFloor) {
     out.pattern = "unknown";
     out.confidence = 0.2;
     out.evidence = "no rule decided: " + Situation(f);
-    if (!all.empty()) out.evidence += "; weakly consistent with " + all[0].pattern + " (" + all[0].evidence + ")";
+    if (!weak.empty()) out.evidence += "; weakly consistent with " + weak;
     if (!used.empty()) out.evidence += ". Known: " + used;
     if (!absent.empty()) out.evidence += ". Missing: " + absent;
     if (f.kind == "host") {
@@ -194,19 +284,9 @@ Classification ClassifyIncident(const Incident& incident) {
     }
     return out;
   }
-  const Candidate& best = all[0];
-  out.pattern = best.pattern;
-  out.confidence = best.confidence;
-  out.evidence = best.evidence;
-  // A close runner-up lowers confidence and is named, so a reader sees the doubt.
-  for (size_t i = 1; i < all.size(); ++i) {
-    if (all[i].pattern == best.pattern) continue;
-    if (all[i].confidence >= best.confidence - 0.1) {
-      out.confidence = std::max(0.3, out.confidence - 0.1);
-      out.evidence += "; also consistent with " + all[i].pattern + " (" + all[i].evidence + ")";
-    }
-    break;
-  }
+  out.pattern = pattern;
+  out.confidence = confidence;
+  out.evidence = evidence;
   if (!used.empty()) out.evidence += ". Known: " + used;
   if (!absent.empty()) out.evidence += ". Missing: " + absent;
   if (const PatternInfo* p = FindPattern(out.pattern)) out.remedies = p->remedies;

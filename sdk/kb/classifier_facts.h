@@ -63,6 +63,14 @@ using Rule = std::optional<Candidate> (*)(const Facts&);
 extern const Rule kRules[];
 extern const size_t kRuleCount;
 
+// Every rule's candidate for `incident`, most confident first (ties in rule
+// order); the text model's training script reads them through
+// bench/diagnosis_bench --dump to fit how the two combine.
+std::vector<Candidate> RuleCandidates(const Incident& incident);
+// The text the text model reads for `incident`: its context (which holds the
+// OOM line) or, without one, its message.
+std::string_view ModelText(const Incident& incident);
+
 }  // namespace oomguard::kb
 
 #endif  // OOMGUARD_SDK_KB_CLASSIFIER_FACTS_H_

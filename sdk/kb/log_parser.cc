@@ -47,6 +47,10 @@ bool BareKill(std::string_view l) {
   if (t == "killed" || t == "**killed**") return true;
   if (t.size() > 7 && t.substr(t.size() - 6) == "killed" && (t[t.size() - 7] == ']' || Contains(t, "it/s")))
     return true;
+  // A progress bar's "]Killed" quoted inside a sentence or a title
+  // ("Loading checkpoint shards: 0%| | 0/2 [00:00<?, ?it/s]Killed").
+  if (size_t at = t.find("]killed"); at != std::string_view::npos && Contains(t.substr(0, at), "/"))
+    return true;
   size_t at = t.find(" killed ");
   if (at == std::string_view::npos) return false;
   size_t b = at;
@@ -64,7 +68,10 @@ bool FormatMarker(std::string_view l) {
                          "cuda calloc", "cuda failure", "defaultcpuallocator", "bad_alloc", "bad allocation",
                          "memoryerror", "cannot allocate memory", "can't allocate memory", "out of memory: killed",
                          "oom-kill", "oom_kill", "oomkilled", "killed by signal", "exit code 137", "exitcode: 137",
-                         "sigkill", ": out of memory", "error: out of memory", "not enough memory:"});
+                         "sigkill", ": out of memory", "error: out of memory", "not enough memory:",
+                         "cuda_error_out_of_memory", "insufficient shared memory", "out of shared memory",
+                         "return code = -9", "return code -9", "exitcode: -9", "exit code -9", "错误码-9",
+                         "cudnn_status_not_supported", "cublas_status_not_initialized"});
 }
 
 // A sentence about an OOM (used only when no error record exists).
@@ -72,8 +79,16 @@ bool Mention(std::string_view l) {
   if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
                       "over memory", "`killed`", "memory error", "get killed", "gets killed", "got killed",
                       "getting killed", "being killed", "been killed", "was killed", "is killed", "process killed",
-                      "killed by the system", "killed by system", "killed by linux", "oom killer"}))
+                      "killed by the system", "killed by system", "killed by linux", "oom killer",
+                      // OOMs described in words rather than printed ("CUDA of out memory" is a real title).
+                      "of out memory", "out of vram", "memory explode", "memory exploding", "memory blows up",
+                      "memory blow up", "memory leak", "leaks memory", "leaking memory", "runs out of ram",
+                      "ran out of ram", "until oom", "\"killed\"", "显存不足", "显存不够", "显存溢出", "爆显存",
+                      "内存不足", "内存不够", "内存溢出", "메모리 부족", "memory surge", "memory issue",
+                      "rising of gpu memory", "continuous rising", "blows up", "cublas initialization"}))
     return true;
+  // "it will try to allocate 28MB and fail"
+  if (size_t at = l.find("allocate"); at != std::string_view::npos && Contains(l.substr(at), " fail")) return true;
   for (size_t at = l.find("oom"); at != std::string_view::npos; at = l.find("oom", at + 1)) {
     bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));
     bool right = at + 3 >= l.size() || !std::isalpha(static_cast<unsigned char>(l[at + 3]));

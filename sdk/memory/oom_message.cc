@@ -278,6 +278,17 @@ void ParseOthers(std::string_view m, OomFigures* f) {
     if (f->format.empty()) f->format = "cpu-allocator";
     f->device = "cpu";
   }
+  // TensorFlow's stream executor: "failed to allocate 190.31M (199557120
+  // bytes) from device: CUDA_ERROR_OUT_OF_MEMORY" (the exact bytes in brackets).
+  if (Has(m, "from device: cuda_error_out_of_memory") || Has(m, "from device: cuda error out of memory")) {
+    if (f->format.empty()) f->format = "tensorflow-stream";
+    if (f->device.empty()) f->device = "cuda";
+    if (size_t at = m.find(" bytes) from device"); at != std::string_view::npos && !f->requested) {
+      size_t b = at;
+      while (b > 0 && IsDigit(m[b - 1])) --b;
+      if (b < at && b > 0 && m[b - 1] == '(') f->requested = IntegerAfter(m.substr(b - 1), "(");
+    }
+  }
   if (Has(m, "mps backend out of memory")) {
     f->format = "mps";
     f->device = "mps";
@@ -386,7 +397,12 @@ OomInfo ClassifyMessage(std::string_view message) {
                             Has(m, "hpu") || Has(m, "ascend") || Has(m, "vram");
   // Host-side kills: the kernel's OOM killer, cgroups (Slurm, Kubernetes),
   // and the DataLoader's report of a worker killed by one.
-  const bool host_kill = Has(m, "oom-kill") || Has(m, "oom_kill") || Has(m, "oomkilled") ||
+  // Launchers report a child killed by SIGKILL as a return code of -9
+  // (DeepSpeed's "exits with return code = -9", torchrun's "exitcode: -9").
+  const bool minus_nine = Has(m, "return code = -9") || Has(m, "return code -9") || Has(m, "returncode=-9") ||
+                          Has(m, "exitcode: -9") || Has(m, "exit code -9") || Has(m, "exit code: -9") ||
+                          Has(m, "signal 9 (sigkill)") || Has(m, "错误码-9") || Has(m, "错误码 -9");
+  const bool host_kill = minus_nine || Has(m, "oom-kill") || Has(m, "oom_kill") || Has(m, "oomkilled") ||
                          Has(m, "killed by signal: killed") || Has(m, "invoked oom-killer") ||
                          Has(m, "exit code 137") || Has(m, "exit code: 137") || Has(m, "exitcode: 137") ||
                          Has(m, "sigkill") || (Has(m, "bus error") && Has(m, "shared memory"));
@@ -394,6 +410,9 @@ OomInfo ClassifyMessage(std::string_view message) {
   if (Has(m, "cublas_status_alloc_failed") || Has(m, "cudnn_status_alloc_failed") ||
       Has(m, "failed to create cublas handle") || Has(m, "create cublas handle failed") ||
       Has(m, "cudnn_status_internal_error_device_allocation_failed") ||
+      // cuDNN answers NOT_SUPPORTED when no algorithm's workspace fits, and
+      // cuBLAS fails to initialise when its handle's workspace does not.
+      Has(m, "cudnn_status_not_supported") || Has(m, "cublas_status_not_initialized") ||
       (Has(m, "workspace") && alloc_failed)) {
     kind = OomKind::kWorkspace;
   } else if (host_kill || Has(m, "out of memory: killed process")) {
@@ -403,7 +422,8 @@ OomInfo ClassifyMessage(std::string_view message) {
              ((Has(m, "resource_exhausted") || Has(m, "resource exhausted")) && (out_of_memory || Has(m, "oom")))) {
     // TensorFlow/XLA/JAX. TF names the allocator; a CPU one is host memory.
     kind = (Has(m, "device:cpu") || Has(m, "allocator cpu")) ? OomKind::kHost : OomKind::kDevice;
-  } else if (Has(m, "cudaerrormemoryallocation") || Has(m, "outofmemoryerror") || Has(m, "cuda calloc") ||
+  } else if (Has(m, "cudaerrormemoryallocation") || Has(m, "cuda_error_out_of_memory") ||
+             Has(m, "outofmemoryerror") || Has(m, "cuda calloc") ||
              Has(m, "cuda malloc")) {
     kind = (Has(m, "defaultcpuallocator")) ? OomKind::kHost : OomKind::kDevice;
   } else if ((Has(m, "defaultcpuallocator") && alloc_failed) || Has(m, "std::bad_alloc") ||

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Trains the classifier's text model and writes sdk/kb/text_model_weights.inc.
+
+    build/bin/diagnosis_bench --dump=/tmp/reports.jsonl
+    scripts/python scripts/train_text_model.py --dump /tmp/reports.jsonl
+
+The dump holds every report of the development set (tests/kb/testdata/reports)
+and of the corpus (tests/kb/testdata/corpus), each with the split of its
+repository (train, validation, test; no repository in two splits), its label,
+and per OOM event the text the model reads and the evidence rules' candidates.
+
+- The model: multinomial logistic regression over hashed word unigrams and
+  bigrams and character 4-grams of words (the same features as
+  sdk/kb/text_model.cc; `--self-check` prints them for a text so the two can
+  be compared), trained on the train split only.
+- The combination: a class's score is its probability plus `rule_weight`
+  times the most confident rule candidate for it; a rule at or above
+  `strong_rule` decides alone. Both, and the L2 strength, are chosen on the
+  validation split.
+- Calibration: the chosen answer's score is mapped to the share of validation
+  answers right at that score (isotonic, shrunk towards 1/2 where few reports
+  back a step), so a confidence of 0.8 means about 8 in 10 right.
+
+The test split is only scored, at the end, for the record; nothing is chosen
+on it.
+"""
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+BUCKETS = 4096
+DECISION_FLOOR = 0.45  # classifier.cc: below it the answer is "unknown"
+MAX_TEXT = 16 * 1024
+
+
+def fnv1a(prefix, s):
+    h = 2166136261
+    for b in prefix + s:
+        h = ((h ^ b) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def normalize(text):
+    data = text.encode("utf-8", "surrogateescape")
+    if len(data) > MAX_TEXT:
+        data = data[-MAX_TEXT:]
+    out = bytearray(data)
+    for i, c in enumerate(out):
+        if 65 <= c <= 90:
+            out[i] = c + 32
+        elif 48 <= c <= 57:
+            out[i] = 48
+    return bytes(out)
+
+
+def word_byte(c):
+    return 97 <= c <= 122 or c == 48 or c == 95 or c >= 0x80
+
+
+def features(text, buckets=BUCKETS):
+    """Sparse {bucket: value}, as TextFeatures in sdk/kb/text_model.cc."""
+    s = normalize(text)
+    acc = {}
+
+    def add(prefix, f):
+        h = fnv1a(prefix, f)
+        k = h % buckets
+        acc[k] = acc.get(k, 0.0) + (-1.0 if h >> 31 else 1.0)
+
+    words = []
+    i, n = 0, len(s)
+    while i < n:
+        while i < n and not word_byte(s[i]):
+            i += 1
+        b = i
+        while i < n and word_byte(s[i]):
+            i += 1
+        if i > b and i - b <= 40:
+            words.append(s[b:i])
+    for k, w in enumerate(words):
+        add(b"w", w)
+        if k + 1 < len(words):
+            add(b"b", w + b" " + words[k + 1])
+        if len(w) >= 3:
+            padded = b" " + w + b" "
+            for j in range(len(padded) - 3):
+                add(b"c", padded[j:j + 4])
+    out = {}
+    for k, v in acc.items():
+        if v == 0:
+            continue
+        out[k] = math.log1p(v) if v > 0 else -math.log1p(-v)
+    norm = math.sqrt(sum(v * v for v in out.values()))
+    if norm > 0:
+        out = {k: v / norm for k, v in out.items()}
+    return out
+
+
+def load(path):
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def dense(texts, buckets=BUCKETS):
+    x = np.zeros((len(texts), buckets), dtype=np.float64)
+    for i, t in enumerate(texts):
+        for k, v in features(t, buckets).items():
+            x[i, k] = v
+    return x
+
+
+def train_lr(x, y, classes, l2, iters=400, lr=0.5):
+    """Softmax regression, full-batch gradient descent with L2 on the weights."""
+    n, d = x.shape
+    c = len(classes)
+    w = np.zeros((c, d))
+    b = np.zeros(c)
+    onehot = np.zeros((n, c))
+    onehot[np.arange(n), y] = 1
+    for _ in range(iters):
+        z = x @ w.T + b
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        g = (p - onehot) / n
+        w -= lr * (g.T @ x + l2 * w)
+        b -= lr * g.sum(axis=0)
+    return w, b
+
+
+def probs(w, b, feats):
+    z = b.copy()
+    for k, v in feats.items():
+        z += w[:, k] * v
+    z -= z.max()
+    p = np.exp(z)
+    return p / p.sum()
+
+
+def rule_verdict(cands):
+    """The rules alone, as RulesDecide + the decision floor in classifier.cc."""
+    if not cands:
+        return "unknown", 0.2, 0.0
+    best_p, best_c = cands[0]
+    conf = best_c
+    for p, c in cands[1:]:
+        if p == best_p:
+            continue
+        if c >= best_c - 0.1:
+            conf = max(0.3, conf - 0.1)
+        break
+    if best_c < DECISION_FLOOR:
+        return "unknown", 0.2, best_c
+    return best_p, conf, best_c
+
+
+class Model:
+    def __init__(self, classes, w, b, rule_weight, strong_rule, calibration=None):
+        self.classes, self.w, self.b = classes, w, b
+        self.rule_weight, self.strong_rule = rule_weight, strong_rule
+        self.calibration = calibration  # [(score, right share)], ascending
+        self._cache = {}
+
+    def calibrated(self, score):
+        cal = self.calibration
+        if not cal:
+            return min(max(score, 0.0), 1.0)
+        if score <= cal[0][0]:
+            return cal[0][1]
+        if score >= cal[-1][0]:
+            return cal[-1][1]
+        for (x0, y0), (x1, y1) in zip(cal, cal[1:]):
+            if score <= x1:
+                return y0 + (y1 - y0) * (score - x0) / (x1 - x0) if x1 > x0 else y1
+        return cal[-1][1]
+
+    def event(self, ev):
+        """(pattern, confidence, raw score or None) for one OOM event."""
+        cands = ev["rules"]
+        if cands and cands[0][1] >= self.strong_rule:
+            p, c, _ = rule_verdict(cands)
+            return p, c, None
+        key = ev["text"]
+        if key not in self._cache:
+            self._cache[key] = probs(self.w, self.b, features(key))
+        p = self._cache[key]
+        best_rule = {}
+        for name, conf in cands:
+            best_rule[name] = max(best_rule.get(name, 0.0), conf)
+        scores = [p[i] + self.rule_weight * best_rule.get(c, 0.0) for i, c in enumerate(self.classes)]
+        top = int(np.argmax(scores))
+        conf = self.calibrated(scores[top])
+        if conf < DECISION_FLOOR:
+            return "unknown", 0.2, scores[top]
+        return self.classes[top], conf, scores[top]
+
+    def report(self, r):
+        """The report's answer: its most confident event, the first on ties (devset::Diagnose)."""
+        best = None
+        for ev in r["events"]:
+            p, c, s = self.event(ev)
+            if best is None or c > best[1]:
+                best = (p, c, s)
+        return best if best else ("(no OOM found)", 0.0, None)
+
+
+def accuracy(model, reports):
+    if not reports:
+        return 0.0
+    return sum(model.report(r)[0] == r["label"] for r in reports) / len(reports)
+
+
+def isotonic(points):
+    """Pool-adjacent-violators over (score, right) sorted by score: blocks of
+    (mean score, right share, count), non-decreasing in share."""
+    blocks = []
+    for s, y in sorted(points):
+        blocks.append([s, float(y), 1])
+        while len(blocks) > 1 and blocks[-2][1] > blocks[-1][1]:
+            s2, y2, n2 = blocks.pop()
+            s1, y1, n1 = blocks.pop()
+            n = n1 + n2
+            blocks.append([(s1 * n1 + s2 * n2) / n, (y1 * n1 + y2 * n2) / n, n])
+    return blocks
+
+
+def fit_calibration(model, reports):
+    """Right share by raw score over the validation reports answered through
+    the text model; each step is shrunk towards 1/2 by two pseudo-reports, so
+    a step backed by few reports claims less."""
+    model.calibration = None
+    points = []
+    for r in reports:
+        best = None
+        for ev in r["events"]:
+            p, _, s = model.event(ev)
+            if s is None:
+                continue
+            if best is None or s > best[1]:
+                best = (p, s)
+        if best is not None:
+            points.append((best[1], 1 if best[0] == r["label"] else 0))
+    if not points:
+        return [(0.0, 0.0), (1.0, 0.0)]
+    table = []
+    for s, share, n in isotonic(points):
+        table.append((round(s, 4), round((share * n + 1.0) / (n + 2.0), 4)))
+    # Non-decreasing after shrinking too (a big block can fall below a small one).
+    for i in range(1, len(table)):
+        if table[i][1] < table[i - 1][1]:
+            table[i] = (table[i][0], table[i - 1][1])
+    return table
+
+
+def write_inc(path, model, buckets):
+    with open(path, "w") as f:
+        f.write("// Generated by scripts/train_text_model.py; do not edit.\n")
+        f.write(f"constexpr int kBuckets = {buckets};\n")
+        f.write("constexpr bool kTrained = true;\n")
+        f.write("constexpr const char* kClasses[] = {" + ", ".join(f'"{c}"' for c in model.classes) + "};\n")
+        f.write("constexpr float kWeights[] = {\n")
+        for row in model.w:
+            f.write(",".join(f"{v:.4g}" if abs(v) >= 5e-5 else "0" for v in row) + ",\n")
+        f.write("};\n")
+        f.write("constexpr double kBias[] = {" + ", ".join(f"{v:.6g}" for v in model.b) + "};\n")
+        f.write(f"constexpr double kRuleWeight = {model.rule_weight};\n")
+        f.write(f"constexpr double kStrongRule = {model.strong_rule};\n")
+        cal = ", ".join(f"{s}, {y}" for s, y in model.calibration)
+        f.write(f"constexpr double kCalibration[] = {{{cal}}};\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dump", help="diagnosis_bench --dump output")
+    ap.add_argument("--out", default="sdk/kb/text_model_weights.inc")
+    ap.add_argument("--buckets", type=int, default=BUCKETS)
+    ap.add_argument("--self-check", metavar="TEXT", help="print the features of TEXT and exit")
+    a = ap.parse_args()
+    if a.self_check is not None:
+        for k, v in sorted(features(a.self_check, a.buckets).items()):
+            print(f"{k} {v:.6f}")
+        return 0
+    if not a.dump:
+        ap.error("--dump is required")
+    reports = load(a.dump)
+    by_split = {s: [r for r in reports if r["split"] == s] for s in ("train", "validation", "test")}
+    classes = sorted({r["label"] for r in by_split["train"] if r["label"] != "unknown"})
+    index = {c: i for i, c in enumerate(classes)}
+    texts, ys = [], []
+    for r in by_split["train"]:
+        if r["label"] not in index:
+            continue
+        for ev in r["events"] or [{"text": ""}]:
+            texts.append(ev["text"])
+            ys.append(index[r["label"]])
+    x = dense(texts, a.buckets)
+    y = np.array(ys)
+    print(f"train: {len(by_split['train'])} reports, {len(texts)} events, {len(classes)} classes; "
+          f"validation {len(by_split['validation'])}, test {len(by_split['test'])}")
+
+    best = None
+    for l2 in (1e-4, 1e-3, 1e-2):
+        w, b = train_lr(x, y, classes, l2)
+        for rule_weight in (0.0, 0.25, 0.5, 1.0, 2.0):
+            for strong in (0.8, 0.85, 0.9, 1.01):
+                m = Model(classes, w, b, rule_weight, strong)
+                m.calibration = fit_calibration(m, by_split["validation"])
+                acc = accuracy(m, by_split["validation"])
+                key = (acc, -l2, -rule_weight)
+                if best is None or key > best[0]:
+                    best = (key, m, l2)
+    (acc, _, _), model, l2 = best
+    print(f"chosen on validation: l2={l2} rule_weight={model.rule_weight} strong_rule={model.strong_rule}: "
+          f"{acc:.3f} right")
+    print("calibration (score -> right share):", model.calibration)
+    for split in ("train", "validation", "test"):
+        rs = by_split[split]
+        conf = [(model.report(r), r["label"]) for r in rs]
+        hi = [(p, l) for (p, c, _), l in conf if c >= 0.8]
+        print(f"{split:10s} {accuracy(model, rs):.3f} right of {len(rs)}; at confidence >= 0.8: "
+              f"{sum(p != l for p, l in hi)} wrong of {len(hi)}")
+    write_inc(a.out, model, a.buckets)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
