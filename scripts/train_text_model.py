@@ -112,7 +112,7 @@ def dense(texts, buckets=BUCKETS):
     return x
 
 
-def train_lr(x, y, classes, l2, iters=400, lr=0.5):
+def train_lr(x, y, classes, l2, iters=1500, lr=2.0):
     """Softmax regression, full-batch gradient descent with L2 on the weights."""
     n, d = x.shape
     c = len(classes)
