@@ -17,7 +17,9 @@
 #include "oomguard/knowledge_base.h"
 #include "sdk/cli/command.h"
 #include "sdk/cli/table.h"
+#include "sdk/kb/file_set.h"
 #include "sdk/kb/log_parser.h"
+#include "sdk/kb/similarity.h"
 
 namespace oomguard::cli {
 namespace {
@@ -33,6 +35,8 @@ struct DiagnoseArgs {
   std::string run;
   bool json = false;
   int remedies = 3;
+  std::vector<std::string> library;  // diagnose --db: knowledge bases to find similar past incidents in
+  int similar = 3;
 };
 
 struct Failure {
@@ -88,6 +92,33 @@ json EventJson(const Incident& i) {
   return j;
 }
 
+// Every incident of the case library (diagnose --db), or none without one.
+std::vector<Incident> LoadLibrary(const DiagnoseArgs& a) {
+  if (a.library.empty()) return {};
+  auto set = kb::KnowledgeBaseSet::Open(a.library);
+  if (!set.ok()) throw Failure{set.status().ToString()};
+  auto all = set->Query(IncidentQuery{});
+  if (!all.ok()) throw Failure{all.status().ToString()};
+  return std::move(all).value();
+}
+
+json SimilarJson(const std::vector<kb::SimilarIncident>& near) {
+  json arr = json::array();
+  for (const auto& s : near)
+    arr.push_back({{"id", s.incident->id}, {"score", s.score}, {"why", s.why}, {"pattern", s.incident->pattern},
+                   {"run_id", s.incident->run_id}, {"resolution", kb::ResolutionOf(*s.incident)}});
+  return arr;
+}
+
+void PrintSimilar(const std::vector<kb::SimilarIncident>& near) {
+  for (size_t k = 0; k < near.size(); ++k) {
+    const Incident& i = *near[k].incident;
+    std::printf("   %s %.2f %s %s (%s): %s\n", k == 0 ? "similar " : "        ", near[k].score,
+                TerminalSafe(i.id).c_str(), i.pattern.c_str(), near[k].why.c_str(),
+                TerminalSafe(kb::ResolutionOf(i)).c_str());
+  }
+}
+
 void PrintEvent(size_t n, const Incident& i, int remedies) {
   std::string where = i.source;
   if (IsKnown(i, "rank")) where += "  rank " + std::to_string(i.rank);
@@ -109,14 +140,31 @@ void PrintEvent(size_t n, const Incident& i, int remedies) {
 void CmdDiagnose(const DiagnoseArgs& a) {
   std::vector<std::pair<std::string, size_t>> per_file;
   std::vector<Incident> incs = ParseFiles(a, &per_file);
+  const std::vector<Incident> library = LoadLibrary(a);
+  auto near = [&](const Incident& i) {
+    return library.empty() ? std::vector<kb::SimilarIncident>{}
+                           : kb::FindSimilar(i, library, static_cast<size_t>(a.similar));
+  };
   if (a.json) {
-    for (const auto& i : incs) std::printf("%s\n", EventJson(i).dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+    for (const auto& i : incs) {
+      json j = EventJson(i);
+      if (!a.library.empty()) j["similar"] = SimilarJson(near(i));
+      std::printf("%s\n", j.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+    }
     return;
   }
   size_t n = 0;
   for (const auto& [path, count] : per_file) {
     std::printf("%s: %zu OOM event%s\n\n", TerminalSafe(path).c_str(), count, count == 1 ? "" : "s");
-    for (size_t k = 0; k < count; ++k, ++n) PrintEvent(n + 1, incs[n], a.remedies);
+    for (size_t k = 0; k < count; ++k, ++n) {
+      PrintEvent(n + 1, incs[n], a.remedies);
+      if (!a.library.empty()) {
+        const auto similar = near(incs[n]);
+        if (similar.empty()) std::printf("   similar   (none in the knowledge base)\n");
+        PrintSimilar(similar);
+        std::printf("\n");
+      }
+    }
   }
 }
 
@@ -179,6 +227,9 @@ void AddDiagnoseCommands(CLI::App* app, CommandResult* result) {
   diag->add_option("files", args.files, "log files")->required()->check(CLI::ExistingFile);
   diag->add_flag("--json", args.json, "one JSON object per OOM event");
   diag->add_option("--remedies", args.remedies, "remedies to print per event")->check(CLI::Range(0, 20));
+  diag->add_option("--db", args.library,
+                   "knowledge bases (repeat it, or a glob) to find similar past incidents in, with what resolved them");
+  diag->add_option("--similar", args.similar, "similar past incidents to print per event")->check(CLI::Range(1, 20));
   diag->callback([result] { Run("diagnose", CmdDiagnose, args, result); });
 
   CLI::App* kb = app->get_subcommand("kb");

@@ -17,6 +17,7 @@
 #include "sdk/cli/table.h"
 #include "sdk/core/ids.h"
 #include "sdk/kb/file_set.h"
+#include "sdk/kb/similarity.h"
 
 namespace oomguard::cli {
 namespace {
@@ -31,6 +32,7 @@ struct KbArgs {
   std::string pattern, run, since, id, file;
   int rank = -1;
   int64_t limit = 50;
+  int64_t similar_limit = 5;
 };
 
 // A command's failure: printed once by Run, exit code 1.
@@ -94,6 +96,55 @@ void CmdList(const KbArgs& a) {
               std::string(IncidentOutcomeName(i.outcome)), i.workload});
   t.Print(stdout, 40);
   if (t.size() == 0) std::printf("(no incidents)\n");
+}
+
+// The incident `a.id` (a unique prefix) among `all`.
+const Incident& FindOne(const std::vector<Incident>& all, const std::string& id) {
+  const Incident* found = nullptr;
+  std::string ids;
+  size_t n = 0;
+  for (const Incident& i : all) {
+    if (i.id.rfind(id, 0) != 0) continue;
+    found = &i;
+    ids += " " + i.id;
+    ++n;
+  }
+  if (n == 0) throw Failure{"no incident with id '" + id + "'"};
+  if (n > 1) throw Failure{"'" + id + "' matches " + std::to_string(n) + " incidents:" + ids};
+  return *found;
+}
+
+// The case library's answer for one incident: the nearest past incidents,
+// what they were classified as, their notes (evidence) and what resolved them.
+void CmdSimilar(const KbArgs& a) {
+  if (a.id.empty()) throw Failure{"similar needs an incident ID (or a unique prefix)"};
+  IncidentQuery q;
+  auto r = OpenAll(a).Query(q);
+  if (!r.ok()) throw Failure{r.status().ToString()};
+  const std::vector<Incident> all = std::move(r).value();
+  const Incident& target = FindOne(all, a.id);
+  const auto near = kb::FindSimilar(target, all, static_cast<size_t>(a.similar_limit));
+  if (a.json) {
+    json arr = json::array();
+    for (const auto& s : near)
+      arr.push_back({{"id", s.incident->id}, {"score", s.score}, {"why", s.why}, {"pattern", s.incident->pattern},
+                     {"time_unix_ms", s.incident->time_unix_ms}, {"run_id", s.incident->run_id},
+                     {"workload", s.incident->workload}, {"evidence", s.incident->evidence},
+                     {"resolution", kb::ResolutionOf(*s.incident)}});
+    Print({{"id", target.id}, {"pattern", target.pattern}, {"similar", arr}});
+    return;
+  }
+  std::printf("%s  %s (confidence %s)\n", TerminalSafe(target.id).c_str(), target.pattern.c_str(),
+              Conf(target.confidence).c_str());
+  if (near.empty()) std::printf("(no similar incident in the knowledge base)\n");
+  for (const auto& s : near) {
+    const Incident& i = *s.incident;
+    std::printf("\n%.2f  %s  %s  %s  run %s  %s\n", s.score, TerminalSafe(i.id).c_str(), FormatTime(i.time_unix_ms).c_str(),
+                i.pattern.c_str(), TerminalSafe(i.run_id).c_str(), TerminalSafe(i.workload).c_str());
+    std::printf("      alike     %s\n", s.why.c_str());
+    std::printf("      notes     %s\n", TerminalSafe(i.evidence.substr(0, 300)).c_str());
+    std::printf("      resolved  %s\n", TerminalSafe(kb::ResolutionOf(i)).c_str());
+  }
 }
 
 void CmdShow(const KbArgs& a) {
@@ -392,6 +443,12 @@ void AddKbCommands(CLI::App* app, CommandResult* result) {
   common(show, true);
   show->add_option("id", args.id, "incident id or a unique prefix")->required();
   bind(show, "show", CmdShow);
+
+  CLI::App* similar = kb->add_subcommand("similar", "the nearest past incidents to one, with their notes and what resolved them");
+  common(similar, true);
+  similar->add_option("id", args.id, "incident id or a unique prefix")->required();
+  similar->add_option("--limit", args.similar_limit, "at most this many (default 5)")->check(CLI::NonNegativeNumber);
+  bind(similar, "similar", CmdSimilar);
 
   CLI::App* stats = kb->add_subcommand("stats", "counts by pattern, outcome and kind; learned priors");
   common(stats, true);
