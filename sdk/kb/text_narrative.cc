@@ -211,7 +211,9 @@ void ReadDescription(std::string_view all, std::string_view written, TextCues* c
              "memory usage keeps", "increasing during the training", "increasing during training", "not released",
              "added to a list", "appended to a list", "remain in the gpu", "remain in gpu", "stored on the gpu",
              "stored _on the gpu", "kept on the gpu", "only released", "accumulate memory", "accumulates memory",
-             "accumulating memory", "memory accumulat"},
+             "accumulating memory", "memory accumulat", "grows unlimit", "grow unlimit", "ceaselessly grow",
+             "continuously increas", "keeps rising", "keep rising", "continuous rising", "continuously rising",
+             "grows until", "increases until", "increasing until", "rises until"},
        &c->said_growth);
   if (!c->said_growth)
     SaidNear(all, {"models in a", "model in a", "several models", "multiple models"}, {"loop"}, {}, &c->said_growth);
@@ -251,7 +253,7 @@ void ReadDescription(std::string_view all, std::string_view written, TextCues* c
                              "can't even start", "cannot even start", "doesn't even start", "does not even start",
                              "fails immediately", "failed immediately", "instantly", "immediately", "right away",
                              "straight away", "at startup", "kick off training", "start training", "starting training",
-                             "training starts", "start the training", "before training starts",
+                             "training starts", "start the training", "before training starts", "to begin the training", "begin the training",
                              "before the training starts", "training initialization", "state initialization",
                              "even with batch size 1", "even with `--batch_size 1", "even with --batch_size 1",
                              "even when batch_size=1", "batch_size to [1]", "batch_size=1, it"}) {

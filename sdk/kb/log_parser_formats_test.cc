@@ -1,0 +1,96 @@
+// The formats of real reports that the log importer once did not find an
+// OOM in (issue 25): each text is quoted from a report of the corpus
+// (tests/kb/testdata/corpus), cut to the lines that matter.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "oomguard/knowledge_base.h"
+#include "sdk/kb/log_parser.h"
+
+namespace oomguard::kb {
+namespace {
+
+std::vector<Incident> Parse(const std::string& text) {
+  LogParseOptions o;
+  o.source_name = "report.txt";
+  auto r = ParseOomLog(text, o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : std::vector<Incident>{};
+}
+
+TEST(LogParserFormatsTest, TensorFlowStreamExecutorNamesTheBytesItFailedToAllocate) {
+  // tensorflow/tensorflow#8170
+  auto incs = Parse(
+      "I tensorflow/core/common_runtime/gpu/gpu_device.cc:885] Found device 0 with properties:\n"
+      "Total memory: 7.92GiB\n"
+      "Free memory: 190.31MiB\n"
+      "E tensorflow/stream_executor/cuda/cuda_driver.cc:1002] failed to allocate 190.31M (199557120 bytes) from "
+      "device: CUDA_ERROR_OUT_OF_MEMORY\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
+  EXPECT_EQ(incs[0].requested_bytes, 199557120);
+}
+
+TEST(LogParserFormatsTest, DataLoaderSharedMemoryBusErrorIsAHostEvent) {
+  // pangeo-data/pangeo-docker-images#258
+  auto incs = Parse(
+      "ERROR: Unexpected bus error encountered in worker. This might be caused by insufficient shared memory (shm).\n"
+      "Traceback (most recent call last):\n"
+      "  File \"/srv/conda/envs/notebook/lib/python3.8/multiprocessing/queues.py\", line 239, in _feed\n"
+      "RuntimeError: unable to write to file </torch_1394_2747491098>\n");
+  ASSERT_GE(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  ClassifyInPlace(&incs[0]);
+  EXPECT_EQ(incs[0].pattern, "host_dataloader") << incs[0].evidence;
+}
+
+TEST(LogParserFormatsTest, ShardsBarKilledQuotedInATitle) {
+  // eosphoros-ai/DB-GPT#63's title, and a bar cut by "Killed" mid-sentence.
+  auto incs = Parse("# Loading checkpoint shards: 0%| | 0/2 [00:00<?, ?it/s]Killed\n这个是对内存有什么要求吗\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+}
+
+TEST(LogParserFormatsTest, LauncherMinusNineIsAHostKill) {
+  // deepspeedai/DeepSpeed#3232
+  auto incs = Parse(
+      "[2023-04-14 13:11:27,879] [INFO] [launch.py:428:sigkill_handler] Killing subprocess 13266\n"
+      "[2023-04-14 13:11:27,885] [ERROR] [launch.py:434:sigkill_handler] ['/usr/bin/python3', '-u', 'main.py', "
+      "'--local_rank=0'] exits with return code = -9\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+}
+
+TEST(LogParserFormatsTest, CudnnNotSupportedIsAWorkspaceFailure) {
+  // soumith/cudnn.torch#384
+  auto incs = Parse(
+      "/home/ubuntu/torch/install/share/lua/5.1/cudnn/find.lua:94: Error in CuDNN: CUDNN_STATUS_NOT_SUPPORTED "
+      "(cudnnConvolutionBackwardData)\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kWorkspace);
+}
+
+TEST(LogParserFormatsTest, OomsToldOnlyInWords) {
+  // pytorch/pytorch#1840, basiclab/GNGAN-PyTorch#2, a Chinese report.
+  for (const char* text : {"the memory grows unlimitly **until OOM**\n",
+                           "the GPU memory usage keeps ceaselessly growing, and finally, it blows up.\n",
+                           "训练到一半显存不足，程序退出了\n"}) {
+    auto incs = Parse(text);
+    EXPECT_EQ(incs.size(), 1u) << text;
+  }
+  // A sentence about memory that reports no failure is not an OOM.
+  EXPECT_TRUE(Parse("Training uses about 10 GB of GPU memory and runs fine.\n").empty());
+}
+
+TEST(LogParserFormatsTest, GrowthToldInWordsIsGradualGrowth) {
+  auto incs = Parse(
+      "# pytorch's gpu memory usage is ceaselessly grow up\n"
+      "when i run this code, the memory grows unlimitly until OOM\n");
+  ASSERT_EQ(incs.size(), 1u);
+  ClassifyInPlace(&incs[0]);
+  EXPECT_EQ(incs[0].pattern, "gradual_growth") << incs[0].evidence;
+}
+
+}  // namespace
+}  // namespace oomguard::kb
