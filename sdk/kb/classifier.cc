@@ -236,12 +236,15 @@ Classification ClassifyIncident(const Incident& incident) {
   std::string evidence = rules.evidence;
   std::string weak;  // what the unknown case mentions
 
-  // Figures and recorded fields that decide strongly stand alone; otherwise
-  // the text model's reading of the report and the rules' candidates are
-  // combined, and the combined score is mapped to the share of validation
-  // reports answered right at that score.
+  // An incident without text around it (the guard's own records, JSON
+  // imports) is decided by its figures and fields alone: the text model was
+  // trained on reports and has only a short message to read there. A report
+  // whose rules decide strongly keeps them too; otherwise the text model's
+  // reading and the rules' candidates are combined, and the combined score is
+  // mapped to the share of validation reports answered right at that score.
   const kb::TextModelInfo& model = kb::TextModel();
-  if (model.trained && !(rules.best != nullptr && rules.best->confidence >= model.strong_rule)) {
+  const bool rules_alone = incident.context.empty() || (rules.best != nullptr && rules.best->confidence >= model.strong_rule);
+  if (model.trained && !rules_alone) {
     const std::vector<double> p = kb::TextProbabilities(kb::ModelText(incident));
     size_t top = 0;
     double top_score = -1;

@@ -283,7 +283,8 @@ void ParseOthers(std::string_view m, OomFigures* f) {
   if (Has(m, "from device: cuda_error_out_of_memory") || Has(m, "from device: cuda error out of memory")) {
     if (f->format.empty()) f->format = "tensorflow-stream";
     if (f->device.empty()) f->device = "cuda";
-    if (size_t at = m.find(" bytes) from device"); at != std::string_view::npos && !f->requested) {
+    // The bracketed byte count is exact; the rounded "190.31M" before it is not.
+    if (size_t at = m.find(" bytes) from device"); at != std::string_view::npos) {
       size_t b = at;
       while (b > 0 && IsDigit(m[b - 1])) --b;
       if (b < at && b > 0 && m[b - 1] == '(') f->requested = IntegerAfter(m.substr(b - 1), "(");
