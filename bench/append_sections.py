@@ -80,6 +80,67 @@ def abbreviations(names):
     return out
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def corpus_first_contact(readme):
+    """The corpus README's first-contact rows: (batch, reports, right text, date, classifier)."""
+    rows = []
+    if not os.path.exists(readme):
+        return rows
+    for line in open(readme, encoding="utf-8"):
+        m = re.match(r"\|\s*(batch-\d+)\s*\|\s*(\d+)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|", line)
+        if m:
+            rows.append(m.groups())
+    return rows
+
+
+def corpus_part(c, fc):
+    md = []
+    w = md.append
+    w("### The corpus labelled from resolutions (issue 25)")
+    w("")
+    w("tests/kb/testdata/corpus: public issue threads labelled from what fixed them, split by repository")
+    w("(no repository in two splits). The text model trains on the train split (with the development set's")
+    w("train split); validation chooses its settings and calibration; the test split is only scored.")
+    w("")
+    w("| split | reports | right | OOM found | wrong at confidence ≥ 0.8 |")
+    w("|---|---:|---:|---:|---:|")
+    for name in ("train", "validation", "test"):
+        sc = c["by_split"].get(name)
+        if not sc:
+            continue
+        pct = 100.0 * sc["right"] / sc["total"] if sc["total"] else 0
+        w(f"| {name} | {sc['total']} | {sc['right']} ({pct:.1f}%) | {sc['found']} | "
+          f"{sc['confident_wrong']} of {sc['confident']} |")
+    w("")
+    if fc:
+        w("First contact: each batch scored before anything was tuned on it (from the corpus README):")
+        w("")
+        w("| batch | reports | right at first contact | date | classifier it met | right now |")
+        w("|---|---:|---:|---|---|---:|")
+        for batch, n, first, date, cls in fc:
+            now = c["by_batch"].get(batch, {})
+            w(f"| {batch} | {n} | {first} | {date} | {cls} | {now.get('right', '')}/{now.get('total', '')} |")
+        w("")
+    conf = c.get("test_confusion") or {}
+    if conf:
+        labels = sorted(conf)
+        answers = sorted({a for row in conf.values() for a in row})
+        ab = abbreviations(sorted(set(labels) | set(answers)))
+        w("Confusion on the test split (rows: label; columns: answer):")
+        w("")
+        w("| label | n | " + " | ".join(ab[a] for a in answers) + " |")
+        w("|---|---:|" + "---:|" * len(answers))
+        for l in labels:
+            row = conf[l]
+            cells = [f"**{row.get(a, 0)}**" if a == l and row.get(a) else (str(row.get(a)) if row.get(a) else "")
+                     for a in answers]
+            w(f"| {l} ({ab[l]}) | {sum(row.values())} | " + " | ".join(cells) + " |")
+        w("")
+    return md
+
+
 def diagnosis_section(d, fc):
     md = []
     w = md.append
@@ -136,6 +197,8 @@ def diagnosis_section(d, fc):
         for x in d["wrong"]:
             w(f"| [{x['file']}]({x['source']}) | {x['label']} | {x['answer']} | {x['confidence']:.2f} |")
         w("")
+    if d.get("corpus"):
+        md.extend(corpus_part(d["corpus"], corpus_first_contact(os.path.join(ROOT, "tests/kb/testdata/corpus/README.md"))))
     if d.get("logs"):
         w("Raw logs (tests/kb/testdata/logs), as `oomguard diagnose` reads them:")
         w("")

@@ -264,8 +264,9 @@ def write_inc(path, model, buckets):
         f.write(f"constexpr int kBuckets = {buckets};\n")
         f.write("constexpr bool kTrained = true;\n")
         f.write("constexpr const char* kClasses[] = {" + ", ".join(f'"{c}"' for c in model.classes) + "};\n")
+        # Bucket-major: the classes' weights of one feature sit together.
         f.write("constexpr float kWeights[] = {\n")
-        for row in model.w:
+        for row in model.w.T:
             f.write(",".join(f"{v:.4g}" if abs(v) >= 5e-5 else "0" for v in row) + ",\n")
         f.write("};\n")
         f.write("constexpr double kBias[] = {" + ", ".join(f"{v:.6g}" for v in model.b) + "};\n")

@@ -14,6 +14,10 @@ constexpr double kSameFingerprint = 0.45;
 constexpr double kSamePattern = 0.25;
 constexpr double kText = 0.30;
 constexpr int kBuckets = 4096;
+// Incidents sharing neither fingerprint nor pattern are compared by text only
+// up to this many (newest first in a knowledge base's order), so one lookup
+// in a library of 100,000 incidents stays within a second.
+constexpr size_t kMaxTextOnly = 20000;
 
 using Sparse = std::vector<std::pair<int, float>>;
 
@@ -53,6 +57,7 @@ std::vector<SimilarIncident> FindSimilar(const Incident& target, const std::vect
                                          double min_score) {
   const Sparse t = FeaturesOf(target);
   std::vector<SimilarIncident> out;
+  size_t text_only = 0;
   for (const Incident& inc : pool) {
     if (!target.id.empty() && inc.id == target.id) continue;
     SimilarIncident s;
@@ -66,6 +71,7 @@ std::vector<SimilarIncident> FindSimilar(const Incident& target, const std::vect
       s.score += kSamePattern;
       why.push_back("same pattern");
     }
+    if (why.empty() && ++text_only > kMaxTextOnly) continue;
     const double cos = Cosine(t, FeaturesOf(inc));
     s.score += kText * cos;
     if (cos >= 0.2) why.push_back("texts " + std::to_string(static_cast<int>(cos * 100 + 0.5)) + "% alike");

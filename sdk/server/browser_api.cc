@@ -7,6 +7,7 @@
 #include "oomguard/knowledge_base.h"
 #include "sdk/core/ids.h"
 #include "sdk/kb/file_set.h"
+#include "sdk/kb/similarity.h"
 #include "sdk/server/assets.h"
 #include "sdk/server/metrics.h"
 
@@ -309,6 +310,22 @@ std::string RunJson(const IncidentIndex& index, std::string_view run_id) {
   return Dump({{"run_id", run_id}, {"points", points}});
 }
 
+// The case library's nearest past incidents to one (kb similar), for the
+// incident page.
+std::string SimilarJson(const Incident& target, const IncidentIndex& index) {
+  json arr = json::array();
+  for (const auto& s : kb::FindSimilar(target, index.incidents(), 5))
+    arr.push_back({{"id", s.incident->id},
+                   {"score", s.score},
+                   {"why", s.why},
+                   {"pattern", s.incident->pattern},
+                   {"time_unix_ms", s.incident->time_unix_ms},
+                   {"run_id", s.incident->run_id},
+                   {"evidence", s.incident->evidence},
+                   {"resolution", kb::ResolutionOf(*s.incident)}});
+  return Dump(arr);
+}
+
 BrowserApi::BrowserApi(SnapshotFn snapshot, ApiLimits limits)
     : snapshot_(std::move(snapshot)), limits_(limits) {}
 
@@ -344,8 +361,12 @@ HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target
     if (p.substr(0, kIncidents.size() + 1) == "/api/incidents/") {
       if (auto e = no_params(); !e.empty()) return Error(400, e);
       std::string_view id = p.substr(kIncidents.size() + 1);
+      constexpr std::string_view kSimilar = "/similar";
+      const bool similar = id.size() > kSimilar.size() && id.substr(id.size() - kSimilar.size()) == kSimilar;
+      if (similar) id.remove_suffix(kSimilar.size());
       const Incident* inc = index.Find(id);
       if (inc == nullptr) return Error(404, "no incident with id " + Quote(id));
+      if (similar) return Json(200, SimilarJson(*inc, index));
       return Json(200, IncidentToJson(*inc));
     }
     if (p == kRuns) {

@@ -448,6 +448,8 @@
     const m = i.memory || {};
     const h = i.history || {};
     const run = i.run_id ? await api('/api/runs/' + enc(i.run_id)).catch(() => null) : null;
+    // The case library: nearest past incidents and what resolved them (none in a static report).
+    const similar = await api('/api/incidents/' + enc(id) + '/similar').catch(() => null);
     const fact = (k, v) => el('div', {class: 'fact'}, el('dt', {text: k}), el('dd', {}, v));
     const rungs = (i.actions && i.actions.length) ? i.actions : (i.action ? [i.action] : []);
     const ladderNames = {release: 'release caches', halve: 'halve the micro-batch', rollback: 'roll back to checkpoint', give_up: 'give up'};
@@ -483,6 +485,10 @@
       el('div', {class: 'row'},
         card('Peak memory of recent steps', peaksChart(h.step_peaks, m.total)),
         card('Every rank', ranksChart(i.ranks, m.total, i.rank))),
+      similar && similar.length ? card('Similar past incidents', el('ol', {class: 'similar', id: 'similar'}, similar.map((s) =>
+        el('li', {}, link('#/incident/' + enc(s.id), s.id), ' ', patternBadge(s.pattern),
+          el('span', {class: 'muted small', text: ` ${Math.round(s.score * 100)}% · ${s.why} · ${fmtTime(s.time_unix_ms)}`}),
+          el('div', {class: 'small', text: 'resolved: ' + s.resolution}))))) : null,
       run ? card(`Run ${i.run_id}: micro-batch size over steps (${run.points.length} OOM${run.points.length === 1 ? '' : 's'})`,
         timelineChart(run.points, i.id), el('p', {class: 'muted small', text: 'Circles are OOMs (click one to open it); the line is the micro-batch size the guard ran with.'})) : null,
     ];
