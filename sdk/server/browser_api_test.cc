@@ -49,6 +49,22 @@ TEST(BrowserApi, ListsPagesAndFilters) {
   EXPECT_EQ(j["items"][0]["message"], kXss);
 }
 
+TEST(BrowserApi, SimilarIncidentsOfOne) {
+  auto idx = Index(25);
+  BrowserApi api([idx] { return idx; });
+  auto r = api.Handle("GET", "/api/incidents/id-4/similar");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 5u);
+  for (const auto& s : j) {
+    EXPECT_NE(s["id"], "id-4");
+    EXPECT_EQ(s["pattern"], "fragmentation") << s.dump();  // id-4's pattern ranks first
+    EXPECT_FALSE(s["resolution"].get<std::string>().empty());
+  }
+  EXPECT_EQ(api.Handle("GET", "/api/incidents/nope/similar").status, 404);
+}
+
 TEST(BrowserApi, ErrorsNameTheParameter) {
   auto idx = Index(3);
   BrowserApi api([idx] { return idx; });

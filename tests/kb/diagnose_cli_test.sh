@@ -71,5 +71,29 @@ grep -q "without wildcards" "$T/err" || fail "wildcard error: $(cat "$T/err")"
 printf 'step 1 loss 2.0\nstep 2 loss 1.9\n' > "$T/clean.log"
 "$OG" diagnose "$T/clean.log" | grep -q "clean.log: 0 OOM events" || fail "a clean log should report 0 events"
 
+# 4. The case library: `kb similar` finds the recurrence of an incident (same
+#    fingerprint) before anything else and says what resolved it; `diagnose
+#    --db` shows the same neighbours for a new log.
+sed 's/rank1/rank2/; s/step 1200/step 1800/' "$LOGS/multi_oom.log" > "$T/again.log"
+"$OG" kb import-log --db "$T/lib.db" "$LOGS/multi_oom.log" "$LOGS/slurm_killed.log" > /dev/null || fail "library import"
+frag=$("$OG" kb list --db "$T/lib.db" --pattern fragmentation --json | $PY -c 'import json,sys; print(json.load(sys.stdin)[0]["id"])')
+"$OG" kb similar "${frag:0:8}" --db "$T/lib.db" --json > "$T/similar.json" || fail "kb similar exited $?"
+$PY - "$T/similar.json" "$frag" <<'PYEOF' || fail "kb similar content"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["id"] == sys.argv[2], d
+ids = [s["id"] for s in d["similar"]]
+assert sys.argv[2] not in ids, ids  # never the incident itself
+for s in d["similar"]:
+    assert 0 < s["score"] <= 1 and s["resolution"], s
+assert all(a["score"] >= b["score"] for a, b in zip(d["similar"], d["similar"][1:])), d
+PYEOF
+"$OG" diagnose "$T/again.log" --db "$T/lib.db" > "$T/diag_lib.txt" || fail "diagnose --db exited $?"
+grep -A1 "pattern   fragmentation" "$T/diag_lib.txt" > /dev/null || fail "no fragmentation event in again.log"
+grep -q "similar  .*fragmentation (same fingerprint; same pattern" "$T/diag_lib.txt" \
+  || fail "diagnose --db did not show the recurrence first: $(grep similar "$T/diag_lib.txt")"
+"$OG" kb similar nosuchid --db "$T/lib.db" 2> "$T/err"; [ $? = 1 ] || fail "unknown id should exit 1"
+grep -q "no incident with id 'nosuchid'" "$T/err" || fail "unknown id error: $(cat "$T/err")"
+
 if [ $fails -eq 0 ]; then echo "diagnose/import-log CLI: all checks passed"; fi
 [ $fails -eq 0 ]
