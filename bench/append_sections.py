@@ -123,21 +123,29 @@ def corpus_part(c, fc):
             now = c["by_batch"].get(batch, {})
             w(f"| {batch} | {n} | {first} | {date} | {cls} | {now.get('right', '')}/{now.get('total', '')} |")
         w("")
-    conf = c.get("test_confusion") or {}
-    if conf:
-        labels = sorted(conf)
-        answers = sorted({a for row in conf.values() for a in row})
-        ab = abbreviations(sorted(set(labels) | set(answers)))
+    if c.get("test_confusion"):
         w("Confusion on the test split (rows: label; columns: answer):")
         w("")
-        w("| label | n | " + " | ".join(ab[a] for a in answers) + " |")
-        w("|---|---:|" + "---:|" * len(answers))
-        for l in labels:
-            row = conf[l]
-            cells = [f"**{row.get(a, 0)}**" if a == l and row.get(a) else (str(row.get(a)) if row.get(a) else "")
-                     for a in answers]
-            w(f"| {l} ({ab[l]}) | {sum(row.values())} | " + " | ".join(cells) + " |")
+        md.extend(confusion_table(c["test_confusion"]))
         w("")
+    return md
+
+
+def confusion_table(confusion):
+    """Rows: label; columns: the classifier's answer; diagonal in bold."""
+    md = []
+    labels = sorted(confusion)
+    answers = sorted({a for row in confusion.values() for a in row})
+    ab = abbreviations(sorted(set(labels) | set(answers)))
+    md.append("| label | n | " + " | ".join(ab[a] for a in answers) + " |")
+    md.append("|---|---:|" + "---:|" * len(answers))
+    for l in labels:
+        row = confusion[l]
+        cells = []
+        for a in answers:
+            v = row.get(a, 0)
+            cells.append(f"**{v}**" if a == l and v else (str(v) if v else ""))
+        md.append(f"| {l} ({ab[l]}) | {sum(row.values())} | " + " | ".join(cells) + " |")
     return md
 
 
@@ -174,20 +182,9 @@ def diagnosis_section(d, fc):
     w("column is the better estimate of accuracy on reports the rules have not seen, and it is far lower;")
     w("what each batch's misses had in common is in the commit that follows it.")
     w("")
-    labels = sorted(d["confusion"])
-    answers = sorted({a for row in d["confusion"].values() for a in row})
-    ab = abbreviations(sorted(set(labels) | set(answers)))
     w("Confusion (rows: label; columns: the classifier's answer; diagonal in bold):")
     w("")
-    w("| label | n | " + " | ".join(ab[a] for a in answers) + " |")
-    w("|---|---:|" + "---:|" * len(answers))
-    for l in labels:
-        row = d["confusion"][l]
-        cells = []
-        for a in answers:
-            v = row.get(a, 0)
-            cells.append(f"**{v}**" if a == l and v else (str(v) if v else ""))
-        w(f"| {l} ({ab[l]}) | {sum(row.values())} | " + " | ".join(cells) + " |")
+    md.extend(confusion_table(d["confusion"]))
     w("")
     if d["wrong"]:
         w("Wrong answers:")

@@ -110,6 +110,23 @@ void DumpCase(std::ostream& out, const Case& c, const char* set) {
   out << "]}\n";
 }
 
+// {"label": {"answer": n, ...}, ...}
+void WriteConfusion(std::ostream& out, const std::map<std::string, std::map<std::string, size_t>>& confusion) {
+  out << "{";
+  bool first = true;
+  for (const auto& [label, row] : confusion) {
+    out << (first ? "" : ",") << JsonString(label) << ":{";
+    bool f2 = true;
+    for (const auto& [answer, n] : row) {
+      out << (f2 ? "" : ",") << JsonString(answer) << ":" << n;
+      f2 = false;
+    }
+    out << "}";
+    first = false;
+  }
+  out << "}";
+}
+
 struct CorpusScore {
   size_t right = 0, total = 0, found = 0, confident = 0, confident_wrong = 0;
 };
@@ -247,19 +264,9 @@ int main(int argc, char** argv) {
     out << (first ? "" : ",") << JsonString(batch) << ":{\"right\":" << rt.first << ",\"total\":" << rt.second << "}";
     first = false;
   }
-  out << "},\"confusion\":{";
-  first = true;
-  for (const auto& [label, row] : confusion) {
-    out << (first ? "" : ",") << JsonString(label) << ":{";
-    bool f2 = true;
-    for (const auto& [answer, n] : row) {
-      out << (f2 ? "" : ",") << JsonString(answer) << ":" << n;
-      f2 = false;
-    }
-    out << "}";
-    first = false;
-  }
-  out << "},\"wrong\":[";
+  out << "},\"confusion\":";
+  WriteConfusion(out, confusion);
+  out << ",\"wrong\":[";
   first = true;
   for (size_t i = 0; i < cases.size(); ++i) {
     if (verdicts[i].pattern == cases[i].label) continue;
@@ -286,19 +293,9 @@ int main(int argc, char** argv) {
     score_json(sc);
     first = false;
   }
-  out << "},\"test_confusion\":{";
-  first = true;
-  for (const auto& [label, row] : test_confusion) {
-    out << (first ? "" : ",") << JsonString(label) << ":{";
-    bool f2 = true;
-    for (const auto& [answer, n] : row) {
-      out << (f2 ? "" : ",") << JsonString(answer) << ":" << n;
-      f2 = false;
-    }
-    out << "}";
-    first = false;
-  }
-  out << "},\"wrong\":[";
+  out << "},\"test_confusion\":";
+  WriteConfusion(out, test_confusion);
+  out << ",\"wrong\":[";
   first = true;
   for (const auto& [c, v] : corpus_wrong) {
     out << (first ? "" : ",") << "{\"file\":" << JsonString(c->file) << ",\"source\":" << JsonString(c->source)

@@ -53,7 +53,7 @@ inline std::string RepoOf(const std::string& source) {
 
 // Deterministic split by repository, so no repository is in two splits:
 // FNV-1a of the repository name, 6 in 10 train, 2 validation, 2 test.
-// scripts/train_text_model.py computes the same.
+// diagnosis_bench --dump hands it to scripts/train_text_model.py.
 inline std::string Split(const std::string& repo) {
   uint64_t h = 14695981039346656037ull;
   for (char c : repo) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
@@ -68,18 +68,27 @@ struct Verdict {
   size_t events = 0;
 };
 
-// Reads every NNN-*.txt of `dir`, sorted. On a malformed file returns what
-// was read so far and sets *error naming the file.
-inline std::vector<Case> Load(const std::string& dir, std::string* error) {
+// The .txt files of `dir` whose names start with `prefix`, sorted; sets
+// *error when the directory cannot be read.
+inline std::vector<std::filesystem::path> TextFiles(const std::string& dir, const std::string& prefix,
+                                                    std::string* error) {
   std::vector<std::filesystem::path> paths;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec))
-    if (e.path().extension() == ".txt") paths.push_back(e.path());
+    if (e.path().extension() == ".txt" && e.path().filename().string().rfind(prefix, 0) == 0)
+      paths.push_back(e.path());
   if (ec) {
     *error = dir + ": " + ec.message();
     return {};
   }
   std::sort(paths.begin(), paths.end());
+  return paths;
+}
+
+// Reads every NNN-*.txt of `dir`, sorted. On a malformed file returns what
+// was read so far and sets *error naming the file.
+inline std::vector<Case> Load(const std::string& dir, std::string* error) {
+  const std::vector<std::filesystem::path> paths = TextFiles(dir, "", error);
   std::vector<Case> out;
   for (const auto& p : paths) {
     std::ifstream in(p, std::ios::binary);
@@ -116,16 +125,7 @@ inline std::vector<Case> Load(const std::string& dir, std::string* error) {
 // by a "====" line, each a header (source, label, resolution) and the text
 // after a "----" line. The batch is the file's name without ".txt".
 inline std::vector<Case> LoadCorpus(const std::string& dir, std::string* error) {
-  std::vector<std::filesystem::path> paths;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
-    if (e.path().extension() == ".txt" && e.path().filename().string().rfind("batch-", 0) == 0)
-      paths.push_back(e.path());
-  if (ec) {
-    *error = dir + ": " + ec.message();
-    return {};
-  }
-  std::sort(paths.begin(), paths.end());
+  const std::vector<std::filesystem::path> paths = TextFiles(dir, "batch-", error);
   std::vector<Case> out;
   for (const auto& p : paths) {
     std::ifstream in(p, std::ios::binary);
