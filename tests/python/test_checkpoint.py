@@ -86,7 +86,21 @@ def test_numpy_arrays_are_registered_without_copy(tmp_path):
     assert ckpt.load_latest() == 0
     assert a.tolist() == np.arange(12, dtype=np.float32).reshape(3, 4).tolist()
     with pytest.raises(ValueError, match="contiguous"):
-        ckpt.add_tensor("data/t", torch.zeros(4, 4).t())
+        oomguard.Checkpointer(str(tmp_path / "other"), fsync=False).add_tensor("data/t", torch.zeros(4, 4).t())
+
+
+def test_registration_after_the_first_use_is_refused(tmp_path):
+    # A tensor added after a save would be missing from that checkpoint and make
+    # every later load of it fail: refused at once, naming the path.
+    ckpt = oomguard.Checkpointer(str(tmp_path), fsync=False)
+    ckpt.add_tensor("data/a", torch.zeros(3))
+    ckpt.save_async(0)
+    with pytest.raises(oomguard.FailedPreconditionError, match="/data/b registered after"):
+        ckpt.add_tensor("data/b", torch.zeros(3))
+    with pytest.raises(oomguard.FailedPreconditionError, match="/obj registered after"):
+        ckpt.add_object("obj", lambda: b"", lambda data: None)
+    ckpt.wait()
+    assert ckpt.load_latest() == 0
 
 
 def test_missing_and_corrupt_checkpoints(tmp_path):
