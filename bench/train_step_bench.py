@@ -14,7 +14,7 @@ The two run in one process and alternate step by step (plain, guarded, plain,
 both alike. Prints a JSON line; with --markdown writes the section of
 bench/RESULTS.md.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/train_step_bench.py --markdown bench/train_step_bench.md
+    PYTHONPATH=build/python scripts/python bench/train_step_bench.py --markdown bench/train_step_bench.md
 """
 
 from __future__ import annotations
