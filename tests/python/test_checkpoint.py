@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import oomguard
 import oomguard.torch as ogt
-from conftest import HDF5_PLUGINS, run_python
+from conftest import HDF5_PLUGINS, run_python, subprocess_env
 
 
 def _model():
@@ -155,3 +157,25 @@ def test_compression_choice_is_an_option_and_recorded(tmp_path):
         assert np.array_equal(a, np.linspace(-1, 1, 4096, dtype=np.float32)), mode
     with pytest.raises(ValueError):
         oomguard.Checkpointer(str(tmp_path / "bad"), compression="gzip")
+
+
+def test_a_second_process_cannot_train_into_the_same_directory(tmp_path):
+    # The first process holds the directory (as rank 0) until told to stop.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, oomguard; c = oomguard.Checkpointer(sys.argv[1]); print('held', flush=True); "
+         "sys.stdin.read()", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(oomguard.FailedPreconditionError, match=rf"in use by another process \(pid {holder.pid}\)"):
+            oomguard.Checkpointer(str(tmp_path))
+        # Another rank of the same job locks its own file; this process may open
+        # a second checkpointer of a rank it already holds.
+        other = oomguard.Checkpointer(str(tmp_path), rank=1, world_size=2)
+        again = oomguard.Checkpointer(str(tmp_path), rank=1, world_size=2)
+        del other, again
+    finally:
+        holder.kill()
+        holder.wait()
+    # A killed holder leaves nothing locked.
+    oomguard.Checkpointer(str(tmp_path)).save_async(0)
