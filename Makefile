@@ -7,7 +7,7 @@ PYTHON ?=
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build demo test bench clean
+.PHONY: all deps configure build demo test test-newest-torch bench clean
 
 all: build
 
@@ -25,6 +25,11 @@ demo: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) --timeout 900
+
+# The Python suite against the newest torch release (an environment and a
+# build of its own: build-torch-<version>/).
+test-newest-torch: deps
+	scripts/test-torch 2.15.0
 
 bench: build
 	bench/run.sh $(BUILD)

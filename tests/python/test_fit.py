@@ -242,3 +242,20 @@ def test_dict_batches_and_a_data_loader_of_workers(tmp_path):
                      global_batch=fw.GLOBAL, steps=5, scheduler=sched, clip_grad_norm=1.0)
     assert result.ooms == 1
     assert _rel(ogt.flat_parameters(model), reference) <= 1e-10
+
+
+@needs_budget
+def test_the_fit_example_equals_its_plain_run_under_a_budget_and_resumes(tmp_path):
+    example = REPO / "examples" / "python" / "fit_mlp.py"
+    run_python([example, "--steps", 12, "--plain", "--dump-params", tmp_path / "plain.f64"])
+    ckpt = tmp_path / "ckpt"
+    first = run_python([example, "--steps", 8, "--budget-mib", 3, "--ckpt-dir", ckpt, "--json"])
+    s1 = json.loads(first.stdout.strip().splitlines()[-1])
+    assert s1["ooms"] >= 1 and s1["final_micro_batch"] < 512, s1
+    # The same command with more steps resumes from the newest checkpoint and
+    # ends with the plain run's parameters.
+    second = run_python([example, "--steps", 12, "--budget-mib", 3, "--ckpt-dir", ckpt, "--json",
+                         "--check-against", tmp_path / "plain.f64"])
+    s2 = json.loads(second.stdout.strip().splitlines()[-1])
+    assert s2["resumed_from"] == 7 and s2["steps"] == 12, s2
+    assert s2["max_rel_diff"] <= 1e-10, s2
