@@ -200,8 +200,8 @@ def fit(
 
     With ``ckpt_dir``, a Checkpointer there holds the model, the optimizer,
     the scheduler, the scaler, the RNG state and the loop's own record,
-    saved every ``ckpt_every`` steps (and after a recovered OOM) and ``keep``
-    of them kept; with ``resume`` (default) a run starts from the newest
+    saved every ``ckpt_every`` steps, after a recovered OOM and at the end,
+    ``keep`` of them kept; with ``resume`` (default) a run starts from the newest
     checkpoint every rank holds. Without ``ckpt_dir`` OOMs in the micro-batches
     are still survived, but one in the optimizer step (which may leave the
     parameters half-updated) ends the run: there is nothing to roll back to.
@@ -323,6 +323,12 @@ def fit(
                 continue
             incidents.extend(train_step.last_report.incidents)
             after_step(step)
+        last = guard.next_step - 1
+        if ckpt is not None and last >= 0 and (ckpt_every == 0 or (last + 1) % ckpt_every != 0):
+            # The end of the run is a checkpoint too (with its after-step work
+            # done), so that a run with more steps resumes from it. Every rank
+            # saves; finish() commits it once every shard is durable.
+            ckpt.save_async(last)
         checkpoint_step = guard.finish()
     except _errors.CoordinationTimeoutError as e:
         if not exit_on_lost_peer:
