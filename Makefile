@@ -14,8 +14,13 @@ all: build
 deps:
 	scripts/install-deps
 
+# A compiler cache (ccache, from install-deps) serves rebuilds and the
+# pip-install test's second build of the core; CCACHE=0 turns it off.
+CCACHE ?= $(if $(shell command -v ccache),ccache,)
+LAUNCHER = $(if $(filter-out 0,$(CCACHE)),-DCMAKE_C_COMPILER_LAUNCHER=$(CCACHE) -DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE),)
+
 configure: deps
-	cmake -S . -B $(BUILD) -DPython_EXECUTABLE=$${PYTHON:-$$(scripts/python --executable)} $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DPython_EXECUTABLE=$${PYTHON:-$$(scripts/python --executable)} $(LAUNCHER) $(CMAKE_FLAGS)
 
 build: configure
 	cmake --build $(BUILD) -j$(JOBS)
