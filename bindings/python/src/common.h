@@ -4,7 +4,7 @@
 //
 // Error crossings:
 //   Python -> C++  a Python exception raised inside a callback the guard runs
-//                  (micro, commit, reset, releasers, checkpoint objects) is
+//                  (micro, apply, reset, sync, releasers, checkpoint objects) is
 //                  either an out-of-memory error, thrown on as PythonOomError
 //                  (classified by the translator registered in module.cc), or
 //                  anything else, carried unchanged in PythonPassthrough.
