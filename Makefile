@@ -7,15 +7,20 @@ PYTHON ?=
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build demo test bench clean
+.PHONY: all deps configure build demo test test-newest-torch bench clean
 
 all: build
 
 deps:
 	scripts/install-deps
 
+# A compiler cache (ccache, from install-deps) serves rebuilds and the
+# pip-install test's second build of the core; CCACHE=0 turns it off.
+CCACHE ?= $(if $(shell command -v ccache),ccache,)
+LAUNCHER = $(if $(filter-out 0,$(CCACHE)),-DCMAKE_C_COMPILER_LAUNCHER=$(CCACHE) -DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE),)
+
 configure: deps
-	cmake -S . -B $(BUILD) -DPython_EXECUTABLE=$${PYTHON:-$$(scripts/python --executable)} $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DPython_EXECUTABLE=$${PYTHON:-$$(scripts/python --executable)} $(LAUNCHER) $(CMAKE_FLAGS)
 
 build: configure
 	cmake --build $(BUILD) -j$(JOBS)
@@ -25,6 +30,11 @@ demo: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) --timeout 900
+
+# The Python suite against the newest torch release (an environment and a
+# build of its own: build-torch-<version>/).
+test-newest-torch: deps
+	scripts/test-torch 2.15.0
 
 bench: build
 	bench/run.sh $(BUILD)

@@ -5,7 +5,7 @@ alternation with oomguard's own save/load of the same arrays (through the
 Python bindings, when PYTHONPATH finds them), so both sides of that
 comparison see the same machine state. Prints one JSON object.
 
-Usage: /usr/bin/python3 checkpoint_bench.py DIR MIB
+Usage: scripts/python checkpoint_bench.py DIR MIB
 """
 import json
 import os

@@ -5,6 +5,7 @@ set -euo pipefail
 BUILD=${1:?usage: checkpoint_bench.sh BUILD_DIR [MIB]}
 MIB=${2:-1024}
 HERE=$(cd "$(dirname "$0")" && pwd)
+PY=$("$HERE/../scripts/python" --executable)  # the project's interpreter (torch 2.11, h5py)
 WORK=$(mktemp -d /tmp/oomguard-ckpt-bench-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 echo "checkpoint_bench: ${MIB} MiB state in $WORK" >&2
@@ -12,10 +13,10 @@ OOMGUARD_BENCH_CKPT_MIB=$MIB OOMGUARD_BENCH_CKPT_DIR=$WORK "$BUILD/bin/checkpoin
   --benchmark_format=json --benchmark_out="$WORK/cpp.json" >&2
 echo "checkpoint_bench: peers (torch.save/torch.load, h5py+gzip)" >&2
 PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" HDF5_PLUGIN_PATH="$BUILD/lib/hdf5-plugins" \
-  /usr/bin/python3 "$HERE/checkpoint_bench.py" "$WORK" "$MIB" > "$WORK/py.json"
+  "$PY" "$HERE/checkpoint_bench.py" "$WORK" "$MIB" > "$WORK/py.json"
 LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 MEM=$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)
-/usr/bin/python3 - "$WORK/cpp.json" "$WORK/py.json" "$MIB" "$(nproc)" "$WORK/auto.json" "$LOAD" "$MEM" \
+"$PY" - "$WORK/cpp.json" "$WORK/py.json" "$MIB" "$(nproc)" "$WORK/auto.json" "$LOAD" "$MEM" \
   > "$HERE/checkpoint_bench.md" <<'PY'
 import json, sys
 cpp = {b["name"].split("/iterations")[0].replace("/", ":"): b for b in json.load(open(sys.argv[1]))["benchmarks"]}

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Writes bench/RESULTS.md from the benchmarks' JSON (standard library only).
 
 Usage: make_report.py --overhead guard_overhead.json --controller controller.json

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Draws the size controller's plots from controller_bench's CSV (standard library only).
 
 Usage: plot_controller.py CSV SVG [--L 300] [--start 4096] [--panels PANELS_SVG]

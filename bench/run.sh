@@ -12,11 +12,11 @@ case $build in
   /*) ;;
   *) build=$root/$build ;;
 esac
-py=/usr/bin/python3
+py=$("$root/scripts/python" --executable)  # the project's interpreter (torch 2.11)
 
 if [[ ! -f $build/CMakeCache.txt ]]; then
   echo "== configuring $build"
-  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE=$py
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$py"
 fi
 echo "== building the benchmarks in $build"
 targets=(guard_overhead_bench controller_bench vote_bench kb_bench kb_serve_bench checkpoint_bench diagnosis_bench)

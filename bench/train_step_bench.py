@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""TrainStep's overhead against the plain PyTorch loop, with no OOM.
+"""TrainStep's and fit()'s overhead against the plain PyTorch loop, with no OOM.
 
 Both loops train the GPT-style decoder of examples/python/train_gpt.py in
 float32 on padded token batches with the same work per step: one forward and
@@ -11,10 +11,12 @@ device figures and the loss kept on the device until one host sync.
 
 The two run in one process and alternate step by step (plain, guarded, plain,
 ...) on two copies of the model, so that drift in the machine's load hits
-both alike. Prints a JSON line; with --markdown writes the section of
-bench/RESULTS.md.
+both alike. fit() owns its loop, so it is compared run against run: a plain
+loop over a DataLoader of the same dataset and batches, then fit() for the
+same steps, alternating, several times. Prints a JSON line; with --markdown
+writes the section of bench/RESULTS.md.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/train_step_bench.py --markdown bench/train_step_bench.md
+    PYTHONPATH=build/python scripts/python bench/train_step_bench.py --markdown bench/train_step_bench.md
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--fit-steps", type=int, default=20, help="steps of each fit() and plain run")
+    p.add_argument("--fit-runs", type=int, default=5, help="measured (plain, fit) run pairs")
     p.add_argument("--markdown", default="", help="write the RESULTS.md section here")
     args = p.parse_args()
     if args.pairs < 3 or args.warmup < 0:
@@ -99,6 +103,7 @@ def main() -> int:
             raise SystemExit(f"the two loops disagree at step {k}: {a} vs {b}")
     ratios = [g / q for g, q in zip(guarded_ms, plain_ms)]
     fixed_us = fixed_cost_us(gpt)
+    fit_result = fit_overhead(gpt, args, vocab, heads)
     result = {
         "bench": "train_step_overhead",
         "model": f"TinyGPT width {args.width}, {args.layers} layers, context {args.context}, vocab {vocab}, float32",
@@ -118,6 +123,7 @@ def main() -> int:
         "fixed_cost_us": fixed_us,
         "load_before": load_before,
         "load_after": _load(),
+        **fit_result,
         "commit": _commit(),
     }
     print(json.dumps(result))
@@ -171,6 +177,55 @@ def fixed_cost_us(gpt, pairs: int = 400) -> float:
     return statistics.median(diffs)
 
 
+def fit_overhead(gpt, args, vocab: int, heads: int) -> dict:
+    """fit() against the plain loop over the same DataLoader batches, run
+    against run (each alternation: a plain run, then a fit run), no
+    checkpoints, no evaluation: what fit adds to a loop."""
+    steps, runs = args.fit_steps, args.fit_runs
+    n = steps * args.batch
+    tokens, labels = zip(*(gpt.make_batch(0, k, args.batch, args.context, vocab) for k in range(steps)))
+    dataset = torch.utils.data.TensorDataset(torch.cat(tokens), torch.cat(labels))
+
+    def build():
+        torch.manual_seed(0)
+        model = gpt.TinyGPT(vocab, args.width, args.layers, heads, args.context)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, gpt.warmup_cosine(2, steps))
+
+    def plain_run() -> float:
+        model, opt, sched = build()
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=ogt.StepBatchSampler(n, args.batch, seed=0,
+                                                                                          steps=steps))
+        t0 = time.perf_counter()
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            loss = gpt.token_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            loss.item()
+        return time.perf_counter() - t0
+
+    def fit_run() -> float:
+        model, opt, sched = build()
+        t0 = time.perf_counter()
+        ogt.fit(model, opt, gpt.token_loss, dataset, global_batch=args.batch, steps=steps, loss_units=gpt.valid_tokens,
+                scheduler=sched, clip_grad_norm=1.0)
+        return time.perf_counter() - t0
+
+    plain_s, fit_s = [], []
+    for k in range(runs + 1):
+        order = (plain_run, fit_run) if k % 2 == 0 else (fit_run, plain_run)
+        times = {f: f() for f in order}
+        if k > 0:  # the first alternation warms both up
+            plain_s.append(times[plain_run])
+            fit_s.append(times[fit_run])
+    return {"fit_steps": steps, "fit_runs": runs, "fit_plain_median_s": statistics.median(plain_s),
+            "fit_median_s": statistics.median(fit_s),
+            "fit_ratio": statistics.median(f / p for f, p in zip(fit_s, plain_s))}
+
+
 def write_markdown(path: str, r: dict) -> None:
     cpu = "unknown CPU"
     try:
@@ -184,7 +239,7 @@ def write_markdown(path: str, r: dict) -> None:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     met = "**met**" if r["median_pair_ratio"] <= 1.03 else "**not met**"
     lines = [
-        "## TrainStep overhead (Python, no OOM)",
+        "## TrainStep and fit() overhead (Python, no OOM)",
         "",
         f"`bench/train_step_bench.py`: {r['model']} ({r['parameters']:,} parameters), "
         f"{r['batch']} padded sequences per step, AdamW + warmup/cosine + clipping. The plain loop and "
@@ -206,6 +261,13 @@ def write_markdown(path: str, r: dict) -> None:
         f"{r['guarded_min_ms'] / r['plain_min_ms']:.4f} (the machine is shared, so single steps vary by "
         f"tens of ms). What TrainStep adds to any step, measured the same way on a model whose step costs "
         f"next to nothing: {r['fixed_cost_us']:.0f} µs.",
+        "",
+        f"`oomguard.torch.fit` against the plain loop over a DataLoader of the same dataset and batches "
+        f"(`StepBatchSampler`), run against run: {r['fit_runs']} alternations of a {r['fit_steps']}-step plain "
+        f"run and a {r['fit_steps']}-step fit run (no checkpoints, no evaluation), after one warm-up "
+        f"alternation. Median plain run {r['fit_plain_median_s']:.2f} s, median fit run {r['fit_median_s']:.2f} s; "
+        f"fit/plain, median of the per-alternation ratios: **{r['fit_ratio']:.4f}** (it includes fit's set-up: "
+        f"the guard, the step, the loader).",
     ]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

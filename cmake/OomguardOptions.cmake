@@ -149,7 +149,7 @@ if(C10_INCLUDE_DIR AND C10_LIBRARY)
 else()
   set(_og_torch_default OFF)
 endif()
-option(OOMGUARD_WITH_TORCH "Recognise c10::OutOfMemoryError (libtorch)" ${_og_torch_default})
+option(OOMGUARD_WITH_TORCH "Build oomguard::torch: c10::OutOfMemoryError recognised by type (libtorch)" ${_og_torch_default})
 if(OOMGUARD_WITH_TORCH)
   if(NOT (C10_INCLUDE_DIR AND C10_LIBRARY))
     message(FATAL_ERROR "OOMGUARD_WITH_TORCH=ON but libc10 was not found (pip install torch for the interpreter "

@@ -10,7 +10,7 @@ gradient is the whole global batch's. With float64 the final parameters and
 the scheduler equal those of ``--plain`` (the whole batch in one forward, no
 guard) within 1e-10; compare two runs with ``--dump-params`` and ``--json``.
 
-    PYTHONPATH=build/python /usr/bin/python3 examples/python/train_gpt.py \\
+    PYTHONPATH=build/python scripts/python examples/python/train_gpt.py \\
         --steps 10 --budget-mib 6 --dtype float64 --json
     ... --ranks 2 --ckpt-dir /tmp/gpt-ckpt        # two processes, DDP over gloo
     ... --faults 'oom@step=2,rank=1,site=apply'   # injected OOMs (OOMGUARD_FAULTS too)
@@ -312,7 +312,7 @@ def run_guarded(args, rank, world, model, optimizer, scheduler):
         oomguard.clear_fault_rules()
     last = guard.finish()
     return {"losses": [losses[k] for k in sorted(losses)], "ooms": guard.total_ooms, "rollbacks": rollbacks,
-            "final_micro_batch": min(guard.micro_limit, hi - lo), "last_checkpoint": last}
+            "final_micro_batch": min(guard.micro_limit or hi - lo, hi - lo), "last_checkpoint": last}
 
 
 def train(args: argparse.Namespace) -> dict:

@@ -7,7 +7,7 @@ the step into smaller micro-batches with the same global batch, and the run
 ends with the same parameters as a run without OOMs (with float64, within
 1e-10 relative; compare two runs with ``--dump-params``).
 
-    PYTHONPATH=build/python /usr/bin/python3 examples/python/train_torch.py \\
+    PYTHONPATH=build/python scripts/python examples/python/train_torch.py \\
         --steps 20 --global-batch 512 --budget-mib 24 --dtype float64 --json
 
 Data for step k is a pure function of (seed, k), so a rolled-back or resumed
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             "steps": args.steps,
             "global_batch": args.global_batch,
             "initial_micro_batch": min(initial, args.global_batch) if initial > 0 else args.global_batch,
-            "final_micro_batch": min(guard.micro_limit, args.global_batch),
+            "final_micro_batch": min(guard.micro_limit or args.global_batch, args.global_batch),
             "ooms": guard.total_ooms,
             "loss_first": json_number(loss_first),
             "loss_last": json_number(loss_last),

@@ -9,7 +9,7 @@
 //   rank=N                only on this rank
 //   site=NAME             micro_batch, forward, backward, optimizer, commit,
 //                         sync, apply, ckpt_stage, ckpt_write, ckpt_manifest,
-//                         vote, kb_write
+//                         vote, kb_write, eval
 //   micro=N               micro-batch index within the step
 //   times=N               how many times the rule fires (default 1; 0 = unlimited)
 //   min_size=N            fire only while the micro-batch is at least this size
@@ -51,8 +51,9 @@ enum class FaultSite {
   kCkptManifest,
   kVote,
   kKbWrite,
+  kEval,  // before each micro-batch of Guard::Evaluate
 };
-inline constexpr int kNumFaultSites = 12;
+inline constexpr int kNumFaultSites = 13;
 
 OOMGUARD_EXPORT std::string_view FaultSiteName(FaultSite site);
 OOMGUARD_EXPORT std::optional<FaultSite> ParseFaultSite(std::string_view name);

@@ -110,6 +110,21 @@ struct StepReport {
   double recovery_ms = 0;                 // SDK time from OOMs to their retries
 };
 
+// One batch of evaluation or inference: no gradient, no optimizer step,
+// nothing that changes the model, so nothing to agree on with other ranks or
+// to roll back.
+struct EvalRequest {
+  // This rank's samples of the batch (>= 1).
+  int64_t samples = 0;
+  // Optional per-sample cost; the evaluation limit is then in cost units.
+  std::span<const int64_t> costs;
+  // Optional per-sample units: mb.weight becomes the micro-batch's share of them.
+  std::span<const int64_t> units;
+  // Forward of one micro-batch [mb.offset, mb.offset + mb.size); a result
+  // that is a mean over the micro-batch is weighed by mb.weight.
+  std::function<void(const MicroBatch&)> micro;
+};
+
 class OOMGUARD_EXPORT Guard {
  public:
   // Validates the options (and OOMGUARD_FAULTS) and creates a guard.
@@ -129,6 +144,17 @@ class OOMGUARD_EXPORT Guard {
   // other ranks were told. Every rank returns at the same step.
   virtual Status Step(const StepRequest& request, StepReport* report = nullptr) = 0;
 
+  // Runs one batch of evaluation on this rank alone, split into micro-batches
+  // that fit: an OOM releases caches, halves the evaluation's own limit (it
+  // starts at the training limit, since evaluation holds less, and grows back
+  // after clean batches) and re-runs the micro-batches not yet done; completed
+  // ones are kept. Each OOM is recorded as an incident (phase kEval unless
+  // marked otherwise). Returns OK, kResourceExhausted (a micro-batch of one
+  // sample, or max_ooms_per_step OOMs), kInvalidArgument (bad request);
+  // rethrows a non-OOM exception of user code. Not collective: ranks may
+  // evaluate different numbers of batches. The step number does not change.
+  virtual Status Evaluate(const EvalRequest& request, StepReport* report = nullptr) = 0;
+
   // Starts a run from its checkpoints: every rank restores the newest
   // checkpoint that every rank holds and can load (a corrupt one on any rank
   // makes all move to the next), confirmed by all, and step() becomes the
@@ -144,7 +170,7 @@ class OOMGUARD_EXPORT Guard {
   // did not answer; every rank returns the same outcome. Collective.
   virtual StatusOr<int64_t> Finish() = 0;
 
-  // Marks the phase of user code running inside micro/commit (incidents carry
+  // Marks the phase of user code running inside micro/apply (incidents carry
   // it; fault rules with site=forward/backward/optimizer fire here).
   virtual void MarkPhase(Phase phase) = 0;
 
@@ -156,8 +182,11 @@ class OOMGUARD_EXPORT Guard {
   virtual int64_t step() const = 0;
   // Sets the next step number (after resuming from a checkpoint).
   virtual void SetStep(int64_t step) = 0;
-  // The micro-batch limit the next step will use.
+  // The micro-batch limit the next step will use (INT64_MAX: no limit
+  // known yet, every step runs whole until an OOM says otherwise).
   virtual int64_t micro_limit() const = 0;
+  // The limit the next Evaluate will use (INT64_MAX likewise).
+  virtual int64_t eval_micro_limit() const = 0;
   // Sets the limit (a learned prior). Clamped to [min_micro_batch, max].
   virtual void SetMicroLimit(int64_t limit) = 0;
   // OOMs handled since creation.

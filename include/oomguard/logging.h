@@ -6,6 +6,8 @@
 // Logging never throws on the training path: the logger's error handler
 // swallows formatting and sink errors (counted in LogErrors()).
 //
+// Not included by oomguard.h: this header brings spdlog and fmt.
+//
 // Thread-safety: all functions may be called from any thread.
 #ifndef OOMGUARD_LOGGING_H_
 #define OOMGUARD_LOGGING_H_

@@ -1,5 +1,8 @@
 // oomguard: keep a training loop alive through out-of-memory errors.
-// The umbrella header: includes every public header.
+// The umbrella header: includes every public header but logging.h, which
+// brings spdlog (and its fmt) into the includer; include it where a program
+// injects its own logger (SetLogger). Leaving it out keeps oomguard.h cheap to
+// compile and usable beside libtorch 2.x, whose headers carry a newer fmt.
 #ifndef OOMGUARD_OOMGUARD_H_
 #define OOMGUARD_OOMGUARD_H_
 
@@ -11,7 +14,6 @@
 #include "oomguard/guard.h"
 #include "oomguard/incident.h"
 #include "oomguard/knowledge_base.h"
-#include "oomguard/logging.h"
 #include "oomguard/oom.h"
 #include "oomguard/options.h"
 #include "oomguard/plan.h"

@@ -45,10 +45,22 @@
 //                   s <= min cannot be fixed by splitting: OnOom returns false.
 //   After grow_after clean steps that were limited by the limit: probe
 //   min(2*limit, max) while bad is unknown, else the midpoint of limit and bad
-//   while bad - limit > max(1, tolerance*bad). bad is forgotten forget_bad_after
-//   steps after it was last set (memory conditions change).
+//   while bad - limit > max(1, tolerance*bad).
 //   The steady state is within `tolerance` of the largest size that fits and is
 //   reached in O(log(max/min)) OOMs.
+//
+// What an OOM teaches (both policies). One OOM may be a one-off (a transient
+// peak, another process's burst): `bad` is tried again once it is
+// BadWindow() steps old, and that window doubles each time the retry fails
+// again (from 2*grow_after up to forget_bad_after), so a one-off costs a few
+// dozen steps at a smaller size while a real limit costs O(log) extra OOMs
+// over forget_bad_after steps. A retry that runs clean forgets the strikes. An
+// injected OOM (OnInjectedOom) says nothing about memory: the limit halves, so
+// that recovery is exercised, and nothing is remembered. OOMs outside the
+// micro-batches (the gradient sync, the optimizer apply, checkpoint staging)
+// do not depend on the micro-batch size; the guard does not report them here.
+// A learned prior is a size that ran clean, not a bound: a run that starts
+// from one still grows after its clean steps.
 //
 // docs/concepts.md ("The size controller") describes both with examples.
 //
@@ -81,7 +93,7 @@ struct SizeControllerOptions {
   int64_t max = INT64_MAX;     // largest micro-batch ever tried
   int grow_after = 10;         // clean limit-bound steps before a growth probe; 0: never grow
   double tolerance = 0.05;     // stop probing when bad - limit <= tolerance * bad
-  int forget_bad_after = 500;  // steps after which `bad` (and what failures taught) is forgotten; 0: never
+  int forget_bad_after = 500;  // longest a failing size (and what failures taught) is remembered; 0: for ever
   SizePolicy policy = SizePolicy::kPredictive;
 };
 
@@ -141,6 +153,15 @@ class OOMGUARD_EXPORT SizeController {
   // The same with the device's figures at the failure (kPredictive learns
   // from them; kSearch ignores them).
   bool OnOom(int64_t size, const MicroBatchMemory& memory);
+  // An OOM that fault injection raised at a micro-batch of size `size`: the
+  // limit halves (recovery is what is being tested) but no size is marked as
+  // failing and nothing is learned, so growth resumes after grow_after clean
+  // steps. Returns false when the size cannot be reduced.
+  bool OnInjectedOom(int64_t size);
+  // How many steps a failing size is remembered before it is tried again:
+  // 2*grow_after, doubled for each retry of it that failed since one last ran
+  // clean, at most forget_bad_after (for ever when either option is 0).
+  int64_t BadWindow() const;
 
   // A micro-batch of `size` completed with these figures. Returns true when
   // the limit changed as a result: the rest of the step may be re-planned.
@@ -160,10 +181,10 @@ class OOMGUARD_EXPORT SizeController {
   void SetLimit(int64_t limit);
 
   // Starts from a learned prior: the largest size that ran clean for this
-  // workload before, which an earlier run had already brought within
-  // `tolerance` of what fits. The size counts as proven, and the failing size
-  // is taken to lie just above it, so the controller does not re-probe what
-  // the earlier run learned until `forget_bad_after` steps have passed.
+  // workload before. The size counts as proven, and the failing size is taken
+  // to lie just above it, with one strike: it is tried again after
+  // BadWindow() (4*grow_after) clean steps, so a prior that one OOM set too
+  // low does not hold the run below what fits.
   void AdoptPrior(int64_t size);
   // Starts from a learned model (kPredictive): the first step's figures
   // (OnStepStart) then give the limit directly, on this device, whatever the
@@ -187,6 +208,9 @@ class OOMGUARD_EXPORT SizeController {
 
   // kSearch's reaction to an OOM at `size` (after bad/good were updated).
   void SearchOnOom(int64_t size);
+  // Marks `size` as failing (a real OOM there), with a strike when it
+  // retried a size that had failed before.
+  void RememberBad(int64_t size);
   // kSearch's growth after grow_after clean, limit-bound steps.
   void SearchGrow();
   // The model (size_model.cc).
@@ -230,6 +254,8 @@ class OOMGUARD_EXPORT SizeController {
   int clean_steps_ = 0;
   int64_t steps_ = 0;
   int64_t bad_set_at_ = 0;
+  int bad_strikes_ = 0;                // retries of a forgotten `bad` that failed again
+  std::optional<int64_t> retried_bad_;  // the `bad` whose window ran out, until a step at it settles it
   int64_t ooms_ = 0;
 
   // kPredictive.

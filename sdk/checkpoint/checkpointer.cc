@@ -31,7 +31,11 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
   std::filesystem::create_directories(o.dir, ec);
   if (ec)
     return Status::InvalidArgument("CheckpointOptions.dir: cannot create " + o.dir + ": " + ec.message());
-  return std::unique_ptr<Checkpointer>(new ckpt_internal::CheckpointerImpl(o));
+  auto lock = ckpt::DirLock::Acquire(o.dir, o.rank);
+  if (!lock.ok()) return lock.status();
+  auto impl = std::make_unique<ckpt_internal::CheckpointerImpl>(o);
+  impl->HoldLock(std::move(lock).value());
+  return std::unique_ptr<Checkpointer>(std::move(impl));
 }
 
 Checkpointer::~Checkpointer() = default;

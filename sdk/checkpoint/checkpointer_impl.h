@@ -42,6 +42,7 @@
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/device_copy.h"
+#include "sdk/checkpoint/dir_lock.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/host_buffer.h"
 #include "sdk/checkpoint/manifest.h"
@@ -314,6 +315,8 @@ class CheckpointerImpl final : public Checkpointer {
     return stats_;
   }
   const CheckpointOptions& options() const override { return o_; }
+  // The directory's lock for this rank (Create takes it before construction).
+  void HoldLock(std::shared_ptr<ckpt::DirLock> lock) { dir_lock_ = std::move(lock); }
 
   std::vector<int64_t> DurableSteps() override;
   std::optional<int64_t> SnapshotStep() override {
@@ -393,6 +396,8 @@ class CheckpointerImpl final : public Checkpointer {
   void RemoveLeftovers();
   void RecordCorrupt(int64_t step, const Status& why);
 
+  // First, so destroyed last: released after the writer and the reaper stopped.
+  std::shared_ptr<ckpt::DirLock> dir_lock_;
   const CheckpointOptions o_;
   std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
   std::unique_ptr<ckpt::ThreadPool> pool_;

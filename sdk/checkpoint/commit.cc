@@ -95,8 +95,8 @@ void CheckpointerImpl::ApplyRetention(int64_t newest_committed) {
       continue;
     }
     if (errno == ENOENT) continue;  // another rank sharing the directory took it
-    fs::remove_all(StepDir(s), ec);
-    if (ec) Logger()->warn("retention: cannot remove {}: {}", StepDir(s), ec.message());
+    if (const std::error_code gone = ckpt::RemoveTree(StepDir(s)); gone && gone != std::errc::no_such_file_or_directory)
+      Logger()->warn("retention: cannot remove {}: {}", StepDir(s), gone.message());
   }
   if (!doomed.empty() && o_.fsync) (void)ckpt::FsyncPath(o_.dir, true);
 }

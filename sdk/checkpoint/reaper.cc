@@ -1,10 +1,68 @@
 #include "sdk/checkpoint/reaper.h"
 
-#include <filesystem>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include "oomguard/logging.h"
 
 namespace oomguard::ckpt {
+namespace {
+
+constexpr int kMaxDepth = 64;
+
+// Empties the directory open at `dir_fd` (which it closes), depth first.
+int EmptyDirectory(int dir_fd, int depth) {
+  DIR* dir = ::fdopendir(dir_fd);
+  if (dir == nullptr) {
+    const int err = errno;
+    ::close(dir_fd);
+    return err;
+  }
+  int result = 0;
+  while (dirent* e = ::readdir(dir)) {
+    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+    if (::unlinkat(dir_fd, e->d_name, 0) == 0 || errno == ENOENT) continue;
+    if (errno != EISDIR && errno != EPERM) {
+      result = errno;
+      break;
+    }
+    // A directory (unlink of a directory is EISDIR on Linux, EPERM elsewhere).
+    if (depth >= kMaxDepth) {
+      result = ELOOP;
+      break;
+    }
+    const int child = ::openat(dir_fd, e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (child < 0) {
+      if (errno == ENOENT) continue;
+      result = errno;
+      break;
+    }
+    if ((result = EmptyDirectory(child, depth + 1)) != 0) break;
+    if (::unlinkat(dir_fd, e->d_name, AT_REMOVEDIR) != 0 && errno != ENOENT) {
+      result = errno;
+      break;
+    }
+  }
+  ::closedir(dir);  // closes dir_fd
+  return result;
+}
+
+}  // namespace
+
+std::error_code RemoveTree(const std::string& path) {
+  if (::unlink(path.c_str()) == 0 || errno == ENOENT) return {};
+  if (errno != EISDIR && errno != EPERM) return {errno, std::generic_category()};
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT ? std::error_code{} : std::error_code{errno, std::generic_category()};
+  if (const int err = EmptyDirectory(fd, 1); err != 0) return {err, std::generic_category()};
+  if (::rmdir(path.c_str()) != 0 && errno != ENOENT) return {errno, std::generic_category()};
+  return {};
+}
 
 Reaper::~Reaper() {
   {
@@ -38,8 +96,7 @@ void Reaper::Run() {
     queue_.pop_front();
     busy_ = true;
     lk.unlock();
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    const std::error_code ec = RemoveTree(path);
     // Another rank sharing the directory may have removed it first.
     if (ec && ec != std::errc::no_such_file_or_directory)
       Logger()->warn("retention: cannot remove {}: {}", path, ec.message());

@@ -13,6 +13,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 
 namespace oomguard::ckpt {
@@ -20,6 +21,15 @@ namespace oomguard::ckpt {
 // Names of directories handed to a Reaper begin with this; a crash can
 // leave them behind, and a new Checkpointer removes them.
 inline constexpr const char* kRemovingPrefix = ".removing-";
+
+// Removes `path` and everything under it, like std::filesystem::remove_all,
+// without following symbolic links (a link is removed, never what it points
+// to). Written on openat/unlinkat rather than called from libstdc++: the
+// std::filesystem::remove_all that PyPI's libtorch 2.11 exports from
+// libtorch.so takes the place of libstdc++'s in a process that loads it
+// first, and crashes. A path that does not exist is no error. Directories
+// deeper than 64 levels are refused (ELOOP): no checkpoint is that deep.
+std::error_code RemoveTree(const std::string& path);
 
 class Reaper {
  public:

@@ -135,7 +135,7 @@ TEST(FaultParseTest, BadRulesNameTheRuleAndTheProblem) {
       {"oom@stpe=1", "oom@stpe=1",
        "unknown key 'stpe' (expected step, rank, site, micro, times, min_size, ms or bytes)"},
       {"oom@site=fwd", "oom@site=fwd", "unknown site 'fwd' (expected micro_batch, forward"},
-      {"oom@site=fwd", "oom@site=fwd", "vote or kb_write)"},
+      {"oom@site=fwd", "oom@site=fwd", "kb_write or eval)"},
       {"oom@step=1,step=2", "oom@step=1,step=2", "duplicate key 'step'"},
       {"oom@site=vote,rank=1,site=vote", "oom@site=vote,rank=1,site=vote", "duplicate key 'site'"},
       {"oom@step=5-3", "oom@step=5-3", "range '5-3' is empty (start 5 > end 3)"},

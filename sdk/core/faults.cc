@@ -58,6 +58,7 @@ constexpr std::array<std::pair<FaultSite, std::string_view>, kNumFaultSites> kSi
     {FaultSite::kCkptManifest, "ckpt_manifest"},
     {FaultSite::kVote, "vote"},
     {FaultSite::kKbWrite, "kb_write"},
+    {FaultSite::kEval, "eval"},
 }};
 
 // The longest delay a rule may ask for, in milliseconds (one hour).

@@ -256,8 +256,12 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     return false;
   }
   Device* device = options_.device;
+  // Only an OOM inside a micro-batch depends on its size. The sync buffers,
+  // the vote and the commit sites hold what the whole step holds, whatever
+  // the split: a smaller micro-batch would not help there.
+  const bool in_micro = where == Where::kLocal && run.pos < run.plan.size();
   MicroBatch failed;
-  if (where == Where::kLocal && run.pos < run.plan.size()) {
+  if (in_micro) {
     failed = run.plan[run.pos];
   } else {
     failed.index = -1;
@@ -273,8 +277,7 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   // which says nothing about the device's).
   std::optional<MicroBatchMemory> figures;
   if (device != nullptr && at_failure && !info.injected && info.kind == OomKind::kDevice &&
-      info.requested_bytes > 0 && before.total > 0 && where == Where::kLocal && run.pos < run.plan.size() &&
-      run.mem_base >= 0) {
+      info.requested_bytes > 0 && before.total > 0 && in_micro && run.mem_base >= 0) {
     figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes,
                                before.reserved + before.free};
   }
@@ -325,7 +328,21 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     action = LadderAction::kRelease;
   } else if (rep.ooms > options_.max_ooms_per_step) {
     action = LadderAction::kGiveUp;
-  } else if ((figures ? controller_.OnOom(failed.cost, *figures) : controller_.OnOom(failed.cost)) &&
+  } else if (!in_micro) {
+    // Released caches are all this rung has: the step is redone as it was,
+    // once; then a rollback, or the end.
+    if (!run.outside_retry_used) {
+      run.outside_retry_used = true;
+      action = LadderAction::kRelease;
+    } else if (store != nullptr && (store->SnapshotStep() || !store->DurableSteps().empty())) {
+      action = LadderAction::kRollback;
+      inc.actions.push_back(action);
+    } else {
+      action = LadderAction::kGiveUp;
+    }
+  } else if ((info.injected ? controller_.OnInjectedOom(failed.cost)
+              : figures     ? controller_.OnOom(failed.cost, *figures)
+                            : controller_.OnOom(failed.cost)) &&
              failed.size > 1) {
     // (A lone sample cannot be split, whatever its cost: it escalates.)
     action = LadderAction::kHalve;
@@ -355,6 +372,8 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
           std::string(IncidentKindName(inc.kind)) +
           ", requested " + FormatBytes(info.requested_bytes) + ") " +
           (bounded ? "after " + std::to_string(rep.ooms - 1) + " OOMs in one step (max_ooms_per_step)"
+           : !in_micro ? "outside the micro-batches, where a smaller micro-batch does not help, again after "
+                         "releasing caches, with no checkpoint to roll back to"
            : failed.size == 1 && failed.cost > options_.min_micro_batch
                ? "in a micro-batch of one sample (cost " + std::to_string(failed.cost) +
                      ") that cannot be split, with no checkpoint to roll back to"
@@ -410,9 +429,9 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   const double user_ms = ReleaseCaches();
   ++run.rep.cache_releases;
   inc.actions.push_back(LadderAction::kRelease);
-  // Parameters may be half-updated: only a restore can put them back. The redo
-  // runs at a smaller micro-batch, freeing room for optimizer state.
-  controller_.OnOom(std::max<int64_t>(run.largest, options_.min_micro_batch));
+  // Parameters may be half-updated: only a restore can put them back. The
+  // micro-batch stays: the activations are gone by the apply, and what the
+  // optimizer allocates does not depend on the split.
   inc.micro_after = EffectiveLimit(run.req);
   inc.action = LadderAction::kRollback;
   inc.actions.push_back(inc.action);

@@ -108,6 +108,7 @@ struct Run {
   int64_t mem_retries = 0;
   int64_t step_peak = 0;
   bool release_retry_used = false;
+  bool outside_retry_used = false;     // the redo after an OOM outside the micro-batches
   Local local = Local::kOk;
   Status failure;                      // why this rank failed (local == kFailed)
   std::exception_ptr error;            // a non-OOM exception: rethrown once the others know
@@ -171,6 +172,7 @@ class GuardImpl final : public Guard {
   }
 
   Status Step(const StepRequest& req, StepReport* report) override;
+  Status Evaluate(const EvalRequest& req, StepReport* report) override;
   StatusOr<int64_t> Resume() override;
   StatusOr<int64_t> Finish() override;
 
@@ -184,6 +186,9 @@ class GuardImpl final : public Guard {
   int64_t step() const override { return step_; }
   void SetStep(int64_t step) override { step_ = step; }
   int64_t micro_limit() const override { return controller_.limit(); }
+  int64_t eval_micro_limit() const override {
+    return eval_controller_ ? eval_controller_->limit() : controller_.limit();
+  }
   void SetMicroLimit(int64_t limit) override { controller_.SetLimit(limit); }
   int64_t total_ooms() const override { return total_ooms_; }
   const std::string& run_id() const override { return run_id_; }
@@ -316,6 +321,10 @@ class GuardImpl final : public Guard {
 
   Incident NewIncident(const OomInfo& info, const MemoryStats& mem, const MicroBatch& mb,
                        const StepRequest& req) const {
+    return NewIncident(info, mem, mb, req.costs);
+  }
+  Incident NewIncident(const OomInfo& info, const MemoryStats& mem, const MicroBatch& mb,
+                       std::span<const int64_t> costs) const {
     Incident inc;
     inc.id = internal::RandomHex16();
     inc.run_id = run_id_;
@@ -333,13 +342,13 @@ class GuardImpl final : public Guard {
     inc.memory = mem;
     inc.step_peaks.assign(peaks_.begin(), peaks_.end());
     inc.steps_ok_before = steps_ok_since_oom_;
-    if (!req.costs.empty()) {
-      std::vector<int64_t> c(req.costs.begin(), req.costs.end());
+    if (!costs.empty()) {
+      std::vector<int64_t> c(costs.begin(), costs.end());
       auto mid = c.begin() + static_cast<std::ptrdiff_t>(c.size() / 2);
       std::nth_element(c.begin(), mid, c.end());
       inc.sample_cost_median = static_cast<double>(*mid);
       int64_t top = 0;
-      for (int64_t i = mb.offset; i < mb.offset + mb.size; ++i) top = std::max(top, req.costs[static_cast<size_t>(i)]);
+      for (int64_t i = mb.offset; i < mb.offset + mb.size; ++i) top = std::max(top, costs[static_cast<size_t>(i)]);
       inc.sample_cost_this = static_cast<double>(top);
     }
     inc.micro_before = mb.cost;
@@ -349,7 +358,8 @@ class GuardImpl final : public Guard {
     return inc;
   }
 
-  void RecordIncident(Run& run, Incident inc) {
+  void RecordIncident(Run& run, Incident inc) { RecordIncident(run.rep, std::move(inc)); }
+  void RecordIncident(StepReport& rep, Incident inc) {
     if (options_.incidents != nullptr) {
       try {
         options_.incidents->Record(inc);
@@ -358,7 +368,7 @@ class GuardImpl final : public Guard {
         Logger()->warn("incident sink failed to record incident {}", inc.id);
       }
     }
-    run.rep.incidents.push_back(std::move(inc));
+    rep.incidents.push_back(std::move(inc));
   }
 
   void FinishIncidents(std::vector<Incident>& incs, IncidentOutcome outcome) {
@@ -399,6 +409,8 @@ class GuardImpl final : public Guard {
 
   GuardOptions options_;
   SizeController controller_;
+  // Evaluate's own limit (kSearch from the training limit), made on first use.
+  std::optional<SizeController> eval_controller_;
   std::string run_id_;
   std::unique_ptr<Coordinator> own_coordinator_;
   Coordinator* coordinator_ = nullptr;

@@ -356,7 +356,8 @@ TEST_F(MultiRank, OomInOneRanksApplyRollsEveryRankBackInThatStep) {
     EXPECT_EQ(ranks_[r]->reports[2].rolled_back_to, 1) << "rank " << r;
     EXPECT_EQ(ranks_[r]->guard->step(), 2) << "every rank continues from the same step";
   }
-  EXPECT_EQ(ranks_[1]->guard->micro_limit(), 8) << "the failing rank redoes at a smaller size";
+  EXPECT_EQ(ranks_[1]->guard->micro_limit(), 16)
+      << "the redo keeps the size: what the optimizer allocates does not depend on the split";
 }
 
 // The most common real OOM: optimizer state allocated in the first apply.

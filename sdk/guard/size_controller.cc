@@ -27,11 +27,44 @@ bool SizeController::predicting() const {
 
 bool SizeController::OnOom(int64_t size) { return OnOom(size, MicroBatchMemory{}); }
 
+int64_t SizeController::BadWindow() const {
+  if (options_.grow_after == 0 || options_.forget_bad_after == 0) return INT64_MAX;
+  const int64_t cap = options_.forget_bad_after;
+  int64_t window = 2 * static_cast<int64_t>(options_.grow_after);
+  for (int i = 0; i < bad_strikes_ && window < cap; ++i) window = window > cap / 2 ? cap : 2 * window;
+  return std::min(window, cap);
+}
+
+void SizeController::RememberBad(int64_t size) {
+  // A retry of a size that had failed failed again: it was no one-off.
+  if (retried_bad_ && size >= *retried_bad_ && bad_strikes_ < 30) ++bad_strikes_;
+  retried_bad_.reset();
+  bad_ = bad_ ? std::min(*bad_, size) : size;
+  bad_set_at_ = steps_;
+}
+
+bool SizeController::OnInjectedOom(int64_t size) {
+  ++ooms_;
+  clean_steps_ = 0;
+  probe_ = false;
+  if (size <= options_.min) {
+    limit_ = options_.min;
+    probing_ = false;
+    model_limit_ = false;
+    cold_ = false;
+    return false;
+  }
+  limit_ = std::max(options_.min, std::min(limit_, size / 2));
+  probing_ = false;
+  model_limit_ = false;
+  cold_ = false;
+  return true;
+}
+
 bool SizeController::OnOom(int64_t size, const MicroBatchMemory& memory) {
   ++ooms_;
   clean_steps_ = 0;
-  bad_ = bad_ ? std::min(*bad_, size) : size;
-  bad_set_at_ = steps_;
+  RememberBad(size);
   // A size that used to fit failed: memory conditions changed, so what was
   // known good is no longer evidence.
   if (good_ >= size) good_ = 0;
@@ -177,7 +210,15 @@ void SizeController::OnStepStart(int64_t base, int64_t capacity) {
 
 void SizeController::OnSuccess(int64_t largest, bool limit_bound) {
   ++steps_;
-  if (bad_ && options_.forget_bad_after > 0 && steps_ - bad_set_at_ >= options_.forget_bad_after) {
+  // A step that ran clean at or above a failing size that was being tried
+  // again settles it: that failure was a one-off.
+  if (retried_bad_ && largest >= *retried_bad_) {
+    retried_bad_.reset();
+    bad_strikes_ = 0;
+  }
+  if (bad_ && steps_ - bad_set_at_ >= BadWindow()) {
+    // Try the failing size again (SearchGrow goes no further than it at first).
+    retried_bad_ = *bad_;
     bad_.reset();
     cap_.reset();
   }
@@ -230,6 +271,7 @@ void SizeController::SearchGrow() {
   int64_t next = limit_;
   if (!bad_) {
     next = limit_ > options_.max / 2 ? options_.max : 2 * limit_;
+    if (retried_bad_ && *retried_bad_ > limit_) next = std::min(next, *retried_bad_);
   } else {
     const int64_t gap = *bad_ - limit_;
     const double stop = std::max(1.0, options_.tolerance * static_cast<double>(*bad_));
@@ -291,10 +333,13 @@ void SizeController::SetLimit(int64_t limit) {
 void SizeController::AdoptPrior(int64_t size) {
   SetLimit(size);
   good_ = limit_;
+  if (limit_ >= options_.max) return;  // nothing above it to try
   const int64_t above =
       std::max<int64_t>(1, static_cast<int64_t>(options_.tolerance * static_cast<double>(limit_)));
   bad_ = limit_ > options_.max - above ? options_.max : limit_ + above;
   bad_set_at_ = steps_;
+  bad_strikes_ = 1;
+  retried_bad_.reset();
 }
 
 void SizeController::AdoptPrior(const SizeModel& model) {

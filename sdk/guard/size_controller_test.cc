@@ -120,19 +120,70 @@ TEST(SizeController, SetLimitClamps) {
   EXPECT_EQ(c.limit(), 8);
 }
 
-TEST(SizeController, AdoptedPriorIsNotReprobedUntilForgotten) {
-  SizeControllerOptions o = Opts(4096, 1, 8192, 1);
-  o.forget_bad_after = 50;
+TEST(SizeController, AdoptedPriorStillGrowsAfterCleanSteps) {
+  SizeControllerOptions o = Opts(4096, 1, 8192, 2);
+  o.forget_bad_after = 500;
   SizeController c(o);
   c.AdoptPrior(300);
   EXPECT_EQ(c.limit(), 300);
   EXPECT_EQ(c.good(), 300);
   ASSERT_TRUE(c.bad().has_value());
   EXPECT_GT(*c.bad(), 300);
-  for (int i = 0; i < 40; ++i) c.OnSuccess(300, true);
-  EXPECT_EQ(c.limit(), 300) << "no probe while the learned failing size is remembered";
-  for (int i = 0; i < 20; ++i) c.OnSuccess(c.limit(), true);
-  EXPECT_GT(c.limit(), 300) << "probing resumes once it is forgotten";
+  EXPECT_EQ(c.BadWindow(), 8) << "a prior counts as one strike: 2 * grow_after * 2";
+  int steps = 0;
+  while (c.limit() == 300 && steps < 50) {
+    c.OnSuccess(300, true);
+    ++steps;
+  }
+  EXPECT_GE(steps, 8) << "no probe inside the window";
+  EXPECT_EQ(c.limit(), 315) << "the size just above the prior is tried first, no further";
+  c.OnSuccess(315, true);
+  EXPECT_EQ(c.BadWindow(), 4) << "the retry ran clean: the strike is gone";
+  while (c.limit() == 315 && steps < 100) {
+    c.OnSuccess(315, true);
+    ++steps;
+  }
+  EXPECT_EQ(c.limit(), 630) << "then it grows as on a fresh run";
+}
+
+TEST(SizeController, RepeatedFailuresWidenTheRetryWindow) {
+  // A limit of 100 that is real: each retry of the failing size fails again,
+  // and the windows between retries double up to forget_bad_after.
+  SizeControllerOptions o = Opts(100, 1, 1000, 1);
+  o.forget_bad_after = 64;
+  SizeController c(o);
+  Sim sim;
+  sim.Run(c, 100, 40);
+  const int64_t early = sim.ooms;
+  sim.Run(c, 100, 640);
+  EXPECT_EQ(c.BadWindow(), 64) << "strikes double 2 -> 4 -> ... up to forget_bad_after";
+  EXPECT_LE(sim.ooms - early, 14) << "about one retry per forget_bad_after steps";
+  EXPECT_GE(c.limit(), 95);
+}
+
+TEST(SizeController, OneOffOomDoesNotPinTheSize) {
+  SizeControllerOptions o = Opts(64, 1, 64, 3);
+  SizeController c(o);
+  for (int i = 0; i < 3; ++i) c.OnSuccess(64, true);
+  ASSERT_TRUE(c.OnOom(64));  // a transient peak
+  EXPECT_EQ(c.limit(), 32);
+  int steps = 0;
+  while (c.limit() < 64 && steps < 100) {
+    c.OnSuccess(c.limit(), true);
+    ++steps;
+  }
+  EXPECT_EQ(c.limit(), 64);
+  EXPECT_LE(steps, 2 * o.grow_after + o.grow_after) << "back at the size that failed once after ~2 windows";
+}
+
+TEST(SizeController, InjectedOomHalvesButTeachesNothing) {
+  SizeController c(Opts(64, 1, 1024, 3));
+  ASSERT_TRUE(c.OnInjectedOom(64));
+  EXPECT_EQ(c.limit(), 32);
+  EXPECT_FALSE(c.bad().has_value());
+  for (int i = 0; i < 3; ++i) c.OnSuccess(32, true);
+  EXPECT_EQ(c.limit(), 64) << "grows back after grow_after clean steps, as far as before";
+  EXPECT_FALSE(c.OnInjectedOom(1)) << "nothing below the minimum";
 }
 
 TEST(SizeController, ValidatesOptions) {

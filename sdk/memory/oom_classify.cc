@@ -30,9 +30,6 @@
 #include "oomguard/device.h"
 #include "oomguard/oom.h"
 
-#ifdef OOMGUARD_WITH_TORCH
-#include "sdk/memory/torch_oom.h"
-#endif
 #ifdef OOMGUARD_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -130,9 +127,6 @@ OomInfo ClassifyException(std::exception_ptr e) {
     return info;
   }
   if (auto known = ClassifyKnownType(e)) return *std::move(known);
-#ifdef OOMGUARD_WITH_TORCH
-  if (auto torch = internal::ClassifyTorchException(e)) return *std::move(torch);
-#endif
 
   // Translators run inside a catch block, as oom.h promises, so that a plain
   // `throw;` in a translator also works. A translator may also describe an
@@ -157,7 +151,8 @@ OomInfo ClassifyException(std::exception_ptr e) {
         continue;
       }
       if (result && result->is_oom()) {
-        result->matched_by = "translator:" + name;
+        // A translator that recognised the type says so ("type").
+        if (result->matched_by.empty()) result->matched_by = "translator:" + name;
         if (result->exception_type.empty()) result->exception_type = "unknown";
         return *std::move(result);
       }

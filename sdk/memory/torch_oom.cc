@@ -58,4 +58,13 @@ std::optional<OomInfo> ClassifyTorchException(std::exception_ptr e) {
   }
 }
 
+namespace {
+
+// Registered when the library holding this file is loaded.
+const bool kRegistered = [] {
+  RegisterOomTranslator("c10", ClassifyTorchException);
+  return true;
+}();
+
+}  // namespace
 }  // namespace oomguard::internal

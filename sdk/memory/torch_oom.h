@@ -1,9 +1,11 @@
 // Recognising libtorch's exceptions (c10::Error and c10::OutOfMemoryError).
 //
-// Private to sdk/memory: oom_classify.cc calls this before its generic
-// std::exception fallback, because c10::Error derives from std::exception and
-// its what() carries a backtrace that would pollute message matching.
-// Compiled only when OOMGUARD_WITH_TORCH is defined (libc10 is linked).
+// The library oomguard::torch (liboomguard_torch, built with
+// OOMGUARD_WITH_TORCH) registers it as the OOM translator "c10" when it is
+// loaded, so that ClassifyException sees libtorch's types before its generic
+// std::exception fallback (c10::Error's what() carries a backtrace that would
+// pollute message matching). liboomguard itself never links libtorch: C++
+// programs without torch do not need it, and a torch upgrade does not break it.
 //
 // Thread-safety: stateless; may be called from any thread.
 #ifndef OOMGUARD_SDK_MEMORY_TORCH_OOM_H_

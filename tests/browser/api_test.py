@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """`oomguard kb serve` over real HTTP on 127.0.0.1: the JSON API, errors, limits, metrics, reloads, stop.
 
 Usage: api_test.py OOMGUARD_BINARY"""

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Headless Chromium loads the knowledge-base browser and the test asserts the rendered DOM.
 
 Usage: browser_test.py --oomguard BIN [--db PATH ...] [--artifacts DIR] [--chromium PATH]

@@ -2,6 +2,7 @@
 # `oomguard ckpt list|verify|inspect` on checkpoints written by mlp_train,
 # before and after corruption. Usage: ckpt_cli_test.sh OOMGUARD MLP_TRAIN
 set -u
+PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
 CLI=$1
 MLP=$2
 WORK=$(mktemp -d /tmp/oomguard-ckptcli-XXXXXX)
@@ -13,16 +14,16 @@ D="$WORK/ck"
 out=$("$CLI" ckpt list "$D") || fail "list: $out"
 [ "$(echo "$out" | grep -c committed)" = "3" ] || fail "list shows 3 committed checkpoints: $out"
 out=$("$CLI" ckpt list "$D" --json) || fail "list --json"
-echo "$out" | /usr/bin/python3 -c 'import json,sys; l=json.load(sys.stdin); assert [c["step"] for c in l]==[4,9,14] and all(c["committed"] for c in l), l' \
+echo "$out" | "$PY" -c 'import json,sys; l=json.load(sys.stdin); assert [c["step"] for c in l]==[4,9,14] and all(c["committed"] for c in l), l' \
   || fail "list --json: $out"
 "$CLI" ckpt verify "$D" > /dev/null || fail "verify of good checkpoints"
 out=$("$CLI" ckpt inspect "$D/step-00000014/rank-00000.h5" --json) || fail "inspect"
-echo "$out" | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin); assert j["step"]==14 and j["format"]=="oomguard-ckpt/2"; t={x["path"]:x for x in j["tensors"]}; assert t["/model/fc2.weight"]["shape"]==[16,16] and t["/model/fc2.weight"]["filters"]==["shuffle","zstd(level=1)"], t' \
+echo "$out" | "$PY" -c 'import json,sys; j=json.load(sys.stdin); assert j["step"]==14 and j["format"]=="oomguard-ckpt/2"; t={x["path"]:x for x in j["tensors"]}; assert t["/model/fc2.weight"]["shape"]==[16,16] and t["/model/fc2.weight"]["filters"]==["shuffle","zstd(level=1)"], t' \
   || fail "inspect --json: $out"
 
 # Flip one byte near the end of a shard's data: verify names the file, exits 1.
 F="$D/step-00000009/rank-00000.h5"
-/usr/bin/python3 -c 'import sys; p=sys.argv[1]; b=bytearray(open(p,"rb").read()); b[len(b)//2]^=0xff; open(p,"wb").write(b)' "$F"
+"$PY" -c 'import sys; p=sys.argv[1]; b=bytearray(open(p,"rb").read()); b[len(b)//2]^=0xff; open(p,"wb").write(b)' "$F"
 out=$("$CLI" ckpt verify "$D" --step 9 2>&1)
 [ $? -eq 1 ] || fail "verify of a flipped byte must exit 1: $out"
 echo "$out" | grep -q "rank-00000.h5" || fail "verify must name the shard: $out"
@@ -52,7 +53,7 @@ echo "$out" | grep -q "step 20: incomplete" || fail "the directory without a man
 echo "$out" | grep -q "2 of 3 checkpoint(s) did not verify" || fail "the summary counts the bad ones: $out"
 out=$("$CLI" ckpt verify "$E" --json)
 [ $? -eq 1 ] || fail "verify --json exits 1 too"
-echo "$out" | /usr/bin/python3 -c 'import json,sys; j=json.load(sys.stdin); assert not j["ok"] and {c["step"]:c["ok"] for c in j["checkpoints"]}=={4:True,9:False,14:False} and j["incomplete"]==[20], j' \
+echo "$out" | "$PY" -c 'import json,sys; j=json.load(sys.stdin); assert not j["ok"] and {c["step"]:c["ok"] for c in j["checkpoints"]}=={4:True,9:False,14:False} and j["incomplete"]==[20], j' \
   || fail "verify --json lists every checkpoint: $out"
 echo 'not json' > "$E/step-00000004/MANIFEST.json"
 out=$("$CLI" ckpt verify "$E" 2>&1)

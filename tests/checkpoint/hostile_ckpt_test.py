@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Checkpoints edited with h5py by someone else (issue 15, items 1, 2 and 5).
 
 Each case edits the shard of the newest checkpoint (step 9) and fixes up the

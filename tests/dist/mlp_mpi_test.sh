@@ -4,6 +4,7 @@
 # ends within its deadline, ranks agree, the parameters equal the single-process
 # reference, and a resumed run never loads a checkpoint with a missing shard.
 set -uo pipefail
+PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
 MPIRUN=$1 BIN=$2 CLI=$3
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
@@ -48,7 +49,7 @@ kill_case() {  # kill_case NAME FAULTS
   check "$name: ends within the deadline (${took}s)" test $took -le 60
   # Every checkpoint the resume may load is complete: all 4 shards verify.
   if "$CLI" ckpt list "$dir" --json > "$T/$name.list" 2>&1; then
-    for step in $(/usr/bin/python3 -c "import json,sys; [print(c['step']) for c in json.load(open(sys.argv[1])) if c['committed']]" "$T/$name.list" 2>/dev/null); do
+    for step in $("$PY" -c "import json,sys; [print(c['step']) for c in json.load(open(sys.argv[1])) if c['committed']]" "$T/$name.list" 2>/dev/null); do
       check "$name: checkpoint $step verifies" "$CLI" ckpt verify "$dir" --step "$step" --world-size 4
     done
   fi

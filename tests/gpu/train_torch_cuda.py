@@ -76,7 +76,7 @@ def train(args: argparse.Namespace, headroom_bytes: int) -> dict:
     torch.cuda.synchronize()
     out = {
         "ooms": guard.total_ooms,
-        "final_micro_batch": min(guard.micro_limit, args.global_batch),
+        "final_micro_batch": min(guard.micro_limit or args.global_batch, args.global_batch),
         "loss_last": loss,
         "fraction": fraction,
         "filled_gib": 0 if filler is None else round(filler.numel() / (1 << 30), 2),

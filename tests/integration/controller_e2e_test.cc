@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "oomguard/logging.h"
 #include "oomguard/oomguard.h"
 #include "sim_workload.h"
 

@@ -6,7 +6,7 @@
 #   libtorch_train_test.sh <path to libtorch_train>
 set -uo pipefail
 BIN=$1
-PY=${PYTHON:-/usr/bin/python3}
+PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 export OOMGUARD_LOG_LEVEL=error

@@ -2,6 +2,7 @@
 # mlp_train from the outside: exit codes, error messages, the JSON line, and
 # parameters equal to the unlimited run under budget and injected OOMs.
 set -uo pipefail
+PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
 BIN=$1
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
@@ -24,7 +25,7 @@ check "reference writes 8-byte parameters" test $(( $(stat -c %s "$T/ref.bin") %
 "$BIN" "${ARGS[@]}" --device-budget-mib 0.4 --json --check-against "$T/ref.bin" > "$T/budget.out"; rc=$?
 check "budget run exits 0" test $rc -eq 0
 check "budget run reports OOMs in progress lines" contains "$T/budget.out" "OOM in"
-/usr/bin/python3 - "$T/budget.out" <<'PY' || { echo "FAIL: budget JSON"; fails=$((fails + 1)); }
+"$PY" - "$T/budget.out" <<'PY' || { echo "FAIL: budget JSON"; fails=$((fails + 1)); }
 import json, sys
 lines = open(sys.argv[1]).read().splitlines()
 d = json.loads(lines[-1])  # the JSON object is the last line
@@ -87,7 +88,7 @@ bad_input "delay@ms=1e17" "at most 3600000" --faults "delay@ms=99999999999999999
 # A diverging loss still gives valid JSON: null, not nan.
 "$BIN" --steps 20 --optimizer sgd --lr 1e9 --quiet --json > "$T/div.out"; rc=$?
 check "diverging run exits 0" test $rc -eq 0
-/usr/bin/python3 - "$T/div.out" <<'PY' || { echo "FAIL: diverged JSON"; fails=$((fails + 1)); }
+"$PY" - "$T/div.out" <<'PY' || { echo "FAIL: diverged JSON"; fails=$((fails + 1)); }
 import json, sys
 line = open(sys.argv[1]).read().splitlines()[-1]
 d = json.loads(line, parse_constant=lambda c: (_ for _ in ()).throw(ValueError("not JSON: " + c)))
@@ -101,7 +102,7 @@ PY
   > "$T/lost.out" 2> "$T/lost.err"; rc=$?
 check "a run that lost incidents exits 4 (got $rc)" test $rc -eq 4
 check "a run that lost incidents says so on stderr" contains "$T/lost.err" "incident operation(s) were not recorded"
-/usr/bin/python3 -c 'import json,sys; d=json.loads(open(sys.argv[1]).read().splitlines()[-1]); assert d["incident_ops_lost"] > 0 and d["ooms"] > 0, d' "$T/lost.out" \
+"$PY" -c 'import json,sys; d=json.loads(open(sys.argv[1]).read().splitlines()[-1]); assert d["incident_ops_lost"] > 0 and d["ooms"] > 0, d' "$T/lost.out" \
   || { echo "FAIL: incident_ops_lost in the JSON line"; fails=$((fails + 1)); }
 "$BIN" "${ARGS[@]}" --device-budget-mib 0.4 --kb "$T/kept.db" --quiet --json > "$T/kept.out"; rc=$?
 check "a run that kept its incidents exits 0" test $rc -eq 0

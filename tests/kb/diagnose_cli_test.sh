@@ -6,7 +6,7 @@
 set -u
 OG="$1"
 LOGS="$2/logs"
-PY=/usr/bin/python3
+PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
 T="$(mktemp -d)"
 trap 'rm -rf "$T"' EXIT
 fails=0

@@ -14,7 +14,7 @@
 set -u
 OG="$1"
 DATA="$2"
-PY=/usr/bin/python3
+PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
 T="$(mktemp -d)"
 trap 'chmod -R u+w "$T" 2>/dev/null; rm -rf "$T"' EXIT
 fails=0

@@ -3,6 +3,7 @@
 # flag yields its OOM pattern, and a second run of the same workload with the
 # same --kb starts at the learned micro-batch and hits fewer OOMs.
 set -uo pipefail
+PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
 BIN=$1 CLI=$2
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
@@ -11,7 +12,7 @@ pass=0 fails=0
 check() { local n=$1; shift; if "$@"; then pass=$((pass + 1)); else echo "FAIL: $n"; fails=$((fails + 1)); fi; }
 
 patterns() {  # patterns DB: the patterns of every incident, one per line
-  "$CLI" kb export --db "$1" | /usr/bin/python3 -c 'import json,sys; [print(json.loads(l)["pattern"]) for l in sys.stdin]'
+  "$CLI" kb export --db "$1" | "$PY" -c 'import json,sys; [print(json.loads(l)["pattern"]) for l in sys.stdin]'
 }
 scenario() {  # scenario NAME EXPECTED_PATTERN MLP_ARGS...
   local name=$1 want=$2; shift 2
@@ -31,7 +32,7 @@ scenario optstate optimizer_state --steps 5 --global-batch 64 --hidden 128 --dev
 scenario ranks rank_imbalance --steps 12 --global-batch 512 --hidden 64 --dist threads --ranks 4 --rank-budget-mib 1=0.3
 
 # Incidents of a multi-rank run carry every rank's memory.
-"$CLI" kb export --db "$T/ranks.sqlite" | /usr/bin/python3 -c '
+"$CLI" kb export --db "$T/ranks.sqlite" | "$PY" -c '
 import json, sys
 items = [json.loads(l) for l in sys.stdin]
 assert items and all(len(i.get("ranks", [])) == 4 for i in items), [len(i.get("ranks", [])) for i in items]
@@ -41,7 +42,7 @@ assert items and all(len(i.get("ranks", [])) == 4 for i in items), [len(i.get("r
 ARGS=(--steps 20 --global-batch 512 --hidden 128 --device-budget-mib 1.5 --quiet --json --kb "$T/prior.sqlite")
 "$BIN" "${ARGS[@]}" > "$T/first.out"
 "$BIN" "${ARGS[@]}" > "$T/second.out"
-/usr/bin/python3 - "$T/first.out" "$T/second.out" <<'PY' && pass=$((pass + 1)) || { echo "FAIL: priors"; fails=$((fails + 1)); }
+"$PY" - "$T/first.out" "$T/second.out" <<'PY' && pass=$((pass + 1)) || { echo "FAIL: priors"; fails=$((fails + 1)); }
 import json, sys
 a = json.loads(open(sys.argv[1]).read().splitlines()[-1])
 b = json.loads(open(sys.argv[2]).read().splitlines()[-1])

@@ -1,9 +1,10 @@
-"""Shared set-up of the Python tests (run by ctest through /usr/bin/python3 -m pytest).
+"""Shared set-up of the Python tests (run by ctest through the project's
+interpreter, scripts/python, as `-m pytest`).
 
 ctest passes the build's package directory in PYTHONPATH and the build tree in
 OOMGUARD_BUILD_DIR; run by hand:
 
-    PYTHONPATH=build/python OOMGUARD_BUILD_DIR=build /usr/bin/python3 -m pytest tests/python
+    PYTHONPATH=build/python OOMGUARD_BUILD_DIR=build scripts/python -m pytest tests/python
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def subprocess_env(**extra: str) -> dict:
 
 
 def run_python(args, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    """Runs /usr/bin/python3-equivalent (this interpreter) with args; fails the test on a non-zero exit."""
+    """Runs this interpreter with args; fails the test on a non-zero exit."""
     proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env=subprocess_env(**env))
     if proc.returncode != 0:

@@ -60,7 +60,7 @@ def main() -> int:
         oomguard.budget.uninstall()
     ogt.flat_parameters(model).numpy().astype("<f8").tofile(out + ".f64")
     with open(out + ".json", "w") as f:
-        json.dump({"rank": rank, "ooms": guard.total_ooms, "micro_limit": min(guard.micro_limit, PER_RANK),
+        json.dump({"rank": rank, "ooms": guard.total_ooms, "micro_limit": min(guard.micro_limit or PER_RANK, PER_RANK),
                    "steps": guard.next_step, "incidents_with_ranks": any_oom_steps,
                    "engine": coordinator.engine() if coordinator else "local"}, f)
     if world > 1:

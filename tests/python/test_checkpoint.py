@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import oomguard
 import oomguard.torch as ogt
-from conftest import HDF5_PLUGINS, run_python
+from conftest import HDF5_PLUGINS, run_python, subprocess_env
 
 
 def _model():
@@ -86,7 +88,21 @@ def test_numpy_arrays_are_registered_without_copy(tmp_path):
     assert ckpt.load_latest() == 0
     assert a.tolist() == np.arange(12, dtype=np.float32).reshape(3, 4).tolist()
     with pytest.raises(ValueError, match="contiguous"):
-        ckpt.add_tensor("data/t", torch.zeros(4, 4).t())
+        oomguard.Checkpointer(str(tmp_path / "other"), fsync=False).add_tensor("data/t", torch.zeros(4, 4).t())
+
+
+def test_registration_after_the_first_use_is_refused(tmp_path):
+    # A tensor added after a save would be missing from that checkpoint and make
+    # every later load of it fail: refused at once, naming the path.
+    ckpt = oomguard.Checkpointer(str(tmp_path), fsync=False)
+    ckpt.add_tensor("data/a", torch.zeros(3))
+    ckpt.save_async(0)
+    with pytest.raises(oomguard.FailedPreconditionError, match="/data/b registered after"):
+        ckpt.add_tensor("data/b", torch.zeros(3))
+    with pytest.raises(oomguard.FailedPreconditionError, match="/obj registered after"):
+        ckpt.add_object("obj", lambda: b"", lambda data: None)
+    ckpt.wait()
+    assert ckpt.load_latest() == 0
 
 
 def test_missing_and_corrupt_checkpoints(tmp_path):
@@ -141,3 +157,25 @@ def test_compression_choice_is_an_option_and_recorded(tmp_path):
         assert np.array_equal(a, np.linspace(-1, 1, 4096, dtype=np.float32)), mode
     with pytest.raises(ValueError):
         oomguard.Checkpointer(str(tmp_path / "bad"), compression="gzip")
+
+
+def test_a_second_process_cannot_train_into_the_same_directory(tmp_path):
+    # The first process holds the directory (as rank 0) until told to stop.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, oomguard; c = oomguard.Checkpointer(sys.argv[1]); print('held', flush=True); "
+         "sys.stdin.read()", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(oomguard.FailedPreconditionError, match=rf"in use by another process \(pid {holder.pid}\)"):
+            oomguard.Checkpointer(str(tmp_path))
+        # Another rank of the same job locks its own file; this process may open
+        # a second checkpointer of a rank it already holds.
+        other = oomguard.Checkpointer(str(tmp_path), rank=1, world_size=2)
+        again = oomguard.Checkpointer(str(tmp_path), rank=1, world_size=2)
+        del other, again
+    finally:
+        holder.kill()
+        holder.wait()
+    # A killed holder leaves nothing locked.
+    oomguard.Checkpointer(str(tmp_path)).save_async(0)

@@ -1,11 +1,17 @@
 """oomguard: keep a training loop alive through out-of-memory errors.
 
-    import oomguard
-    guard = oomguard.Guard(initial_micro_batch=64)
-    report = guard.step(len(batch), micro=..., commit=..., reset=...)
+    import oomguard.torch as ogt
+    result = ogt.fit(model, optimizer, loss_fn, dataset, global_batch=64, steps=1000,
+                     ckpt_dir="ckpt")
 
-For PyTorch, ``oomguard.torch.TrainStep`` wraps a model, an optimizer and a
-loss into a guarded train_step. See docs/python.md.
+``oomguard.torch.fit`` owns a whole PyTorch loop; ``oomguard.torch.TrainStep``
+guards the step of a loop of your own; ``oomguard.Guard`` is the framework-free
+core:
+
+    guard = oomguard.Guard(initial_micro_batch=64)
+    report = guard.step(len(batch), micro=..., apply=..., reset=...)
+
+See docs/python.md.
 
 The compiled core is ``oomguard._oomguard``; this package re-exports it with a
 Pythonic surface. ``import oomguard`` does not import torch.
@@ -13,7 +19,6 @@ Pythonic surface. ``import oomguard`` does not import torch.
 
 from __future__ import annotations
 
-# errors first: the compiled module looks its classes up when it raises.
 from . import errors
 from .errors import (
     EXIT_COORDINATION_TIMEOUT,
@@ -51,8 +56,16 @@ from ._oomguard import (
     plan_by_samples,
     set_fault_rules,
 )
-from ._guard import Guard
+from ._guard import Guard, _sum_buffer
 from .checkpoint import Checkpointer, inspect_shard, list_checkpoints, verify_checkpoint
+
+# The compiled module calls back into these (it imports nothing of the package).
+_oomguard._install_hooks(
+    classify=errors._classify_for_guard,
+    status_error=errors._from_status,
+    describe_buffer=_sum_buffer,
+    injected_oom=errors.InjectedOutOfMemoryError,
+)
 
 __version__ = _oomguard.__version__
 

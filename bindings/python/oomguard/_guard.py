@@ -46,9 +46,12 @@ def _auto_device() -> Optional[_C.Device]:
     # Only when torch is already imported: `import oomguard` never imports it.
     if "torch" not in sys.modules:
         return None
-    from .torch import TorchDevice
+    from .torch.device import TorchDevice
 
     return TorchDevice()
+
+
+_UNLIMITED = (1 << 63) - 1  # the C++ side's "no limit known yet" (INT64_MAX)
 
 
 def _native(obj: Any) -> Any:
@@ -197,9 +200,43 @@ class Guard:
         and any other exception the callbacks raise, unchanged (after the other
         ranks were told).
         """
+        self._prepare_recovery()
         _errors._forget_figures_at_oom()  # figures of an OOM no guard asked about are stale now
         return self.native.step(samples, micro, apply, reset, None if costs is None else list(costs),
                                 None if units is None else [int(u) for u in units], sync)
+
+    def evaluate(
+        self,
+        samples: int,
+        micro: Callable[[MicroBatch], Any],
+        costs: Optional[Sequence[int]] = None,
+        *,
+        units: Optional[Sequence[int]] = None,
+    ) -> StepReport:
+        """Runs one batch of evaluation on this rank, split into micro-batches that fit.
+
+        ``micro(mb)`` runs the forward of samples ``[mb.offset, mb.offset +
+        mb.size)`` and keeps its result (a mean over the micro-batch is
+        weighed by ``mb.weight``). An OOM releases caches, halves the
+        evaluation's own limit (``eval_micro_limit``: it starts at the
+        training limit and grows back after clean batches) and calls ``micro``
+        again for the micro-batches not yet done; completed ones are not
+        repeated. Each OOM is an incident in the knowledge base (phase
+        "eval"). Not collective: nothing is agreed with other ranks and
+        nothing is rolled back, since nothing of the model changes.
+
+        Returns the StepReport; raises OutOfMemoryError when a micro-batch of
+        one sample does not fit, and any other exception ``micro`` raises.
+        ``oomguard.torch.evaluate`` builds on this for tensors.
+        """
+        _errors._forget_figures_at_oom()
+        return self.native.evaluate(samples, micro, None if costs is None else list(costs),
+                                    None if units is None else [int(u) for u in units])
+
+    def _prepare_recovery(self) -> None:
+        prepare = getattr(self._recovery, "prepare", None)
+        if prepare is not None:
+            prepare()
 
     def resume(self) -> Optional[int]:
         """Starts a run from its checkpoints (collective): every rank restores the
@@ -208,6 +245,7 @@ class Guard:
         to every rank (start from scratch). Needs ``recovery``."""
         from .errors import CheckpointNotFoundError
 
+        self._prepare_recovery()
         try:
             return self.native.resume()
         except CheckpointNotFoundError:
@@ -216,10 +254,11 @@ class Guard:
     def finish(self) -> int:
         """Ends the run (collective): waits for the checkpoint saves in flight and agrees
         with every rank on the newest checkpoint complete everywhere; returns its step (-1: none)."""
+        self._prepare_recovery()
         return self.native.finish()
 
     def mark_phase(self, phase: Union[str, Phase]) -> None:
-        """Marks what the code inside ``micro``/``commit`` is doing: "data",
+        """Marks what the code inside ``micro``/``apply`` is doing: "data",
         "forward", "backward", "optimizer", ... (incidents carry it; completed
         micro-batches are kept after an OOM in "data" or "forward")."""
         if isinstance(phase, str):
@@ -257,13 +296,23 @@ class Guard:
         return self._recovery
 
     @property
-    def micro_limit(self) -> int:
-        """The micro-batch limit the next step will use."""
-        return self.native.micro_limit
+    def micro_limit(self) -> Optional[int]:
+        """The micro-batch limit the next step will use (samples, or cost units
+        with ``costs``); None while no limit is known: every step then runs
+        whole (in one micro-batch) until an OOM sets one, or up to
+        ``max_micro_batch``."""
+        limit = self.native.micro_limit
+        return None if limit >= _UNLIMITED else limit
 
     @micro_limit.setter
-    def micro_limit(self, limit: int) -> None:
-        self.native.micro_limit = limit
+    def micro_limit(self, limit: Optional[int]) -> None:
+        self.native.micro_limit = _UNLIMITED if limit is None else limit
+
+    @property
+    def eval_micro_limit(self) -> Optional[int]:
+        """The limit the next ``evaluate`` will use (None: none known yet)."""
+        limit = self.native.eval_micro_limit
+        return None if limit >= _UNLIMITED else limit
 
     @property
     def total_ooms(self) -> int:

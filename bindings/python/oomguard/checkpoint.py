@@ -2,10 +2,15 @@
 
 Tensors and NumPy arrays are registered by address, without a copy: the
 checkpointer reads them while a save is staged and writes into them on
-restore, so they must keep their storage (no ``model.to(...)`` or
-re-assignment of ``param.data`` after registration). Objects (optimizer state,
-RNG state, data position) are registered with ``save() -> bytes`` and
+restore, so they must keep their storage. Objects (optimizer state, RNG
+state, data position) are registered with ``save() -> bytes`` and
 ``load(bytes)`` functions.
+
+Registration may also be deferred (``defer``): ``oomguard.torch.register_state``
+registers a model's tensors only when the checkpointer is first used (the
+first save, load, restore or guarded step), so a model moved or converted
+after ``register_state`` (``.to(device)``, ``.double()``) is checkpointed as
+it trains; tensors replaced after that first use are refused loudly.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import sys
 from typing import Any, Callable, List, Optional, Tuple
 
 from . import _oomguard as _C
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, FailedPreconditionError
 
 _NUMPY_DTYPES = {
     "float16": "float16", "float32": "float32", "float64": "float64",
@@ -143,6 +148,9 @@ class Checkpointer:
         o.cuda_streams = _torch_current_streams
         self.native = _C.Checkpointer(o)
         self.registered: dict = {}  # path -> what register_state put there (tensor, optimizer, ...)
+        self._deferred: List[Callable[[], None]] = []  # registrations run at the first use
+        self._checks: List[Callable[[], None]] = []    # run before every later use
+        self._bound = False
 
     @property
     def rank(self) -> int:
@@ -152,17 +160,48 @@ class Checkpointer:
     def world_size(self) -> int:
         return self.native.options.world_size
 
+    def _before_registration(self, path: str) -> None:
+        if self._bound:
+            raise FailedPreconditionError(
+                f"Checkpointer: /{path} registered after the checkpointer was first used (a save, load, restore "
+                "or guarded step): register all state before, or checkpoints would not hold it")
+
     def add_tensor(self, path: str, value: Any) -> None:
         """Registers a contiguous tensor or array at ``/<path>`` by address (no copy)."""
+        self._before_registration(path)
         dtype, shape, ptr, location = _describe(value)
         self.native.add_tensor(path, dtype, shape, ptr, value, location)
 
     def add_object(self, path: str, save: Callable[[], bytes], load: Callable[[bytes], Any]) -> None:
         """Registers a stateful object stored as bytes at ``/<path>``."""
+        self._before_registration(path)
         self.native.add_object(path, save, load)
+
+    def defer(self, register: Callable[[], None], check: Optional[Callable[[], None]] = None) -> None:
+        """Runs ``register()`` (which calls add_tensor/add_object) at the first use
+        of the checkpointer instead of now, and ``check()`` before every use
+        after that (it raises when what was registered no longer holds)."""
+        self._before_registration("(deferred)")
+        self._deferred.append(register)
+        if check is not None:
+            self._checks.append(check)
+
+    def prepare(self) -> None:
+        """Registers deferred state (once), or checks it (every later call).
+        Every save, load and restore calls it, and so does a Guard before each
+        step; call it yourself only before using ``native`` directly."""
+        if not self._bound:
+            deferred, self._deferred = self._deferred, []
+            for register in deferred:
+                register()
+            self._bound = True
+            return
+        for check in self._checks:
+            check()
 
     def save_async(self, step: int) -> None:
         """Stages the registered state as ``step``; compression and writing continue in the background."""
+        self.prepare()
         self.native.save_async(step)
 
     def wait(self) -> None:
@@ -174,21 +213,25 @@ class Checkpointer:
 
         Raises CorruptCheckpointError when checkpoints exist but none verifies.
         """
+        self.prepare()
         try:
             return self.native.load_latest()
         except CheckpointNotFoundError:
             return None
 
     def load(self, step: int) -> int:
+        self.prepare()
         return self.native.load(step)
 
     def restore(self, step: int) -> None:
         """Restores exactly ``step``: from the in-memory snapshot when it holds it, else from
         disk. Raises (CorruptCheckpointError, CheckpointNotFoundError) rather than restore another step."""
+        self.prepare()
         self.native.restore(step)
 
     def snapshot(self, step: int) -> None:
         """Keeps a copy of the registered state in memory as ``step`` (nothing is written)."""
+        self.prepare()
         self.native.snapshot(step)
 
     def durable_steps(self) -> List[int]:

@@ -150,7 +150,7 @@ _BY_CODE = {
 
 
 def _from_status(code: int, code_name: str, message: str, report: Any) -> OomguardError:
-    """The exception for a non-OK status (called by the compiled module)."""
+    """The exception for a non-OK status (the compiled module's ``status_error`` hook)."""
     del code  # the name is the stable key
     cls = _BY_CODE.get(code_name, OomguardError)
     return cls(f"{code_name}: {message}", code=code_name, report=report)
@@ -209,6 +209,7 @@ def oom_kind(exc: BaseException) -> Optional[str]:
 
 
 def _classify(exc: BaseException) -> Optional[Tuple[str, str, str, int]]:
+    """(kind, type name, message, requested bytes) of an OOM, else None."""
     message = str(exc)
     if isinstance(exc, InjectedOutOfMemoryError):
         return exc.kind, _type_name(type(exc)), message, exc.requested_bytes
@@ -259,15 +260,17 @@ def _forget_figures_at_oom() -> None:
     _figures_at_oom.__dict__.clear()
 
 
-def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int]]:
-    """(kind, type name, message, requested bytes) for an OOM, else None.
+def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int, bool]]:
+    """(kind, type name, message, requested bytes, injected) for an OOM, else None.
 
-    Called by the compiled module with the exception a guarded callback
-    raised. It must not keep a reference to ``exc``: the guard drops the
-    exception, its traceback and the frames holding tensors before it releases
-    caches.
+    Called by the compiled module (installed as its ``classify`` hook) with
+    the exception a guarded callback raised. It must not keep a reference to
+    ``exc``: the guard drops the exception, its traceback and the frames
+    holding tensors before it releases caches.
     """
     verdict = _classify(exc)
-    if verdict is not None and _figures_hooks:
+    if verdict is None:
+        return None
+    if _figures_hooks:
         _capture_figures_at_oom()
-    return verdict
+    return (*verdict, isinstance(exc, InjectedOutOfMemoryError))

@@ -4,7 +4,7 @@
 //
 // Error crossings:
 //   Python -> C++  a Python exception raised inside a callback the guard runs
-//                  (micro, commit, reset, releasers, checkpoint objects) is
+//                  (micro, apply, reset, sync, releasers, checkpoint objects) is
 //                  either an out-of-memory error, thrown on as PythonOomError
 //                  (classified by the translator registered in module.cc), or
 //                  anything else, carried unchanged in PythonPassthrough.
@@ -44,19 +44,43 @@ namespace py = pybind11;
 // (with their tensors) are released (pytorch/pytorch#27600).
 class PythonOomError : public std::exception {
  public:
-  PythonOomError(OomKind kind, std::string type, std::string message, int64_t requested_bytes)
-      : kind_(kind), type_(std::move(type)), message_(std::move(message)), requested_bytes_(requested_bytes) {}
+  PythonOomError(OomKind kind, std::string type, std::string message, int64_t requested_bytes, bool injected)
+      : kind_(kind),
+        type_(std::move(type)),
+        message_(std::move(message)),
+        requested_bytes_(requested_bytes),
+        injected_(injected) {}
   const char* what() const noexcept override { return message_.c_str(); }
   OomKind kind() const { return kind_; }
   const std::string& type() const { return type_; }
   int64_t requested_bytes() const { return requested_bytes_; }
+  bool injected() const { return injected_; }  // raised by fault injection
 
  private:
   OomKind kind_;
   std::string type_;
   std::string message_;
   int64_t requested_bytes_;
+  bool injected_;
 };
+
+// The Python functions the compiled module calls back into, handed over by
+// the package when it is imported (oomguard/__init__.py calls
+// _oomguard._install_hooks): the module never imports a Python module of
+// the package itself. Each is None until installed; the module then treats
+// every Python exception as a non-OOM and raises plain RuntimeErrors.
+//   classify(exc) -> (kind, type name, message, requested bytes, injected) or None
+//   status_error(code int, code name, message, StepReport or None) -> exception instance
+//   describe_buffer(obj) -> (data pointer, element count, dtype name, CUDA device or -1)
+//   injected_oom(message, kind, requested bytes) -> exception instance (a MemoryError)
+// REQUIRES: the GIL is held to read or call them.
+struct PythonHooks {
+  py::object classify = py::none();
+  py::object status_error = py::none();
+  py::object describe_buffer = py::none();
+  py::object injected_oom = py::none();
+};
+PythonHooks& Hooks();
 
 // A non-OOM Python exception on its way through C++ back to Python.
 // Deliberately not a std::exception: ClassifyException falls back to the
@@ -114,7 +138,7 @@ class PyCallable {
 
 // Turns a Python exception caught while running guarded user code into what
 // the guard must see: PythonOomError for an out-of-memory error (decided by
-// oomguard.errors._classify_for_guard), PythonPassthrough otherwise. Never
+// the installed classify hook), PythonPassthrough otherwise. Never
 // returns. REQUIRES: the GIL is held; `e` is the exception being handled.
 [[noreturn]] void RethrowForGuard(py::error_already_set&& e);
 
@@ -163,8 +187,8 @@ auto WithoutGil(F&& f) -> decltype(f()) {
   }
 }
 
-// Registers the StatusError / PythonPassthrough translators and the
-// "python" OomTranslator.
+// Registers the StatusError / PythonPassthrough translators, the "python"
+// OomTranslator and _install_hooks.
 void RegisterErrorTranslation(py::module_& m);
 
 void BindGuard(py::module_& m);

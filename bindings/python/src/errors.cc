@@ -1,8 +1,8 @@
 // Error translation between Python and the C++ SDK (see common.h).
 //
 // Which Python exceptions are out-of-memory errors, and which Python class a
-// status code becomes, is decided in oomguard/errors.py: this file only moves
-// the values across.
+// status code becomes, is decided in oomguard/errors.py, which hands its
+// functions over through _install_hooks: this file only moves the values across.
 
 #include <exception>
 #include <optional>
@@ -21,26 +21,40 @@ OomKind KindFromName(const std::string& name) {
   return OomKind::kHost;
 }
 
-py::module_ ErrorsModule() { return py::module_::import("oomguard.errors"); }
+// The exception instance for a status (the installed hook's class, else a RuntimeError).
+py::object StatusException(const Status& status, py::object report) {
+  const std::string name(StatusCodeName(status.code()));
+  if (!Hooks().status_error.is_none())
+    return Hooks().status_error(static_cast<int>(status.code()), name, status.message(), std::move(report));
+  return py::reinterpret_steal<py::object>(PyObject_CallFunction(
+      PyExc_RuntimeError, "s", (name + ": " + status.message()).c_str()));
+}
 
 }  // namespace
+
+PythonHooks& Hooks() {
+  // Leaked on purpose: the objects must not be released after the
+  // interpreter is finalised.
+  static auto* hooks = new PythonHooks();
+  return *hooks;
+}
 
 void RethrowForGuard(py::error_already_set&& e) {
   std::optional<PythonOomError> oom;
   try {
-    // (kind, type name, message, requested bytes) or None.
-    py::object verdict = ErrorsModule().attr("_classify_for_guard")(e.value());
+    // (kind, type name, message, requested bytes, injected) or None.
+    py::object verdict = Hooks().classify.is_none() ? py::none() : Hooks().classify(e.value());
     if (!verdict.is_none()) {
       auto t = verdict.cast<py::tuple>();
       oom.emplace(KindFromName(t[0].cast<std::string>()), t[1].cast<std::string>(), t[2].cast<std::string>(),
-                  t[3].cast<int64_t>());
+                  t[3].cast<int64_t>(), t[4].cast<bool>());
     }
   } catch (py::error_already_set& broken) {
     // A classifier that fails must not replace the user's error: the original
     // passes through, and the classifier's own error is reported as unraisable.
-    broken.discard_as_unraisable("oomguard.errors._classify_for_guard");
+    broken.discard_as_unraisable("oomguard: classifying an exception");
   } catch (const py::cast_error&) {
-    PyErr_WarnEx(PyExc_RuntimeWarning, "oomguard.errors._classify_for_guard returned a malformed verdict", 1);
+    PyErr_WarnEx(PyExc_RuntimeWarning, "oomguard: the exception classifier returned a malformed verdict", 1);
   }
   if (!oom) {
     std::string type, message;
@@ -65,6 +79,7 @@ void RegisterErrorTranslation(py::module_& m) {
       info.exception_type = err.type();
       info.message = err.what();
       info.requested_bytes = err.requested_bytes();
+      info.injected = err.injected();
       return info;
     } catch (const PythonPassthrough& p) {
       // Not an OOM; named so that the other ranks hear what stopped this one.
@@ -83,21 +98,29 @@ void RegisterErrorTranslation(py::module_& m) {
     } catch (PythonPassthrough& passthrough) {
       passthrough.error.restore();
     } catch (const StatusError& err) {
-      py::object report = err.report() ? py::cast(*err.report()) : py::none();
-      py::object exc = ErrorsModule().attr("_from_status")(static_cast<int>(err.status().code()),
-                                                           std::string(StatusCodeName(err.status().code())),
-                                                           err.status().message(), report);
+      py::object exc = StatusException(err.status(), err.report() ? py::cast(*err.report()) : py::none());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     } catch (const PythonOomError& err) {
       // An OOM raised in a callback that no guard was running (the Python
       // exception itself is gone by now): the unrecoverable-OOM class.
-      py::object exc = ErrorsModule().attr("_from_status")(static_cast<int>(StatusCode::kResourceExhausted),
-                                                           "RESOURCE_EXHAUSTED",
-                                                           err.type() + ": " + err.what(), py::none());
+      py::object exc =
+          StatusException(Status::ResourceExhausted(err.type() + ": " + err.what()), py::none());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
-  (void)m;
+
+  m.def(
+      "_install_hooks",
+      [](py::object classify, py::object status_error, py::object describe_buffer, py::object injected_oom) {
+        PythonHooks& h = Hooks();
+        h.classify = std::move(classify);
+        h.status_error = std::move(status_error);
+        h.describe_buffer = std::move(describe_buffer);
+        h.injected_oom = std::move(injected_oom);
+      },
+      py::kw_only(), py::arg("classify"), py::arg("status_error"), py::arg("describe_buffer"),
+      py::arg("injected_oom"),
+      "Called once by the oomguard package: the Python functions this module calls back into (common.h).");
 }
 
 }  // namespace oomguard::python

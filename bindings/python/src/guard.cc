@@ -2,7 +2,7 @@
 //
 // GIL: Guard.step releases the GIL for the whole C++ step, so other Python
 // threads run while the guard plans, waits on its coordinator or sleeps in an
-// injected delay; each callback into Python (micro, commit, reset, cache
+// injected delay; each callback into Python (micro, apply, reset, sync, cache
 // releasers) takes it back for the duration of the call.
 
 #include <pybind11/stl.h>
@@ -54,7 +54,8 @@ std::vector<SumBuffer> SumBuffers(const PyCallable& sync, PyCallable* keep) {
   py::list objects;
   for (py::handle h : returned) objects.append(h);
   *keep = PyCallable(objects);
-  py::object describe = py::module_::import("oomguard._guard").attr("_sum_buffer");
+  const py::object& describe = Hooks().describe_buffer;
+  if (describe.is_none()) throw py::type_error("sync(): import the oomguard package before running a guarded step");
   std::vector<SumBuffer> out;
   for (py::handle obj : objects) {
     auto t = describe(obj).cast<py::tuple>();  // (data_ptr, count, dtype name, device index or -1)
@@ -71,12 +72,17 @@ std::vector<SumBuffer> SumBuffers(const PyCallable& sync, PyCallable* keep) {
   return out;
 }
 
-// Raises oomguard.errors.InjectedOutOfMemoryError (a MemoryError that
-// oomguard.errors classifies as `kind`). REQUIRES: the GIL is held.
+// Raises the injected-OOM exception of the installed hook (oomguard's
+// InjectedOutOfMemoryError, a MemoryError it classifies as `kind`), else a
+// plain MemoryError. REQUIRES: the GIL is held.
 [[noreturn]] void RaiseInjectedOom(const char* kind, const std::string& message, int64_t requested_bytes) {
-  py::object cls = py::module_::import("oomguard.errors").attr("InjectedOutOfMemoryError");
-  py::object exc = cls(message, kind, requested_bytes);
-  PyErr_SetObject(cls.ptr(), exc.ptr());
+  const py::object& make = Hooks().injected_oom;
+  if (make.is_none()) {
+    PyErr_SetString(PyExc_MemoryError, message.c_str());
+    throw py::error_already_set();
+  }
+  py::object exc = make(message, kind, requested_bytes);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw py::error_already_set();
 }
 
@@ -308,6 +314,29 @@ void BindGuard(py::module_& m) {
           },
           py::arg("samples"), py::arg("micro"), py::arg("apply") = py::none(), py::arg("reset") = py::none(),
           py::arg("costs") = py::none(), py::arg("units") = py::none(), py::arg("sync") = py::none())
+      .def(
+          "evaluate",
+          [](Guard& guard, int64_t samples, const py::function& micro, std::optional<std::vector<int64_t>> costs,
+             std::optional<std::vector<int64_t>> units) {
+            PyCallable micro_fn(micro);
+            EvalRequest req;
+            req.samples = samples;
+            if (costs) req.costs = std::span<const int64_t>(*costs);
+            if (units) req.units = std::span<const int64_t>(*units);
+            req.micro = [&micro_fn](const MicroBatch& mb) { CallGuarded(micro_fn, mb); };
+            StepReport report;
+            Status status;
+            try {
+              py::gil_scoped_release release;
+              status = guard.Evaluate(req, &report);
+            } catch (PythonPassthrough& passthrough) {
+              Reraise(passthrough);
+            }
+            if (!status.ok()) throw StatusError(status, std::move(report));
+            return report;
+          },
+          py::arg("samples"), py::arg("micro"), py::arg("costs") = py::none(), py::arg("units") = py::none(),
+          "One batch of evaluation on this rank, split so that it fits (Guard::Evaluate); not collective.")
       .def("resume", [](Guard& guard) { return ValueOrThrow(WithoutGil([&] { return guard.Resume(); })); },
            "Collective: every rank restores the newest checkpoint that every rank holds and can load; "
            "returns its step (next_step is the one after). Raises CheckpointNotFoundError when none is common to every rank.")
@@ -336,6 +365,7 @@ void BindGuard(py::module_& m) {
           py::arg("name"), py::arg("release"))
       .def_property("next_step", &Guard::step, &Guard::SetStep)
       .def_property("micro_limit", &Guard::micro_limit, &Guard::SetMicroLimit)
+      .def_property_readonly("eval_micro_limit", &Guard::eval_micro_limit)
       .def_property_readonly("total_ooms", &Guard::total_ooms)
       .def_property_readonly("run_id", &Guard::run_id)
       .def_property_readonly("options", [](const Guard& g) {

@@ -2,8 +2,9 @@
 //
 // A thin layer over the C++ API with no logic of its own: what counts as a
 // Python OOM and which exception class a status becomes live in
-// oomguard/errors.py; the PyTorch helper lives in oomguard/torch.py. Use the
-// package (`import oomguard`), not this module directly.
+// oomguard/errors.py, which the package hands over through _install_hooks;
+// the PyTorch helpers live in oomguard/torch/. Use the package
+// (`import oomguard`), not this module directly.
 
 #include "common.h"
 #include "oomguard/version.h"
