@@ -87,12 +87,32 @@ bool Mention(std::string_view l) {
                       "内存不足", "内存不够", "内存溢出", "메모리 부족", "memory surge", "memory issue",
                       "rising of gpu memory", "continuous rising", "blows up", "cublas initialization"}))
     return true;
-  // "it will try to allocate 28MB and fail"
+  // "it will try to allocate 28MB and fail", "Cannot malloc 49 MB GPU memory"
   if (size_t at = l.find("allocate"); at != std::string_view::npos && Contains(l.substr(at), " fail")) return true;
+  for (std::string_view verb : {"cannot allocate", "can't allocate", "cannot malloc", "failed to allocate"})
+    if (size_t at = l.find(verb); at != std::string_view::npos && Contains(l.substr(at), "memory")) return true;
+  // "run out of my cuda memory", "out of GPU RAM", "still out of memories": "out of" and a memory word
+  // at most three words later.
+  for (size_t at = l.find("out of "); at != std::string_view::npos; at = l.find("out of ", at + 1)) {
+    std::string_view rest = l.substr(at + 7);
+    int words = 0;
+    for (size_t k = 0; k < rest.size() && words < 4; ++words) {
+      size_t end = rest.find_first_of(" .,;:!?)", k);
+      std::string_view w = rest.substr(k, end == std::string_view::npos ? std::string_view::npos : end - k);
+      if (w.starts_with("memor") || w == "ram" || w == "vram" || w == "hbm") return true;
+      if (end == std::string_view::npos || rest[end] != ' ') break;
+      k = end + 1;
+    }
+  }
+  // "OOM", and the verb: "ooms", "OOMed", "OOMing", "OOM'd".
   for (size_t at = l.find("oom"); at != std::string_view::npos; at = l.find("oom", at + 1)) {
     bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));
-    bool right = at + 3 >= l.size() || !std::isalpha(static_cast<unsigned char>(l[at + 3]));
-    if (left && right) return true;
+    std::string_view tail = l.substr(at + 3);
+    size_t n = 0;
+    while (n < tail.size() && std::isalpha(static_cast<unsigned char>(tail[n]))) ++n;
+    std::string_view suffix = tail.substr(0, n);
+    if (left && (suffix.empty() || suffix == "s" || suffix == "ed" || suffix == "ing" || tail.starts_with("'d")))
+      return true;
   }
   return false;
 }

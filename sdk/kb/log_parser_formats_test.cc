@@ -83,6 +83,22 @@ TEST(LogParserFormatsTest, OomsToldOnlyInWords) {
   EXPECT_TRUE(Parse("Training uses about 10 GB of GPU memory and runs fine.\n").empty());
 }
 
+TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
+  // DeepInsight-PCALab/CompactBilinearPooling-Pytorch#5, GeoZcx/...change-detection#14, tinygrad/tinygrad#3323,
+  // sgl-project/SpecForge#739, PaddlePaddle/models#3011.
+  for (const char* text : {"I just run the test, and it run out of my cuda memory, which is 20G.\n",
+                           "I have set the batchsize of 32, but it still out of memories\n",
+                           "the current ops_torch.py backend ooms because of memory fragmentation on a 4090\n",
+                           "allocator fragmentation that can surface as late OOMs\n",
+                           "`Cannot malloc 49.0002 MB GPU memory. Please shrink FLAGS_fraction_of_gpu_memory_to_use`\n"}) {
+    auto incs = Parse(text);
+    EXPECT_EQ(incs.size(), 1u) << text;
+  }
+  // "out of" far from any memory word, and "oom" inside a word, are not OOMs.
+  EXPECT_TRUE(Parse("We ran out of time before the room emptied; memory was fine.\n").empty());
+  EXPECT_TRUE(Parse("The zoom level of the plots is out of date.\n").empty());
+}
+
 TEST(LogParserFormatsTest, GrowthToldInWordsIsGradualGrowth) {
   auto incs = Parse(
       "# pytorch's gpu memory usage is ceaselessly grow up\n"
