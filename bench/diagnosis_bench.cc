@@ -103,6 +103,12 @@ void DumpCase(std::ostream& out, const Case& c, const char* set) {
         out << (f2 ? "" : ",") << "[" << JsonString(cand.pattern) << "," << cand.confidence << "]";
         f2 = false;
       }
+      out << "],\"ruled_out\":[";
+      f2 = true;
+      for (std::string_view p : oomguard::kb::RuledOut(inc)) {
+        out << (f2 ? "" : ",") << JsonString(std::string(p));
+        f2 = false;
+      }
       out << "]}";
       first = false;
     }

@@ -7,7 +7,8 @@
 The dump holds every report of the development set (tests/kb/testdata/reports)
 and of the corpus (tests/kb/testdata/corpus), each with the split of its
 repository (train, validation, test; no repository in two splits), its label,
-and per OOM event the text the model reads and the evidence rules' candidates.
+and per OOM event the text the model reads, the evidence rules' candidates
+and the patterns the evidence rules out (never answered).
 
 - The model: multinomial logistic regression over hashed word unigrams and
   bigrams and character 4-grams of words (the same features as
@@ -15,11 +16,18 @@ and per OOM event the text the model reads and the evidence rules' candidates.
   be compared), trained on the train split only.
 - The combination: a class's score is its probability plus `rule_weight`
   times the most confident rule candidate for it; a rule at or above
-  `strong_rule` decides alone. Both, and the L2 strength, are chosen on the
-  validation split.
+  `strong_rule` decides alone. The L2 strength and `rule_weight` are chosen by
+  grouped cross-validation on the train split (folds of whole repositories);
+  `strong_rule` on the validation split.
 - Calibration: the chosen answer's score is mapped to the share of validation
   answers right at that score (isotonic, shrunk towards 1/2 where few reports
   back a step), so a confidence of 0.8 means about 8 in 10 right.
+- The rules' confidences: where rules deciding alone at 0.8 or more were not
+  right 95% of the time on validation, a rule deciding a report alone claims
+  at most 0.79.
+- Abstention: below a calibrated confidence (the floor, chosen on validation
+  among TEXT_FLOORS, the highest of the most accurate) the answer is
+  "unknown"; a report labelled unknown counts as right only then.
 
 The test split is only scored, at the end, for the record; nothing is chosen
 on it.
@@ -28,11 +36,13 @@ import argparse
 import json
 import math
 import sys
+import zlib
 
 import numpy as np
 
 BUCKETS = 4096
-DECISION_FLOOR = 0.45  # classifier.cc: below it the answer is "unknown"
+DECISION_FLOOR = 0.45  # classifier.cc: below it a rule candidate is not concluded
+TEXT_FLOORS = (0.25, 0.3, 0.35, 0.4, 0.45)  # the text model's floor, chosen on validation
 CONFIDENT_RIGHT = 0.95  # confidence >= 0.8 must be right this often on validation
 MAX_TEXT = 16 * 1024
 
@@ -61,8 +71,18 @@ def word_byte(c):
     return 97 <= c <= 122 or c == 48 or c == 95 or c >= 0x80
 
 
+_FEATURES = {}
+
+
 def features(text, buckets=BUCKETS):
-    """Sparse {bucket: value}, as TextFeatures in sdk/kb/text_model.cc."""
+    """Sparse {bucket: value}, as TextFeatures in sdk/kb/text_model.cc (memoised)."""
+    key = (text, buckets)
+    if key not in _FEATURES:
+        _FEATURES[key] = _features(text, buckets)
+    return _FEATURES[key]
+
+
+def _features(text, buckets):
     s = normalize(text)
     acc = {}
 
@@ -105,12 +125,46 @@ def load(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def dense(texts, buckets=BUCKETS):
-    x = np.zeros((len(texts), buckets), dtype=np.float64)
-    for i, t in enumerate(texts):
-        for k, v in features(t, buckets).items():
-            x[i, k] = v
-    return x
+class Sparse:
+    """Rows of hashed features, kept by row and by column so both products of
+    gradient descent are segment sums (the rows hold a few hundred of the
+    thousands of buckets)."""
+
+    def __init__(self, rows, buckets):
+        self.shape = (len(rows), buckets)
+        r, c, v = [], [], []
+        for i, feats in enumerate(rows):
+            for k, val in feats.items():
+                r.append(i)
+                c.append(k)
+                v.append(val)
+        r, c, v = np.array(r, dtype=np.int64), np.array(c, dtype=np.int64), np.array(v)
+        by_row = np.lexsort((c, r))
+        self.r, self.c, self.v = r[by_row], c[by_row], v[by_row]
+        by_col = np.argsort(self.c, kind="stable")
+        self.col_order = by_col
+        self.col_ids, self.col_starts = np.unique(self.c[by_col], return_index=True)
+        self.row_ids, self.row_starts = np.unique(self.r, return_index=True)
+
+    def times_wt(self, w):
+        """x @ w.T: (rows, classes)."""
+        out = np.zeros((self.shape[0], w.shape[0]))
+        if len(self.v):
+            prod = w.T[self.c] * self.v[:, None]
+            out[self.row_ids] = np.add.reduceat(prod, self.row_starts, axis=0)
+        return out
+
+    def gt_times(self, g):
+        """g.T @ x: (classes, buckets)."""
+        out = np.zeros((g.shape[1], self.shape[1]))
+        if len(self.v):
+            prod = (g[self.r] * self.v[:, None])[self.col_order]
+            out[:, self.col_ids] = np.add.reduceat(prod, self.col_starts, axis=0).T
+        return out
+
+
+def sparse(texts, buckets=BUCKETS):
+    return Sparse([features(t, buckets) for t in texts], buckets)
 
 
 def train_lr(x, y, classes, l2, iters=1500, lr=2.0):
@@ -122,12 +176,12 @@ def train_lr(x, y, classes, l2, iters=1500, lr=2.0):
     onehot = np.zeros((n, c))
     onehot[np.arange(n), y] = 1
     for _ in range(iters):
-        z = x @ w.T + b
+        z = x.times_wt(w) + b
         z -= z.max(axis=1, keepdims=True)
         p = np.exp(z)
         p /= p.sum(axis=1, keepdims=True)
         g = (p - onehot) / n
-        w -= lr * (g.T @ x + l2 * w)
+        w -= lr * (x.gt_times(g) + l2 * w)
         b -= lr * g.sum(axis=0)
     return w, b
 
@@ -159,9 +213,12 @@ def rule_verdict(cands):
 
 
 class Model:
-    def __init__(self, classes, w, b, rule_weight, strong_rule, calibration=None):
+    def __init__(self, classes, w, b, rule_weight, strong_rule, calibration=None, floor=DECISION_FLOOR,
+                 rule_cap=1.0):
         self.classes, self.w, self.b = classes, w, b
         self.rule_weight, self.strong_rule = rule_weight, strong_rule
+        self.floor = floor  # calibrated confidence below it: "unknown"
+        self.rule_cap = rule_cap  # the most a rule deciding alone on a report may claim
         self.calibration = calibration  # [(score, right share)], ascending
         self._cache = {}
 
@@ -183,7 +240,7 @@ class Model:
         cands = ev["rules"]
         if cands and cands[0][1] >= self.strong_rule:
             p, c, _ = rule_verdict(cands)
-            return p, c, None
+            return p, min(c, self.rule_cap), None
         key = ev["text"]
         if key not in self._cache:
             self._cache[key] = probs(self.w, self.b, features(key))
@@ -191,10 +248,12 @@ class Model:
         best_rule = {}
         for name, conf in cands:
             best_rule[name] = max(best_rule.get(name, 0.0), conf)
-        scores = [p[i] + self.rule_weight * best_rule.get(c, 0.0) for i, c in enumerate(self.classes)]
+        ruled_out = set(ev.get("ruled_out", ()))
+        scores = [-1.0 if c in ruled_out else p[i] + self.rule_weight * best_rule.get(c, 0.0)
+                  for i, c in enumerate(self.classes)]
         top = int(np.argmax(scores))
         conf = self.calibrated(scores[top])
-        if conf < DECISION_FLOOR:
+        if conf < self.floor:
             return "unknown", 0.2, scores[top]
         return self.classes[top], conf, scores[top]
 
@@ -258,6 +317,56 @@ def fit_calibration(model, reports):
     return [(s, y if y >= CONFIDENT_RIGHT else min(y, 0.79)) for s, y in table]
 
 
+CV_FOLDS = 5
+L2S = (1e-4, 1e-3, 1e-2)
+RULE_WEIGHTS = (0.25, 0.5, 1.0, 2.0)
+
+
+def fit(reports, classes, l2, buckets):
+    """The text model on `reports`: one row per OOM event, labelled with its report's label."""
+    index = {c: i for i, c in enumerate(classes)}
+    texts, ys = [], []
+    for r in reports:
+        if r["label"] not in index:
+            continue
+        for ev in r["events"] or [{"text": ""}]:
+            texts.append(ev["text"])
+            ys.append(index[r["label"]])
+    return train_lr(sparse(texts, buckets), np.array(ys), classes, l2)
+
+
+def choose_by_cv(reports, classes, buckets):
+    """(l2, rule_weight, accuracy): the most accurate over folds of whole repositories."""
+    fold = {r["repo"]: zlib.crc32(r["repo"].encode()) % CV_FOLDS for r in reports}
+    right = {}
+    for l2 in L2S:
+        for k in range(CV_FOLDS):
+            held = [r for r in reports if fold[r["repo"]] == k]
+            w, b = fit([r for r in reports if fold[r["repo"]] != k], classes, l2, buckets)
+            for rw in RULE_WEIGHTS:
+                # No rule decides alone and nothing abstains: the weights alone are compared.
+                m = Model(classes, w, b, rw, 1.01, floor=0.0)
+                right[(l2, rw)] = right.get((l2, rw), 0) + sum(m.report(r)[0] == r["label"] for r in held)
+    (l2, rw), n = max(right.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]))
+    return l2, rw, n / len(reports)
+
+
+def fit_rule_cap(model, reports):
+    """The evidence rules' own confidences are set by hand: where a rule
+    decides a validation report alone at 0.8 or more, those answers must be
+    right 95% of the time (shrunk as the calibration is), or a rule deciding
+    a report alone claims at most 0.79."""
+    right = n = 0
+    for r in reports:
+        for ev in r["events"]:
+            cands = ev["rules"]
+            if cands and cands[0][1] >= model.strong_rule and rule_verdict(cands)[1] >= 0.8:
+                n += 1
+                right += rule_verdict(cands)[0] == r["label"]
+                break
+    return 1.0 if (right + 1.0) / (n + 2.0) >= CONFIDENT_RIGHT else 0.79
+
+
 def write_inc(path, model, buckets):
     with open(path, "w") as f:
         f.write("// Generated by scripts/train_text_model.py; do not edit.\n")
@@ -272,6 +381,8 @@ def write_inc(path, model, buckets):
         f.write("constexpr double kBias[] = {" + ", ".join(f"{v:.6g}" for v in model.b) + "};\n")
         f.write(f"constexpr double kRuleWeight = {model.rule_weight};\n")
         f.write(f"constexpr double kStrongRule = {model.strong_rule};\n")
+        f.write(f"constexpr double kDecisionFloor = {model.floor};\n")
+        f.write(f"constexpr double kRuleConfidenceCap = {model.rule_cap};\n")
         cal = ", ".join(f"{s}, {y}" for s, y in model.calibration)
         f.write(f"constexpr double kCalibration[] = {{{cal}}};\n")
 
@@ -292,40 +403,42 @@ def main():
     reports = load(a.dump)
     by_split = {s: [r for r in reports if r["split"] == s] for s in ("train", "validation", "test")}
     classes = sorted({r["label"] for r in by_split["train"] if r["label"] != "unknown"})
-    index = {c: i for i, c in enumerate(classes)}
-    texts, ys = [], []
-    for r in by_split["train"]:
-        if r["label"] not in index:
-            continue
-        for ev in r["events"] or [{"text": ""}]:
-            texts.append(ev["text"])
-            ys.append(index[r["label"]])
-    x = dense(texts, a.buckets)
-    y = np.array(ys)
-    print(f"train: {len(by_split['train'])} reports, {len(texts)} events, {len(classes)} classes; "
+    print(f"train: {len(by_split['train'])} reports, {len(classes)} classes; "
           f"validation {len(by_split['validation'])}, test {len(by_split['test'])}")
 
+    # The weights' settings (L2 strength, how much a rule adds) by grouped
+    # cross-validation on the train split: its folds are repositories, as the
+    # splits are, and it holds far more reports than validation does.
+    l2, rule_weight, cv_acc = choose_by_cv(by_split["train"], classes, a.buckets)
+    print(f"chosen by {CV_FOLDS}-fold cross-validation on train: l2={l2} rule_weight={rule_weight}: "
+          f"{cv_acc:.3f} right")
+    w, b = fit(by_split["train"], classes, l2, a.buckets)
+
+    # Validation decides what the combination concludes: when a rule decides
+    # alone, the calibration, and the floor below which the answer is unknown.
     best = None
-    for l2 in (1e-4, 1e-3, 1e-2):
-        w, b = train_lr(x, y, classes, l2)
-        for rule_weight in (0.0, 0.25, 0.5, 1.0, 2.0):
-            for strong in (0.8, 0.85, 0.9, 0.95, 1.01):
-                m = Model(classes, w, b, rule_weight, strong)
-                m.calibration = fit_calibration(m, by_split["validation"])
-                acc = accuracy(m, by_split["validation"])
-                # Among settings that keep confident answers (>= 0.8) right at
-                # least 95% of the time on validation, the most accurate.
-                answers = [(m.report(r), r["label"]) for r in by_split["validation"]]
-                confident = [(p, l) for (p, c, _), l in answers if c >= 0.8]
-                wrong = sum(p != l for p, l in confident)
-                keeps_promise = not confident or wrong <= (1 - CONFIDENT_RIGHT) * len(confident)
-                key = (keeps_promise, acc, -l2, -rule_weight)
-                if best is None or key > best[0]:
-                    best = (key, m, l2)
-    (kept, acc, _, _), model, l2 = best
+    for strong in (0.8, 0.85, 0.9, 0.95, 1.01):
+        # The calibration reads every answer the text model gives (no floor).
+        calibration = fit_calibration(Model(classes, w, b, rule_weight, strong, floor=0.0), by_split["validation"])
+        rule_cap = fit_rule_cap(Model(classes, w, b, rule_weight, strong), by_split["validation"])
+        for floor in TEXT_FLOORS:
+            m = Model(classes, w, b, rule_weight, strong, calibration, floor, rule_cap)
+            acc = accuracy(m, by_split["validation"])
+            # Among settings that keep confident answers (>= 0.8) right at
+            # least 95% of the time on validation, the most accurate.
+            answers = [(m.report(r), r["label"]) for r in by_split["validation"]]
+            confident = [(p, lab) for (p, c, _), lab in answers if c >= 0.8]
+            wrong = sum(p != lab for p, lab in confident)
+            keeps_promise = not confident or wrong <= (1 - CONFIDENT_RIGHT) * len(confident)
+            # Ties: the higher floor (abstain when it costs nothing), then the lower
+            # strong_rule (the evidence rules decide alone where they can).
+            key = (keeps_promise, acc, floor, -strong)
+            if best is None or key > best[0]:
+                best = (key, m)
+    (kept, acc, _, _), model = best
     if not kept:
         print("warning: no setting keeps confidence >= 0.8 right 95% of the time on validation")
-    print(f"chosen on validation: l2={l2} rule_weight={model.rule_weight} strong_rule={model.strong_rule}: "
+    print(f"chosen on validation: strong_rule={model.strong_rule} floor={model.floor} rule_cap={model.rule_cap}: "
           f"{acc:.3f} right")
     print("calibration (score -> right share):", model.calibration)
     for split in ("train", "validation", "test"):

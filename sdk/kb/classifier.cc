@@ -55,7 +55,7 @@ using internal::FormatBytes;
 using kb::Candidate;
 using kb::Facts;
 
-constexpr double kDecisionFloor = 0.45;  // below it a candidate is mentioned, not concluded
+constexpr double kDecisionFloor = 0.45;  // below it a rule candidate is mentioned, not concluded
 constexpr int64_t kGiB = int64_t{1} << 30;
 
 std::optional<int64_t> Positive(int64_t v) { return v > 0 ? std::optional<int64_t>(v) : std::nullopt; }
@@ -182,6 +182,21 @@ std::vector<Candidate> CandidatesOf(const Facts& f) {
 
 std::vector<Candidate> RuleCandidates(const Incident& incident) { return CandidatesOf(BuildFacts(incident)); }
 
+std::vector<std::string_view> RuledOut(const Facts& f) {
+  std::vector<std::string_view> out;
+  if (f.kind == "host") {
+    for (std::string_view p : {"fragmentation", "workspace", "foreign_memory", "eval_without_no_grad",
+                               "checkpoint_load", "rank_imbalance", "impossible_request"})
+      out.push_back(p);
+  } else if (f.kind == "device" || f.kind == "workspace") {
+    out.push_back("host_memory");
+  }
+  if (f.cues.no_grad && f.kind != "host") out.push_back("eval_without_no_grad");
+  return out;
+}
+
+std::vector<std::string_view> RuledOut(const Incident& incident) { return RuledOut(BuildFacts(incident)); }
+
 std::string_view ModelText(const Incident& incident) {
   return incident.context.empty() ? std::string_view(incident.message) : std::string_view(incident.context);
 }
@@ -235,6 +250,9 @@ Classification ClassifyIncident(const Incident& incident) {
   double deciding = rules.best != nullptr ? rules.best->confidence : 0;
   std::string evidence = rules.evidence;
   std::string weak;  // what the unknown case mentions
+  // Below the floor an answer is not concluded. The rules' floor is fixed;
+  // the text model's is chosen on the validation split with its calibration.
+  double floor = kDecisionFloor;
 
   // An incident without text around it (the guard's own records, JSON
   // imports) is decided by its figures and fields alone: the text model was
@@ -246,10 +264,12 @@ Classification ClassifyIncident(const Incident& incident) {
   const bool rules_alone = incident.context.empty() || (rules.best != nullptr && rules.best->confidence >= model.strong_rule);
   if (model.trained && !rules_alone) {
     const std::vector<double> p = kb::TextProbabilities(kb::ModelText(incident));
+    const std::vector<std::string_view> ruled_out = kb::RuledOut(f);
     size_t top = 0;
     double top_score = -1;
     std::vector<double> score(p.size());
     for (size_t c = 0; c < p.size(); ++c) {
+      if (std::find(ruled_out.begin(), ruled_out.end(), model.classes[c]) != ruled_out.end()) continue;
       double rule = 0;
       for (const Candidate& cand : all)
         if (cand.pattern == model.classes[c]) rule = std::max(rule, cand.confidence);
@@ -258,6 +278,7 @@ Classification ClassifyIncident(const Incident& incident) {
     }
     pattern = model.classes[top];
     deciding = confidence = kb::CalibratedConfidence(top_score);
+    floor = model.decision_floor;
     const Candidate* agreeing = nullptr;
     for (const Candidate& cand : all)
       if (cand.pattern == pattern) {
@@ -270,9 +291,12 @@ Classification ClassifyIncident(const Incident& incident) {
     weak = pattern + " (" + evidence + ")";
   } else if (rules.best != nullptr) {
     weak = rules.best->pattern + " (" + rules.best->evidence + ")";
+    // On a report the rules' hand-set confidences claim no more than the
+    // validation split showed them to deserve; a guard record keeps them.
+    if (model.trained && !incident.context.empty()) confidence = std::min(confidence, model.rule_confidence_cap);
   }
 
-  if (deciding < kDecisionFloor) {
+  if (deciding < floor) {
     out.pattern = "unknown";
     out.confidence = 0.2;
     out.evidence = "no rule decided: " + Situation(f);

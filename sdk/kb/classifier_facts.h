@@ -67,6 +67,12 @@ extern const size_t kRuleCount;
 // order); the text model's training script reads them through
 // bench/diagnosis_bench --dump to fit how the two combine.
 std::vector<Candidate> RuleCandidates(const Incident& incident);
+// The patterns the evidence contradicts, whatever the wording says: a host
+// OOM is not a device pattern, a device OOM is not host memory outside the
+// data pipeline, an evaluation seen running under no_grad is not
+// eval_without_no_grad. The text model never answers them.
+std::vector<std::string_view> RuledOut(const Facts& f);
+std::vector<std::string_view> RuledOut(const Incident& incident);
 // The text the text model reads for `incident`: its context (which holds the
 // OOM line) or, without one, its message.
 std::string_view ModelText(const Incident& incident);

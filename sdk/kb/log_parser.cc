@@ -99,11 +99,17 @@ bool Mention(std::string_view l) {
     for (size_t k = 0; k < rest.size() && words < 4; ++words) {
       size_t end = rest.find_first_of(" .,;:!?)", k);
       std::string_view w = rest.substr(k, end == std::string_view::npos ? std::string_view::npos : end - k);
-      if (w.starts_with("memor") || w == "ram" || w == "vram" || w == "hbm") return true;
+      // "memory", "memories", and the misspellings reports carry ("memeory", "memery").
+      if ((w.starts_with("mem") && !w.starts_with("member")) || w == "ram" || w == "vram" || w == "hbm") return true;
       if (end == std::string_view::npos || rest[end] != ' ') break;
       k = end + 1;
     }
   }
+  // Memory that filled up and crashed the machine: "beyond 16 gb which is the max. RAM that I have hence
+  // system crashes".
+  if (ContainsAny(l, {"crash"}) && ContainsAny(l, {" ram ", " ram.", "memory"}) &&
+      ContainsAny(l, {"increas", "grow", "full", "the max", "maximum"}))
+    return true;
   // "OOM", and the verb: "ooms", "OOMed", "OOMing", "OOM'd".
   for (size_t at = l.find("oom"); at != std::string_view::npos; at = l.find("oom", at + 1)) {
     bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));

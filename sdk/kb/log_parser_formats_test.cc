@@ -90,13 +90,18 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
                            "I have set the batchsize of 32, but it still out of memories\n",
                            "the current ops_torch.py backend ooms because of memory fragmentation on a 4090\n",
                            "allocator fragmentation that can surface as late OOMs\n",
-                           "`Cannot malloc 49.0002 MB GPU memory. Please shrink FLAGS_fraction_of_gpu_memory_to_use`\n"}) {
+                           "`Cannot malloc 49.0002 MB GPU memory. Please shrink FLAGS_fraction_of_gpu_memory_to_use`\n",
+                           // ultralytics/yolov3#1381, dvornikita/fewshot_ensemble#4
+                           "error occured:\nCUDA out of memeory,\n",
+                           "it continues to increase beyond 16 gb which is the max. RAM that I have hence system "
+                           "crashes.\n"}) {
     auto incs = Parse(text);
     EXPECT_EQ(incs.size(), 1u) << text;
   }
   // "out of" far from any memory word, and "oom" inside a word, are not OOMs.
   EXPECT_TRUE(Parse("We ran out of time before the room emptied; memory was fine.\n").empty());
   EXPECT_TRUE(Parse("The zoom level of the plots is out of date.\n").empty());
+  EXPECT_TRUE(Parse("The viewer crashes when the window is full screen.\n").empty());
 }
 
 TEST(LogParserFormatsTest, GrowthToldInWordsIsGradualGrowth) {

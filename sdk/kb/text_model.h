@@ -29,6 +29,8 @@ struct TextModelInfo {
   bool trained = false;                // false: no weights shipped (every probability equal)
   double combine_rule_weight = 0;      // how much a rule's confidence adds to a class's probability
   double strong_rule = 1.0;            // a rule candidate at or above this decides alone
+  double decision_floor = 0.45;        // a calibrated confidence below it answers "unknown" (chosen on validation)
+  double rule_confidence_cap = 1.0;    // the most a rule deciding a report alone claims (chosen on validation)
   std::vector<std::pair<double, double>> calibration;  // (raw score, right share), ascending in score
 };
 

@@ -1,6 +1,11 @@
 // The classifier on real OOM reports (tests/kb/testdata/reports/): the floor
 // the project holds it to. A case it gets wrong may only be wrong with
-// confidence below 0.8, and at least 85% must be right.
+// confidence below 0.8, and at least 85% of the cases labelled with a pattern
+// must be right. The cases labelled `unknown` (the report alone did not
+// decide for whoever labelled it) are answered when the text model's
+// validated floor says an answer is more often right than not (issue 25: the
+// corpus labelled from resolutions shows most such reports resolve to a
+// pattern); they count only against confident mistakes.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -38,24 +43,31 @@ TEST(DevSetTest, AccuracyFloorAndNoConfidentMistakes) {
   std::string error;
   std::vector<devset::Case> cases = devset::Load(kDir, &error);
   ASSERT_TRUE(error.empty()) << error;
-  size_t right = 0;
+  size_t right = 0, labelled = 0, unknown_right = 0, unknown = 0;
   std::map<std::string, int> misses;
   for (const auto& c : cases) {
     devset::Verdict v = devset::Diagnose(c);
     EXPECT_GE(v.events, 1u) << c.file << ": no OOM found in the report";
-    if (v.pattern == c.label) {
-      ++right;
-      continue;
+    const bool ok = v.pattern == c.label;
+    if (c.label == "unknown") {
+      ++unknown;
+      unknown_right += ok;
+    } else {
+      ++labelled;
+      right += ok;
     }
+    if (ok) continue;
     ++misses[c.label + " -> " + v.pattern];
     EXPECT_LT(v.confidence, 0.8) << c.file << ": wrong (" << v.pattern << " for " << c.label
                                  << ") with confidence " << v.confidence << ": " << v.evidence;
   }
-  const double accuracy = static_cast<double>(right) / static_cast<double>(cases.size());
+  ASSERT_GT(labelled, 0u);
+  const double accuracy = static_cast<double>(right) / static_cast<double>(labelled);
   std::string summary;
   for (const auto& [k, n] : misses) summary += "\n  " + k + " x" + std::to_string(n);
-  EXPECT_GE(accuracy, 0.85) << right << "/" << cases.size() << " right; misses:" << summary;
-  std::printf("dev set: %zu/%zu right (%.1f%%)%s\n", right, cases.size(), 100.0 * accuracy, summary.c_str());
+  EXPECT_GE(accuracy, 0.85) << right << "/" << labelled << " right; misses:" << summary;
+  std::printf("dev set: %zu/%zu labelled with a pattern right (%.1f%%); %zu/%zu labelled unknown left unknown%s\n",
+              right, labelled, 100.0 * accuracy, unknown_right, unknown, summary.c_str());
 }
 
 }  // namespace
