@@ -185,8 +185,8 @@ std::vector<Candidate> RuleCandidates(const Incident& incident) { return Candida
 std::vector<std::string_view> RuledOut(const Facts& f) {
   std::vector<std::string_view> out;
   if (f.kind == "host") {
-    for (std::string_view p : {"fragmentation", "workspace", "foreign_memory", "eval_without_no_grad",
-                               "checkpoint_load", "rank_imbalance", "impossible_request"})
+    for (std::string_view p :
+         {"fragmentation", "workspace", "foreign_memory", "eval_without_no_grad", "checkpoint_load", "rank_imbalance"})
       out.push_back(p);
   } else if (f.kind == "device" || f.kind == "workspace") {
     out.push_back("host_memory");

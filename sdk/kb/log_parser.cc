@@ -85,7 +85,9 @@ bool Mention(std::string_view l) {
                       "memory blow up", "memory leak", "leaks memory", "leaking memory", "runs out of ram",
                       "ran out of ram", "until oom", "\"killed\"", "显存不足", "显存不够", "显存溢出", "爆显存",
                       "内存不足", "内存不够", "内存溢出", "메모리 부족", "memory surge", "memory issue",
-                      "rising of gpu memory", "continuous rising", "blows up", "cublas initialization"}))
+                      "rising of gpu memory", "continuous rising", "blows up", "cublas initialization",
+                      // Notebook runtimes: "Your session crashed after using all available RAM".
+                      "all available ram", "all available memory", "all the available memory"}))
     return true;
   // "it will try to allocate 28MB and fail", "Cannot malloc 49 MB GPU memory"
   if (size_t at = l.find("allocate"); at != std::string_view::npos && Contains(l.substr(at), " fail")) return true;
@@ -105,6 +107,10 @@ bool Mention(std::string_view l) {
       k = end + 1;
     }
   }
+  // "fails due to cuda memory limit", "exceeds the GPU memory limit"
+  if (size_t at = l.find("memory limit"); at != std::string_view::npos &&
+      ContainsAny(l, {"fail", "exceed", "hit the", "hits the", "reach", "over the"}))
+    return true;
   // Memory that filled up and crashed the machine: "beyond 16 gb which is the max. RAM that I have hence
   // system crashes".
   if (ContainsAny(l, {"crash"}) && ContainsAny(l, {" ram ", " ram.", "memory"}) &&

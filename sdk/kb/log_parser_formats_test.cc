@@ -94,7 +94,11 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
                            // ultralytics/yolov3#1381, dvornikita/fewshot_ensemble#4
                            "error occured:\nCUDA out of memeory,\n",
                            "it continues to increase beyond 16 gb which is the max. RAM that I have hence system "
-                           "crashes.\n"}) {
+                           "crashes.\n",
+                           // kingoflolz/mesh-transformer-jax#120, hkproj/pytorch-transformer#3
+                           "it has stopped working for me, saying \"Your session crashed after using all available "
+                           "RAM\".\n",
+                           "When training on google colab second epoch for me fails due to cuda memory limit\n"}) {
     auto incs = Parse(text);
     EXPECT_EQ(incs.size(), 1u) << text;
   }
@@ -102,6 +106,7 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
   EXPECT_TRUE(Parse("We ran out of time before the room emptied; memory was fine.\n").empty());
   EXPECT_TRUE(Parse("The zoom level of the plots is out of date.\n").empty());
   EXPECT_TRUE(Parse("The viewer crashes when the window is full screen.\n").empty());
+  EXPECT_TRUE(Parse("Set the memory limit of the container in the compose file.\n").empty());
 }
 
 TEST(LogParserFormatsTest, GrowthToldInWordsIsGradualGrowth) {
