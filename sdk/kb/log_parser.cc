@@ -71,7 +71,8 @@ bool FormatMarker(std::string_view l) {
                          "sigkill", ": out of memory", "error: out of memory", "not enough memory:",
                          "cuda_error_out_of_memory", "insufficient shared memory", "out of shared memory",
                          "return code = -9", "return code -9", "exitcode: -9", "exit code -9", "错误码-9",
-                         "cudnn_status_not_supported", "cublas_status_not_initialized"});
+                         "cudnn_status_not_supported", "cublas_status_not_initialized",
+                         "less than desired gpu memory utilization", "no available memory for the cache blocks"});
 }
 
 // A sentence about an OOM (used only when no error record exists).
@@ -87,7 +88,11 @@ bool Mention(std::string_view l) {
                       "内存不足", "内存不够", "内存溢出", "메모리 부족", "memory surge", "memory issue",
                       "rising of gpu memory", "continuous rising", "blows up", "cublas initialization",
                       // Notebook runtimes: "Your session crashed after using all available RAM".
-                      "all available ram", "all available memory", "all the available memory"}))
+                      "all available ram", "all available memory", "all the available memory",
+                      // "which leads to the memory is out", "GPU memory ran out"
+                      "memory is out", "memory ran out", "memory runs out", "memory run out", "memory running out",
+                      // Hugging Face datasets' report of a map() worker the kernel killed.
+                      "subprocesses has abruptly died"}))
     return true;
   // "it will try to allocate 28MB and fail", "Cannot malloc 49 MB GPU memory"
   if (size_t at = l.find("allocate"); at != std::string_view::npos && Contains(l.substr(at), " fail")) return true;
@@ -115,6 +120,11 @@ bool Mention(std::string_view l) {
   // system crashes".
   if (ContainsAny(l, {"crash"}) && ContainsAny(l, {" ram ", " ram.", "memory"}) &&
       ContainsAny(l, {"increas", "grow", "full", "the max", "maximum"}))
+    return true;
+  // "uses all the GPU memory ... causes a crash as soon as ..."
+  if (ContainsAny(l, {"all the gpu memory", "all gpu memory", "all of the gpu memory", "all the memory",
+                      "all of the memory", "all the vram"}) &&
+      ContainsAny(l, {"crash", "fail", "error"}))
     return true;
   // "OOM", and the verb: "ooms", "OOMed", "OOMing", "OOM'd".
   for (size_t at = l.find("oom"); at != std::string_view::npos; at = l.find("oom", at + 1)) {
@@ -315,7 +325,8 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
     // memory even in a GPU job, unless the device's own OOM is named.
     const bool device_oom = ContainsAny(all, {"cuda out of memory", "cuda error: out of memory", "gpu out of memory",
                                               "out of gpu memory", "out-of-gpu-memory", "vram", "显存", "cuda oom"});
-    bool host = ContainsAny(all, {"killed", " rss", "system memory", "cpu memory", "host memory", "内存"});
+    bool host = ContainsAny(all, {"killed", " rss", "system memory", "cpu memory", "host memory", "内存",
+                                  "num_workers", "abruptly died"});
     for (size_t at = all.find("ram"); at != std::string::npos && !host; at = all.find("ram", at + 1)) {
       bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(all[at - 1]));
       bool right = at + 3 >= all.size() || !std::isalpha(static_cast<unsigned char>(all[at + 3]));

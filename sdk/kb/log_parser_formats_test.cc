@@ -98,7 +98,11 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
                            // kingoflolz/mesh-transformer-jax#120, hkproj/pytorch-transformer#3
                            "it has stopped working for me, saying \"Your session crashed after using all available "
                            "RAM\".\n",
-                           "When training on google colab second epoch for me fails due to cuda memory limit\n"}) {
+                           "When training on google colab second epoch for me fails due to cuda memory limit\n",
+                           // pytorch/pytorch#22133, instadeepai/Mava#220
+                           "15 new python processes are created every epoch, which leads to the memory is out.\n",
+                           "Currently the trainer uses all the GPU memory. This causes a crash as soon as some other "
+                           "function requests GPU memory.\n"}) {
     auto incs = Parse(text);
     EXPECT_EQ(incs.size(), 1u) << text;
   }
@@ -107,6 +111,30 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
   EXPECT_TRUE(Parse("The zoom level of the plots is out of date.\n").empty());
   EXPECT_TRUE(Parse("The viewer crashes when the window is full screen.\n").empty());
   EXPECT_TRUE(Parse("Set the memory limit of the container in the compose file.\n").empty());
+  EXPECT_TRUE(Parse("Setting memory growth stops TensorFlow from taking all the GPU memory.\n").empty());
+}
+
+TEST(LogParserFormatsTest, WorkersTheKernelKilledAreHostMemory) {
+  // unslothai/unsloth#7831: datasets' map() workers killed when RAM runs out.
+  auto incs = Parse(
+      "Training intermittently dies with `RuntimeError: One of the subprocesses has abruptly died during map "
+      "operation.`\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  // pytorch/pytorch#22133: workers started anew each epoch.
+  incs = Parse("I set num_workers 15; every epoch 15 new python processes are created, so the memory is out.\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+}
+
+TEST(LogParserFormatsTest, VllmStartupShortfallIsADeviceOom) {
+  // vllm-project/vllm#50135
+  auto incs = Parse(
+      "ValueError: Free memory on device xpu:0 (0.22/30.3 GiB) on startup is less than desired GPU memory "
+      "utilization (0.7, 21.21 GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+      "processes.\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
 }
 
 TEST(LogParserFormatsTest, GrowthToldInWordsIsGradualGrowth) {

@@ -294,6 +294,12 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"OutOfMemoryError", OomKind::kDevice, 0},
       {"the GPU ran out of memory", OomKind::kDevice, 0},
       {"device out of memory", OomKind::kDevice, 0},
+      // vLLM at startup.
+      {"ValueError: Free memory on device cuda:0 (3.1/79.2 GiB) on startup is less than desired GPU memory "
+       "utilization (0.9, 71.3 GiB).",
+       OomKind::kDevice, 0},
+      {"ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`.",
+       OomKind::kDevice, 0},
       {"sim:0 out of memory. Tried to allocate 512.00 KiB (simulated device capacity 8.00 MiB)",
        OomKind::kDevice, 512 * 1024},
       // Host.

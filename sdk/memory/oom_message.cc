@@ -431,6 +431,11 @@ OomInfo ClassifyMessage(std::string_view message) {
              Has(m, "cannot allocate memory") || Has(m, "can't allocate memory") || Has(m, "memoryerror") ||
              Has(m, "bad_alloc") || Has(m, "bad allocation")) {
     kind = OomKind::kHost;
+  } else if (Has(m, "less than desired gpu memory utilization") ||
+             Has(m, "no available memory for the cache blocks")) {
+    // vLLM at startup: the card's free memory does not cover the share it
+    // was told to take, or nothing is left for the KV cache.
+    kind = OomKind::kDevice;
   } else if (out_of_memory) {
     kind = device_words ? OomKind::kDevice : OomKind::kHost;
   }
