@@ -72,7 +72,8 @@ bool FormatMarker(std::string_view l) {
                          "cuda_error_out_of_memory", "insufficient shared memory", "out of shared memory",
                          "return code = -9", "return code -9", "exitcode: -9", "exit code -9", "错误码-9",
                          "cudnn_status_not_supported", "cublas_status_not_initialized",
-                         "less than desired gpu memory utilization", "no available memory for the cache blocks"});
+                         "less than desired gpu memory utilization", "no available memory for the cache blocks",
+                         "could not create cudnn handle"});
 }
 
 // A sentence about an OOM (used only when no error record exists).
@@ -92,7 +93,9 @@ bool Mention(std::string_view l) {
                       // "which leads to the memory is out", "GPU memory ran out"
                       "memory is out", "memory ran out", "memory runs out", "memory run out", "memory running out",
                       // Hugging Face datasets' report of a map() worker the kernel killed.
-                      "subprocesses has abruptly died"}))
+                      "subprocesses has abruptly died",
+                      // "Increase batch size causes Cudamalloc error"
+                      "cudamalloc error", "cuda malloc error", "cudamalloc failed"}))
     return true;
   // "it will try to allocate 28MB and fail", "Cannot malloc 49 MB GPU memory"
   if (size_t at = l.find("allocate"); at != std::string_view::npos && Contains(l.substr(at), " fail")) return true;

@@ -71,6 +71,22 @@ TEST(LogParserFormatsTest, CudnnNotSupportedIsAWorkspaceFailure) {
   EXPECT_EQ(incs[0].kind, IncidentKind::kWorkspace);
 }
 
+TEST(LogParserFormatsTest, TensorFlowsCudnnHandleAndXlaReservationsAreOoms) {
+  // tony-framework/TonY#486, pytorch/xla#2569
+  auto incs = Parse(
+      "2020-11-25 09:06:12.391615: E tensorflow/stream_executor/cuda/cuda_dnn.cc:328] Could not create cudnn handle: "
+      "CUDNN_STATUS_INTERNAL_ERROR\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kWorkspace);
+  incs = Parse(
+      "2020-10-22 02:48:58 10.128.0.33 [3]   (1) Resource exhausted: Attempting to allocate 180.59M. That was not "
+      "possible. There are 142.58M free.; (0x3x0_HBM1)\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
+  // A resource other than memory is not an OOM.
+  EXPECT_TRUE(Parse("Resource exhausted: too many open files\n").empty());
+}
+
 TEST(LogParserFormatsTest, OomsToldOnlyInWords) {
   // pytorch/pytorch#1840, basiclab/GNGAN-PyTorch#2, a Chinese report.
   for (const char* text : {"the memory grows unlimitly **until OOM**\n",
@@ -102,7 +118,9 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
                            // pytorch/pytorch#22133, instadeepai/Mava#220
                            "15 new python processes are created every epoch, which leads to the memory is out.\n",
                            "Currently the trainer uses all the GPU memory. This causes a crash as soon as some other "
-                           "function requests GPU memory.\n"}) {
+                           "function requests GPU memory.\n",
+                           // NVIDIA/DeepLearningExamples#691
+                           "when trying to increase batch size from 192 to 256, cuda malloc error occurs\n"}) {
     auto incs = Parse(text);
     EXPECT_EQ(incs.size(), 1u) << text;
   }

@@ -140,6 +140,9 @@ TEST(TextCuesTest, Descriptions) {
   c = AnalyzeText("", "GPU is out of memory after training on a few thousand of examples");
   EXPECT_EQ(c.said_steps_done, 1000);
   EXPECT_TRUE(AnalyzeText("", "a slow and steady increase is visible").said_growth);
+  // ultralytics/yolov5#2877: a dataset that caches decoded images in RAM is the data pipeline.
+  EXPECT_TRUE(AnalyzeText("", "When I try and use `--cache` while training it gets killed").said_data_pipeline);
+  EXPECT_FALSE(AnalyzeText("", "the allocator cache holds 2 GiB").said_data_pipeline);
   EXPECT_TRUE(AnalyzeText("", "it fails when I resume training from a checkpoint").said_resume);
   EXPECT_TRUE(AnalyzeText("", "the first GPU occupies much more memory than the others").said_imbalance);
   EXPECT_TRUE(AnalyzeText("", "another process was using the GPU").said_other_process);

@@ -316,7 +316,10 @@ void ReadDescription(std::string_view all, std::string_view written, TextCues* c
   }
   Said(all, {"dataloader", "data loader", "num_workers", "prefetch", "pin_memory", "shared memory", "/dev/shm",
              "replay_buffer", "replay buffer", "bus error", "preprocessing", "data-loading", "data loading",
-             "loading data", "loading the dataset", "load the dataset", "dataset loading", "loading the data"},
+             "loading data", "loading the dataset", "load the dataset", "dataset loading", "loading the data",
+             // Datasets that cache decoded samples in RAM (YOLO's --cache, "cache images").
+             "--cache", "cache images", "caching images", "cache-images", "cache_images", "cached images",
+             "images into memory", "images in ram"},
        &c->said_data_pipeline);
   SaidWord(all, {"seq2seq", "sequence", "sentence", "utterance", "token", "translation", "speech", "audio", "dialog",
                  "nlp", "point cloud"},

@@ -294,6 +294,13 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"OutOfMemoryError", OomKind::kDevice, 0},
       {"the GPU ran out of memory", OomKind::kDevice, 0},
       {"device out of memory", OomKind::kDevice, 0},
+      // XLA on TPU (pytorch/xla#2569) and TensorFlow's cuDNN handle.
+      {"(1) Resource exhausted: Attempting to allocate 180.59M. That was not possible. There are 142.58M free.; "
+       "(0x3x0_HBM1)",
+       OomKind::kDevice, 189362340},  // 180.59 MiB
+      {"E tensorflow/stream_executor/cuda/cuda_dnn.cc:328] Could not create cudnn handle: "
+       "CUDNN_STATUS_INTERNAL_ERROR",
+       OomKind::kWorkspace, 0},
       // vLLM at startup.
       {"ValueError: Free memory on device cuda:0 (3.1/79.2 GiB) on startup is less than desired GPU memory "
        "utilization (0.9, 71.3 GiB).",

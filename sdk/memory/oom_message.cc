@@ -414,13 +414,18 @@ OomInfo ClassifyMessage(std::string_view message) {
       // cuDNN answers NOT_SUPPORTED when no algorithm's workspace fits, and
       // cuBLAS fails to initialise when its handle's workspace does not.
       Has(m, "cudnn_status_not_supported") || Has(m, "cublas_status_not_initialized") ||
+      // TensorFlow, when the memory it reserved up front leaves cuDNN none for its handle.
+      Has(m, "could not create cudnn handle") ||
       (Has(m, "workspace") && alloc_failed)) {
     kind = OomKind::kWorkspace;
   } else if (host_kill || Has(m, "out of memory: killed process")) {
     kind = OomKind::kHost;
   } else if (Has(m, "oom when allocating") || Has(m, "ran out of memory trying to allocate") ||
              Has(m, "resourceexhaustederror") ||
-             ((Has(m, "resource_exhausted") || Has(m, "resource exhausted")) && (out_of_memory || Has(m, "oom")))) {
+             ((Has(m, "resource_exhausted") || Has(m, "resource exhausted")) &&
+              (out_of_memory || Has(m, "oom") ||
+               // XLA on TPU: "Resource exhausted: Attempting to allocate 180.59M. That was not possible."
+               Has(m, "attempting to allocate") || Has(m, "attempting to reserve")))) {
     // TensorFlow/XLA/JAX. TF names the allocator; a CPU one is host memory.
     kind = (Has(m, "device:cpu") || Has(m, "allocator cpu")) ? OomKind::kHost : OomKind::kDevice;
   } else if (Has(m, "cudaerrormemoryallocation") || Has(m, "cuda_error_out_of_memory") ||
