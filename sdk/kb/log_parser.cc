@@ -76,6 +76,22 @@ bool FormatMarker(std::string_view l) {
                          "could not create cudnn handle"});
 }
 
+// A byte size in words: "286GB", "~4 GiB", "512 MiB".
+bool HasSize(std::string_view l) {
+  for (size_t i = 0; i < l.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(l[i]))) continue;
+    size_t j = i;
+    while (j < l.size() && (std::isdigit(static_cast<unsigned char>(l[j])) || l[j] == '.')) ++j;
+    if (j < l.size() && l[j] == ' ') ++j;
+    std::string_view unit = l.substr(j, 3);
+    if (unit.size() >= 2 && std::string_view("kmgt").find(unit[0]) != std::string_view::npos &&
+        (unit[1] == 'b' || (unit.size() == 3 && unit[1] == 'i' && unit[2] == 'b')))
+      return true;
+    i = j;
+  }
+  return false;
+}
+
 // A sentence about an OOM (used only when no error record exists).
 bool Mention(std::string_view l) {
   if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
@@ -99,8 +115,18 @@ bool Mention(std::string_view l) {
     return true;
   // "it will try to allocate 28MB and fail", "Cannot malloc 49 MB GPU memory"
   if (size_t at = l.find("allocate"); at != std::string_view::npos && Contains(l.substr(at), " fail")) return true;
-  for (std::string_view verb : {"cannot allocate", "can't allocate", "cannot malloc", "failed to allocate"})
-    if (size_t at = l.find(verb); at != std::string_view::npos && Contains(l.substr(at), "memory")) return true;
+  for (std::string_view verb : {"cannot allocate", "can't allocate", "cannot malloc", "failed to allocate",
+                                 "failure to allocate", "unable to allocate", "could not allocate"}) {
+    size_t at = l.find(verb);
+    if (at == std::string_view::npos) continue;
+    // "... memory", or a size: "alloc failure to allocate ~286GB"
+    std::string_view rest = l.substr(at + verb.size());
+    if (Contains(rest, "memory") || HasSize(rest.substr(0, 40))) return true;
+  }
+  // "I crash the memory of my GPUs", "Batch size changes for memory crashing"
+  if (ContainsAny(l, {"crash the memory", "crashing the memory", "crashes the memory", "memory crashing",
+                      "memory crash"}))
+    return true;
   // "run out of my cuda memory", "out of GPU RAM", "still out of memories": "out of" and a memory word
   // at most three words later.
   for (size_t at = l.find("out of "); at != std::string_view::npos; at = l.find("out of ", at + 1)) {

@@ -120,7 +120,10 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
                            "Currently the trainer uses all the GPU memory. This causes a crash as soon as some other "
                            "function requests GPU memory.\n",
                            // NVIDIA/DeepLearningExamples#691
-                           "when trying to increase batch size from 192 to 256, cuda malloc error occurs\n"}) {
+                           "when trying to increase batch size from 192 to 256, cuda malloc error occurs\n",
+                           // ROCm/Tensile#197, rsanchezgarc/deepEMhancer#3
+                           "The seemingly random alloc failure to allocate ~ 286GB was caused by the default sizes\n",
+                           "I have a 512x512x512 volume that is crashing the memory of my K80 GPUs\n"}) {
     auto incs = Parse(text);
     EXPECT_EQ(incs.size(), 1u) << text;
   }
@@ -130,6 +133,7 @@ TEST(LogParserFormatsTest, OomsToldWithWordsBetweenOrAsAVerb) {
   EXPECT_TRUE(Parse("The viewer crashes when the window is full screen.\n").empty());
   EXPECT_TRUE(Parse("Set the memory limit of the container in the compose file.\n").empty());
   EXPECT_TRUE(Parse("Setting memory growth stops TensorFlow from taking all the GPU memory.\n").empty());
+  EXPECT_TRUE(Parse("The loader failed to allocate a worker slot, retrying in 5 s.\n").empty());
 }
 
 TEST(LogParserFormatsTest, WorkersTheKernelKilledAreHostMemory) {
