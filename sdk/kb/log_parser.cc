@@ -123,6 +123,14 @@ bool Mention(std::string_view l) {
     std::string_view rest = l.substr(at + verb.size());
     if (Contains(rest, "memory") || HasSize(rest.substr(0, 40))) return true;
   }
+  // "storing ... quickly eats up memory and kills the job": memory taken until the process died.
+  if (ContainsAny(l, {"eats up", "eating up", "eat up", "ate up", "eats all", "eating all"}) &&
+      ContainsAny(l, {"memory", " ram"}) && ContainsAny(l, {"kill", "crash"}))
+    return true;
+  // Shared memory exhausted in a container: "Bus error / No space left on device due to
+  // Docker's default /dev/shm limit".
+  if (ContainsAny(l, {"bus error", "no space left on device"}) && ContainsAny(l, {"/dev/shm", "shared memory", " shm"}))
+    return true;
   // "I crash the memory of my GPUs", "Batch size changes for memory crashing"
   if (ContainsAny(l, {"crash the memory", "crashing the memory", "crashes the memory", "memory crashing",
                       "memory crash"}))
@@ -354,8 +362,8 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
     // memory even in a GPU job, unless the device's own OOM is named.
     const bool device_oom = ContainsAny(all, {"cuda out of memory", "cuda error: out of memory", "gpu out of memory",
                                               "out of gpu memory", "out-of-gpu-memory", "vram", "显存", "cuda oom"});
-    bool host = ContainsAny(all, {"killed", " rss", "system memory", "cpu memory", "host memory", "内存",
-                                  "num_workers", "abruptly died"});
+    bool host = ContainsAny(all, {"killed", "kills the", " rss", "system memory", "cpu memory", "host memory", "内存",
+                                  "num_workers", "abruptly died", "/dev/shm", "bus error"});
     for (size_t at = all.find("ram"); at != std::string::npos && !host; at = all.find("ram", at + 1)) {
       bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(all[at - 1]));
       bool right = at + 3 >= all.size() || !std::isalpha(static_cast<unsigned char>(all[at + 3]));

@@ -149,6 +149,22 @@ TEST(LogParserFormatsTest, WorkersTheKernelKilledAreHostMemory) {
   EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
 }
 
+TEST(LogParserFormatsTest, SharedMemoryAndMemoryEatenUntilKilledAreHostOoms) {
+  // tahoebio/tahoe-x1#63, senwu/emmental#121
+  for (const char* text :
+       {"PyTorch's DataLoader previously crashed with Bus error / No space left on device due to Docker's default "
+        "/dev/shm limit (64 MB).\n",
+        "storing 3x the dataset size in intermediate dicts/arrays during evaluation quickly eats up memory and kills "
+        "the job\n"}) {
+    auto incs = Parse(text);
+    ASSERT_EQ(incs.size(), 1u) << text;
+    EXPECT_EQ(incs[0].kind, IncidentKind::kHost) << text;
+  }
+  // Memory in use without a failure, and a disk that is full, are not OOMs.
+  EXPECT_TRUE(Parse("The cache eats up memory quickly but the run finishes.\n").empty());
+  EXPECT_TRUE(Parse("Saving failed: No space left on device (/data is full).\n").empty());
+}
+
 TEST(LogParserFormatsTest, VllmStartupShortfallIsADeviceOom) {
   // vllm-project/vllm#50135
   auto incs = Parse(

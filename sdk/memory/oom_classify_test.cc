@@ -317,6 +317,12 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
        4000000000},
       {"std::bad_alloc", OomKind::kHost, 0},
       {"mmap failed: Cannot allocate memory", OomKind::kHost, 0},
+      // Shared memory exhausted (tahoebio/tahoe-x1#63).
+      {"DataLoader crashed with Bus error / No space left on device due to the 64 MB /dev/shm", OomKind::kHost, 0},
+      // The torch budget's caching device (sdk/memory/torch_budget_allocator.cc).
+      {"Budget device out of memory. Tried to allocate 2.00 MiB. Device budget:0 has a total capacity of 8.00 MiB "
+       "of which 1.00 MiB is free.",
+       OomKind::kDevice, 2 * kMiB},
       {"MemoryError: Unable to allocate 3.00 GiB for an array", OomKind::kHost, 3 * kGiB},
       {"out of memory", OomKind::kHost, 0},
       {"fatal: Out Of Memory, malloc failed (tried to allocate 1048576 bytes)", OomKind::kHost, 1048576},
@@ -353,6 +359,7 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"Expected all tensors to be on the same device, but found cuda:0 and cpu", OomKind::kNone, 0},
       {"CUDA error: an illegal memory access was encountered", OomKind::kNone, 0},
       {"workspace size is 4 MiB", OomKind::kNone, 0},
+      {"write failed: No space left on device", OomKind::kNone, 0},
       {"", OomKind::kNone, 0},
   };
   for (const MessageCase& c : cases) {

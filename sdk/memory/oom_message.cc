@@ -406,7 +406,10 @@ OomInfo ClassifyMessage(std::string_view message) {
   const bool host_kill = minus_nine || Has(m, "oom-kill") || Has(m, "oom_kill") || Has(m, "oomkilled") ||
                          Has(m, "killed by signal: killed") || Has(m, "invoked oom-killer") ||
                          Has(m, "exit code 137") || Has(m, "exit code: 137") || Has(m, "exitcode: 137") ||
-                         Has(m, "sigkill") || (Has(m, "bus error") && Has(m, "shared memory"));
+                         Has(m, "sigkill") ||
+                         // Shared memory (/dev/shm) exhausted: a bus error, or no space left on it.
+                         ((Has(m, "bus error") || Has(m, "no space left on device")) &&
+                          (Has(m, "shared memory") || Has(m, "/dev/shm")));
 
   if (Has(m, "cublas_status_alloc_failed") || Has(m, "cudnn_status_alloc_failed") ||
       Has(m, "failed to create cublas handle") || Has(m, "create cublas handle failed") ||
