@@ -108,6 +108,7 @@ struct Incident {
   std::string workload;           // workload signature
   std::vector<LadderAction> actions;  // every ladder rung taken for this incident, in order
   bool injected = false;          // raised by fault injection
+  FrameworkEvidence framework;    // what the framework's binding saw at the OOM (oom_error.h)
   // Where an imported record came from (the log importer sets these; the
   // guard leaves them empty):
   std::string source;             // "logs/train.log:412": file and line of the OOM

@@ -19,6 +19,7 @@
 #include <string_view>
 
 #include "oomguard/export.h"
+#include "oomguard/oom_error.h"
 
 namespace oomguard {
 
@@ -38,6 +39,7 @@ struct OomInfo {
   int64_t requested_bytes = 0;  // 0 when unknown
   bool injected = false;        // raised by fault injection
   std::string matched_by;       // "type", "translator:<name>", "message"
+  FrameworkEvidence framework;  // what a binding read off the failing frames (unknown by default)
 
   bool is_oom() const { return kind != OomKind::kNone; }
 };

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -31,6 +32,22 @@ struct MemoryStats {
   int64_t inactive_split = 0;     // free bytes stranded in partly used segments (fragmentation)
   int64_t num_alloc_retries = 0;  // allocations that had to release caches and retry (count)
   int64_t num_ooms = 0;           // allocations that failed (count)
+};
+
+// What the training framework showed at an OOM beyond the memory figures:
+// read off the failing frames and the live objects by a binding (the Python
+// package, for torch) while the exception is still alive, and recorded with
+// the incident for the classifier. Unknown unless a binding filled it.
+struct FrameworkEvidence {
+  // Tensors of the failing frames were recording autograd graphs (some carry
+  // a grad_fn); nullopt: not known (no tensor of the frames could tell).
+  std::optional<bool> grad_recording;
+  // Bytes of live tensors outside the model that copy its state (same names
+  // and shapes as its parameters and buffers, other storage): a loaded
+  // checkpoint still alive beside the model. 0: none seen, or not looked for.
+  int64_t state_copy_bytes = 0;
+
+  bool known() const { return grad_recording.has_value() || state_copy_bytes > 0; }
 };
 
 // The SDK's own device out-of-memory error. Thrown by SimulatedDevice, by

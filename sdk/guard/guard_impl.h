@@ -354,6 +354,7 @@ class GuardImpl final : public Guard {
     inc.micro_before = mb.cost;
     inc.workload = options_.workload;
     inc.injected = info.injected;
+    inc.framework = info.framework;
     inc.outcome = IncidentOutcome::kPending;
     return inc;
   }

@@ -108,6 +108,11 @@ Facts BuildFacts(const Incident& inc) {
   if (f.step) f.used.push_back("step " + std::to_string(*f.step));
   else if (!f.cues.progress_why.empty()) f.used.push_back(f.cues.progress_why);
   if (f.steps_ok_before) f.used.push_back(std::to_string(*f.steps_ok_before) + " clean steps before");
+  if (inc.framework.grad_recording)
+    f.used.push_back(*inc.framework.grad_recording ? "autograd recording at the OOM" : "autograd off at the OOM");
+  if (inc.framework.state_copy_bytes > 0)
+    f.used.push_back(FormatBytes(static_cast<double>(inc.framework.state_copy_bytes)) +
+                     " of model-state copies alive");
   return f;
 }
 
@@ -191,7 +196,8 @@ std::vector<std::string_view> RuledOut(const Facts& f) {
   } else if (f.kind == "device" || f.kind == "workspace") {
     out.push_back("host_memory");
   }
-  if (f.cues.no_grad && f.kind != "host") out.push_back("eval_without_no_grad");
+  const bool grad_off = f.inc.framework.grad_recording.has_value() && !*f.inc.framework.grad_recording;
+  if ((f.cues.no_grad || (grad_off && f.phase == "eval")) && f.kind != "host") out.push_back("eval_without_no_grad");
   return out;
 }
 

@@ -35,6 +35,7 @@ constexpr double kFragFloorOfReserved = 0.03;      // ... >= 3% of reserved (bel
 constexpr double kFragLargeOfReserved = 0.20;      // +0.1 when cached free >= 20% of reserved
 constexpr double kFragStrongOfRequest = 2.0;       // +0.1 when cached free >= 2x the request
 constexpr double kForeignOfReserved = 0.25;        // foreign_memory: outside >= 25% of this process's reserved
+constexpr double kCopyOfAllocated = 0.10;          // checkpoint_load: state copies >= 10% of allocated
 constexpr int64_t kContextAllowance = 512 * kMiB;  // a CUDA context's own memory, when not printed
 constexpr double kSpikeCostRatio = 1.5;            // activation_spike: largest sample cost / median
 constexpr double kImbalanceSpread = 0.20;          // rank_imbalance: (max - min) / max of per-rank peaks
@@ -110,6 +111,19 @@ std::optional<Candidate> CheckpointLoad(const Facts& f) {
   if (f.kind == "host") return std::nullopt;  // weights restored in host memory: host_memory
   const std::string hold = ": restored tensors (model, optimizer state, the checkpoint dict itself) are held on the "
                            "device when training needs the memory";
+  if (const int64_t copies = f.inc.framework.state_copy_bytes; copies > 0) {
+    const int64_t held = f.allocated.value_or(0);
+    const std::optional<int64_t> shortfall =
+        f.requested && f.free ? std::optional<int64_t>(*f.requested - *f.free) : std::nullopt;
+    if (D(copies) >= kCopyOfAllocated * D(held) || (shortfall && copies >= *shortfall)) {
+      const bool explains = shortfall && copies >= *shortfall;
+      return Make("checkpoint_load", explains ? 0.9 : 0.8,
+                  B(copies) + " of live tensors outside the model copy its state (its parameter names and shapes)" +
+                      (held > 0 ? ", " + Pct(D(copies) / D(held)) + " of the " + B(held) + " allocated" : "") +
+                      (explains ? "; without them the " + B(*f.requested) + " request would fit" : "") +
+                      ": a loaded checkpoint (its state dict) is still referenced beside the model");
+    }
+  }
   if (f.phase == "load")
     return Make("checkpoint_load", 0.85, "the OOM was raised while a checkpoint was restored onto the device (" +
                                              f.phase_why + ")" + hold);
@@ -261,6 +275,13 @@ std::optional<Candidate> Fragmentation(const Facts& f) {
 std::optional<Candidate> EvalWithoutNoGrad(const Facts& f) {
   if (f.kind == "host" || f.cues.no_grad) return std::nullopt;
   if (f.phase == "backward" || f.phase == "optimizer" || f.phase == "load" || f.phase == "checkpoint") return std::nullopt;
+  if (const std::optional<bool> recording = f.inc.framework.grad_recording; recording && f.phase == "eval") {
+    if (!*recording) return std::nullopt;  // autograd was off where it failed
+    return Make("eval_without_no_grad", f.RanBefore() ? 0.9 : 0.85,
+                "the OOM happened in evaluation (" + f.phase_why + ") while tensors of the failing frames were "
+                "recording autograd graphs: without torch.no_grad()/inference_mode every activation is kept for a "
+                "backward that never runs" + std::string(f.RanBefore() ? "; training steps ran before" : ""));
+  }
   const Cue& e = f.cues.eval ? f.cues.eval : f.cues.said_eval;
   if (!e && !f.cues.said_grad_on) return std::nullopt;
   double conf = f.cues.eval ? 0.7 : 0.6;

@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 
 #include "oomguard/knowledge_base.h"
+#include "sdk/kb/classifier_facts.h"
 
 namespace oomguard {
 namespace {
@@ -263,6 +265,50 @@ TEST(ClassifierTest, EvaluationWithoutNoGradNeedsNoSignOfNoGrad) {
         "    return func(*args, **kwargs)\n  File \"train.py\", line 282, in validate\n    scores_copy = "
         "scores.clone()\n" + msg + "\n";
   EXPECT_NE(ClassifyIncident(Imported(msg, ctx)).pattern, "eval_without_no_grad");
+}
+
+TEST(ClassifierTest, EvaluationRecordedWithAutogradOnOrOff) {
+  Incident i = Base();
+  i.phase = Phase::kEval;
+  i.memory.reserved = i.memory.allocated;  // no cached slack: fragmentation stays out of it
+  Classification c = ClassifyIncident(i);
+  EXPECT_NE(c.pattern, "eval_without_no_grad") << "the phase alone does not say gradients were on";
+  i.framework.grad_recording = true;
+  c = ClassifyIncident(i);
+  EXPECT_EQ(c.pattern, "eval_without_no_grad") << c.evidence;
+  EXPECT_TRUE(Has(c.evidence, "recording autograd graphs")) << c.evidence;
+  EXPECT_TRUE(Has(c.evidence, "autograd recording at the OOM")) << c.evidence;
+  i.framework.grad_recording = false;
+  c = ClassifyIncident(i);
+  EXPECT_NE(c.pattern, "eval_without_no_grad") << c.evidence;
+  // Off in evaluation rules the pattern out whatever a description says.
+  std::vector<std::string_view> out = kb::RuledOut(i);
+  EXPECT_NE(std::find(out.begin(), out.end(), "eval_without_no_grad"), out.end());
+  // Recording in a training phase is normal: no evidence for it.
+  i.phase = Phase::kForward;
+  i.framework.grad_recording = true;
+  EXPECT_NE(ClassifyIncident(i).pattern, "eval_without_no_grad");
+}
+
+TEST(ClassifierTest, CopiesOfTheModelStateAreACheckpointBesideTheModel) {
+  Incident i = Base();
+  i.memory.reserved = i.memory.allocated;
+  i.step = 0;
+  i.steps_ok_before = 0;
+  EXPECT_EQ(ClassifyIncident(i).pattern, "startup_capacity");
+  // 3 GiB of copies, while the request lacks 1.5 GiB: without them it fits.
+  i.framework.state_copy_bytes = 3 * kGiB;
+  Classification c = ClassifyIncident(i);
+  EXPECT_EQ(c.pattern, "checkpoint_load") << c.evidence;
+  EXPECT_GE(c.confidence, 0.85) << c.evidence;
+  EXPECT_TRUE(Has(c.evidence, "request would fit")) << c.evidence;
+  // A few copied buffers (under 10% of what is allocated, short of the shortfall) decide nothing.
+  i.framework.state_copy_bytes = 64 * kMiB;
+  EXPECT_EQ(ClassifyIncident(i).pattern, "startup_capacity");
+  // Host memory is host_memory's, copies or not.
+  i.kind = IncidentKind::kHost;
+  i.framework.state_copy_bytes = 3 * kGiB;
+  EXPECT_NE(ClassifyIncident(i).pattern, "checkpoint_load");
 }
 
 TEST(ClassifierTest, CheckpointLoadOnTheDeviceButHostMemoryOnTheHost) {

@@ -36,6 +36,12 @@ json MemoryToJson(const MemoryStats& m) {
               {"num_ooms", m.num_ooms}};
 }
 
+// Unknown grad recording is null, as a reader of the JSON expects.
+json FrameworkToJson(const FrameworkEvidence& f) {
+  return json{{"grad_recording", f.grad_recording ? json(*f.grad_recording) : json(nullptr)},
+              {"state_copy_bytes", f.state_copy_bytes}};
+}
+
 // "data, forward, ...": every name of an incident enum. Their enumerators
 // are dense from 0, and a name function maps an out-of-range value to the
 // first enumerator's name, which ends the walk.
@@ -309,6 +315,7 @@ std::string IncidentToJson(const Incident& inc) {
             {"recovery_ms", inc.recovery_ms},
             {"workload", inc.workload},
             {"injected", inc.injected},
+            {"framework", FrameworkToJson(inc.framework)},
             {"source", inc.source},
             {"context", inc.context},
             {"unknown", inc.unknown},
@@ -401,6 +408,15 @@ StatusOr<Incident> IncidentFromJson(std::string_view text) {
     r.Double("recovery_ms", &inc.recovery_ms);
     r.String("workload", &inc.workload);
     r.Bool("injected", &inc.injected);
+    if (const json* fw = r.Object("framework")) {
+      FieldReader fr(*fw, "framework.", &err);
+      if (fr.Present("grad_recording")) {
+        bool recording = false;
+        fr.Bool("grad_recording", &recording);
+        inc.framework.grad_recording = recording;
+      }
+      fr.Int("state_copy_bytes", &inc.framework.state_copy_bytes);
+    }
     r.String("pattern", &inc.pattern);
     r.Double("confidence", &inc.confidence);
     r.String("evidence", &inc.evidence);

@@ -34,6 +34,8 @@ TEST(IncidentJsonTest, RoundTripKeepsEveryField) {
   i.recovery_ms = 0.25;
   i.workload = "w";
   i.injected = true;
+  i.framework.grad_recording = false;
+  i.framework.state_copy_bytes = 4096;
   i.pattern = "fragmentation";
   i.confidence = 0.5;
   i.evidence = "e";
@@ -47,6 +49,14 @@ TEST(IncidentJsonTest, RoundTripKeepsEveryField) {
   EXPECT_EQ(IncidentToJson(*back), IncidentToJson(i));
   EXPECT_EQ(back->memory.inactive_split, 25);
   EXPECT_EQ(back->ranks[1].peak_allocated, 6);
+  EXPECT_EQ(back->framework.grad_recording, std::optional<bool>(false));
+  EXPECT_EQ(back->framework.state_copy_bytes, 4096);
+  // Grad recording not known travels as null and comes back unknown.
+  i.framework.grad_recording.reset();
+  back = IncidentFromJson(IncidentToJson(i));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_FALSE(back->framework.grad_recording.has_value());
+  EXPECT_NE(IncidentToJson(i).find("\"grad_recording\":null"), std::string::npos) << IncidentToJson(i);
   EXPECT_EQ(back->message, i.message);
   EXPECT_EQ(back->unknown, std::vector<std::string>{"rank"});
   EXPECT_FALSE(IsKnown(*back, "rank"));

@@ -237,6 +237,11 @@ def _classify(exc: BaseException) -> Optional[Tuple[str, str, str, int]]:
 _figures_at_oom = threading.local()
 # Callables returning {device name: MemoryStats} (oomguard.torch registers one).
 _figures_hooks: List[Callable[[], Dict[str, Any]]] = []
+# Callables returning evidence about an OOM from the exception itself and the
+# live objects ({"grad_recording": bool, "state_copy_bytes": int}, any
+# subset); oomguard.torch registers one. Called while the exception's frames
+# are alive, before the guard releases anything.
+_evidence_hooks: List[Callable[[BaseException], Dict[str, Any]]] = []
 
 
 def _capture_figures_at_oom() -> None:
@@ -260,8 +265,18 @@ def _forget_figures_at_oom() -> None:
     _figures_at_oom.__dict__.clear()
 
 
-def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int, bool]]:
-    """(kind, type name, message, requested bytes, injected) for an OOM, else None.
+def _evidence(exc: BaseException) -> Optional[Dict[str, Any]]:
+    evidence: Dict[str, Any] = {}
+    for hook in _evidence_hooks:
+        try:
+            evidence.update(hook(exc))
+        except Exception:  # evidence is a courtesy; the OOM being handled stays the error
+            pass
+    return evidence or None
+
+
+def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int, bool, Optional[Dict[str, Any]]]]:
+    """(kind, type name, message, requested bytes, injected, evidence) for an OOM, else None.
 
     Called by the compiled module (installed as its ``classify`` hook) with
     the exception a guarded callback raised. It must not keep a reference to
@@ -273,4 +288,5 @@ def _classify_for_guard(exc: BaseException) -> Optional[Tuple[str, str, str, int
         return None
     if _figures_hooks:
         _capture_figures_at_oom()
-    return (*verdict, isinstance(exc, InjectedOutOfMemoryError))
+    injected = isinstance(exc, InjectedOutOfMemoryError)
+    return (*verdict, injected, None if injected else _evidence(exc))

@@ -44,17 +44,21 @@ namespace py = pybind11;
 // (with their tensors) are released (pytorch/pytorch#27600).
 class PythonOomError : public std::exception {
  public:
-  PythonOomError(OomKind kind, std::string type, std::string message, int64_t requested_bytes, bool injected)
+  PythonOomError(OomKind kind, std::string type, std::string message, int64_t requested_bytes, bool injected,
+                 FrameworkEvidence framework = {})
       : kind_(kind),
         type_(std::move(type)),
         message_(std::move(message)),
         requested_bytes_(requested_bytes),
-        injected_(injected) {}
+        injected_(injected),
+        framework_(std::move(framework)) {}
   const char* what() const noexcept override { return message_.c_str(); }
   OomKind kind() const { return kind_; }
   const std::string& type() const { return type_; }
   int64_t requested_bytes() const { return requested_bytes_; }
   bool injected() const { return injected_; }  // raised by fault injection
+  // What the package read off the failing frames (oomguard/errors.py).
+  const FrameworkEvidence& framework() const { return framework_; }
 
  private:
   OomKind kind_;
@@ -62,6 +66,7 @@ class PythonOomError : public std::exception {
   std::string message_;
   int64_t requested_bytes_;
   bool injected_;
+  FrameworkEvidence framework_;
 };
 
 // The Python functions the compiled module calls back into, handed over by

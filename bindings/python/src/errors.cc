@@ -42,12 +42,27 @@ PythonHooks& Hooks() {
 void RethrowForGuard(py::error_already_set&& e) {
   std::optional<PythonOomError> oom;
   try {
-    // (kind, type name, message, requested bytes, injected) or None.
+    // The exception fetched from the interpreter may not carry its traceback
+    // (Python < 3.12 keeps it apart): the classifier reads the failing
+    // frames through exc.__traceback__, as a handler in Python would.
+    if (!e.trace().is_none()) {
+      py::object current = py::reinterpret_steal<py::object>(PyException_GetTraceback(e.value().ptr()));
+      if (!current) PyException_SetTraceback(e.value().ptr(), e.trace().ptr());
+    }
+    // (kind, type name, message, requested bytes, injected[, evidence dict]) or None.
     py::object verdict = Hooks().classify.is_none() ? py::none() : Hooks().classify(e.value());
     if (!verdict.is_none()) {
       auto t = verdict.cast<py::tuple>();
+      FrameworkEvidence framework;
+      if (t.size() > 5 && !t[5].is_none()) {
+        auto evidence = t[5].cast<py::dict>();
+        if (evidence.contains("grad_recording") && !evidence["grad_recording"].is_none())
+          framework.grad_recording = evidence["grad_recording"].cast<bool>();
+        if (evidence.contains("state_copy_bytes"))
+          framework.state_copy_bytes = evidence["state_copy_bytes"].cast<int64_t>();
+      }
       oom.emplace(KindFromName(t[0].cast<std::string>()), t[1].cast<std::string>(), t[2].cast<std::string>(),
-                  t[3].cast<int64_t>(), t[4].cast<bool>());
+                  t[3].cast<int64_t>(), t[4].cast<bool>(), std::move(framework));
     }
   } catch (py::error_already_set& broken) {
     // A classifier that fails must not replace the user's error: the original
@@ -80,6 +95,7 @@ void RegisterErrorTranslation(py::module_& m) {
       info.message = err.what();
       info.requested_bytes = err.requested_bytes();
       info.injected = err.injected();
+      info.framework = err.framework();
       return info;
     } catch (const PythonPassthrough& p) {
       // Not an OOM; named so that the other ranks hear what stopped this one.

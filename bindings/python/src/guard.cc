@@ -199,7 +199,18 @@ void BindGuard(py::module_& m) {
       .def_readonly("recovery_ms", &Incident::recovery_ms)
       .def_readonly("workload", &Incident::workload)
       .def_readonly("injected", &Incident::injected)
+      .def_property_readonly("grad_recording",
+                             [](const Incident& i) -> py::object {
+                               return i.framework.grad_recording ? py::cast(*i.framework.grad_recording) : py::none();
+                             },
+                             "True when tensors of the failing frames were recording autograd graphs; None: not known.")
+      .def_property_readonly("state_copy_bytes", [](const Incident& i) { return i.framework.state_copy_bytes; },
+                             "Bytes of live tensors outside the model copying its state (a loaded checkpoint).")
+      .def_readonly("step_peaks", &Incident::step_peaks)
+      .def_readonly("steps_ok_before", &Incident::steps_ok_before)
       .def_readonly("pattern", &Incident::pattern)
+      .def_readonly("confidence", &Incident::confidence)
+      .def_readonly("evidence", &Incident::evidence)
       .def_readonly("remedies", &Incident::remedies)
       .def_readonly("fingerprint", &Incident::fingerprint)
       .def("to_json", [](const Incident& i) { return IncidentToJson(i); })

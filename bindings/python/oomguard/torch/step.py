@@ -36,6 +36,7 @@ import torch
 
 from .. import _oomguard as _C
 from .._guard import Guard
+from . import _evidence
 from . import distributed as _distributed
 from ._model import ddp_of, model_device, unwrap
 from .device import TorchDevice
@@ -226,6 +227,7 @@ class TrainStep:
                 raise TypeError(f"TrainStep(scaler=...) is not a GradScaler: {type(scaler).__name__} lacks {missing}")
         self.model = model
         self.optimizer = optimizer
+        _evidence.watch_model(unwrap(model))
         self._uses_loss_fn = forward is None
         if forward is None:
             def forward(m: torch.nn.Module, inputs: Any, targets: Any) -> torch.Tensor:
@@ -470,11 +472,13 @@ def evaluate(model: torch.nn.Module, *batch: Any, forward: Callable[..., Any], g
     done: List[Any] = []
 
     def micro(mb: _C.MicroBatch) -> None:
-        with torch.no_grad():
-            out = forward(model, *part(mb.offset, mb.offset + mb.size))
+        out = forward(model, *part(mb.offset, mb.offset + mb.size))
         done.append((mb.offset, mb.size, mb.weight, out))
 
-    report = guard.evaluate(n, micro, costs=costs, units=units)
+    # no_grad around the whole guarded call: an OOM is classified inside it,
+    # so the incident records that nothing was being recorded for autograd.
+    with torch.no_grad():
+        report = guard.evaluate(n, micro, costs=costs, units=units)
     if report_to is not None:
         report_to.extend(report.incidents)
     done.sort(key=lambda d: d[0])
