@@ -20,6 +20,21 @@
 // deleter. The size and the wrapped allocation of each live block are kept
 // in a table keyed by the data pointer.
 //
+// Caching-device mode (Install(budget, /*caching_device=*/true)): the budget
+// is also the capacity of a SimulatedDevice (include/oomguard/device.h,
+// bookkeeping only) that every block is placed in, so the budget behaves as
+// a GPU's caching allocator would: freed blocks stay reserved, requests are
+// carved from cached segments, a request no cached block fits releases the
+// free segments and retries, and free bytes stranded in partly used segments
+// (fragmentation) can make a request fail below the budget. Its OOM is worded
+// as PyTorch words a device OOM (capacity, free, allocated, reserved but
+// unallocated). Hold() takes memory outside torch (real host memory) as
+// another process sharing the device would: it comes out of the capacity
+// that torch has not reserved (torch's cache is not given up for it), and
+// torch's allocations then fit in the capacity less what is held, releasing
+// cached segments and retrying once before they fail. The figures count it
+// as neither allocated nor reserved, nor as this process's memory in use.
+//
 // Thread-safety: allocate and free run on any thread (autograd, data loader
 // workers, intra-op pools); the table is sharded under mutexes and the
 // counters are atomics. Install and Uninstall swap the process-wide allocator
@@ -32,8 +47,12 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
+
+#include "oomguard/device.h"
 
 namespace oomguard::internal {
 
@@ -58,7 +77,12 @@ class BudgetCpuAllocator final : public c10::Allocator {
 
   // Routes torch CPU allocations through this allocator with `budget_bytes`
   // (0: unlimited, counting only). Calling it again only changes the budget.
-  void Install(int64_t budget_bytes);
+  // caching_device: place blocks in a simulated caching device of
+  // `budget_bytes` (see above; needs a positive budget). Switching the mode,
+  // or a caching device's capacity, makes a new device: blocks alive stay
+  // placed in the one they came from and do not count against the new one,
+  // and memory held for the old one is dropped.
+  void Install(int64_t budget_bytes, bool caching_device = false);
   // Restores the allocator that was installed before. Blocks still alive free
   // through this allocator's deleter, so this is safe with tensors alive.
   void Uninstall();
@@ -76,12 +100,30 @@ class BudgetCpuAllocator final : public c10::Allocator {
   // Blocks alive that came through this allocator.
   int64_t live_blocks() const;
 
+  // The caching device's figures (total: the budget; allocated and reserved:
+  // torch's blocks; free: capacity neither reserved nor held). Zeros outside
+  // caching-device mode.
+  MemoryStats DeviceStats() const;
+  bool caching_device() const;
+  // Returns the caching device's free segments (torch.cuda.empty_cache).
+  void ReleaseCaches();
+  // Takes `bytes` of real host memory outside torch, counted against the
+  // caching device's capacity as memory another process holds. Returns a
+  // handle for Release. Throws c10::OutOfMemoryError when the capacity torch
+  // has not reserved cannot hold it, std::logic_error outside caching-device
+  // mode.
+  int64_t Hold(int64_t bytes);
+  void Release(int64_t handle);
+  int64_t held() const;
+
  private:
   // One live block: the wrapped allocator's DataPtr (destroying it frees the
   // memory) and the bytes it counts for.
   struct Block {
     c10::DataPtr inner;
     int64_t bytes = 0;
+    Device* device = nullptr;  // the caching device the block is placed in, if any
+    void* placed = nullptr;    // its place there
   };
   // Allocations come from many threads at once: one lock per shard.
   struct Shard {
@@ -92,6 +134,9 @@ class BudgetCpuAllocator final : public c10::Allocator {
 
   BudgetCpuAllocator() = default;
   static void Delete(void* data);
+  // Places `bytes` in the caching device; throws torch's OOM when it cannot.
+  void* Place(Device* device, int64_t bytes) const;
+  Device* device() const;
   Shard& ShardOf(void* data) const;
   void Free(void* data);
 
@@ -109,6 +154,20 @@ class BudgetCpuAllocator final : public c10::Allocator {
   // Its raw deleter: frees a block that it raw-allocated before Install and
   // that is raw-deallocated through this allocator after it.
   std::atomic<c10::DeleterFnPtr> foreign_deleter_{nullptr};
+
+  // Caching-device mode. Devices are never destroyed: a block placed in one
+  // may be freed after the mode was switched off or replaced.
+  mutable std::mutex device_mu_;  // guards what follows, device_ excepted
+  std::atomic<Device*> device_{nullptr};  // the current one, nullptr outside the mode
+  std::vector<std::unique_ptr<Device>> devices_;
+  struct HeldMemory {
+    std::unique_ptr<char[]> memory;
+    int64_t bytes = 0;
+  };
+  std::unordered_map<int64_t, HeldMemory> held_;  // by handle
+  std::atomic<int64_t> held_bytes_{0};
+  mutable std::atomic<int64_t> retries_{0};  // retries after releasing the cache for held memory
+  int64_t next_handle_ = 1;
 };
 
 }  // namespace oomguard::internal

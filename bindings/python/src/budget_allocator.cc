@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <stdexcept>
 
 #include "sdk/memory/torch_budget_allocator.h"
 
@@ -22,13 +23,49 @@ PYBIND11_MODULE(_budget, m) {
   m.doc() = "A byte budget on torch's CPU allocator (real torch OOMs without a GPU).";
   m.def(
       "install",
-      [](int64_t budget_bytes) {
+      [](int64_t budget_bytes, bool caching_device) {
         if (budget_bytes < 0) throw py::value_error("budget_bytes must be >= 0 (0: unlimited)");
-        BudgetCpuAllocator::Instance().Install(budget_bytes);
+        if (caching_device && budget_bytes == 0) throw py::value_error("a caching device needs a positive budget");
+        BudgetCpuAllocator::Instance().Install(budget_bytes, caching_device);
       },
-      py::arg("budget_bytes"),
+      py::arg("budget_bytes"), py::arg("caching_device") = false,
       "Routes torch CPU allocations through the budget (0: unlimited, counting only). Calling it "
-      "again changes the budget.");
+      "again changes the budget. caching_device: the budget is a simulated caching allocator's capacity.");
+  m.def("caching_device", [] { return BudgetCpuAllocator::Instance().caching_device(); });
+  m.def(
+      "device_stats",
+      [] {
+        const oomguard::MemoryStats s = BudgetCpuAllocator::Instance().DeviceStats();
+        py::dict d;
+        d["total"] = s.total;
+        d["free"] = s.free;
+        d["allocated"] = s.allocated;
+        d["reserved"] = s.reserved;
+        d["peak_allocated"] = s.peak_allocated;
+        d["active"] = s.active;
+        d["inactive_split"] = s.inactive_split;
+        d["num_alloc_retries"] = s.num_alloc_retries;
+        d["num_ooms"] = s.num_ooms;
+        return d;
+      },
+      "The caching device's figures (torch's blocks only; held memory is neither allocated nor reserved).");
+  m.def("release_caches", [] { BudgetCpuAllocator::Instance().ReleaseCaches(); },
+        "Returns the caching device's free segments.");
+  m.def(
+      "hold",
+      [](int64_t nbytes) {
+        try {
+          return BudgetCpuAllocator::Instance().Hold(nbytes);
+        } catch (const std::logic_error& e) {
+          throw py::value_error(e.what());
+        } catch (const c10::Error& e) {  // it does not fit: an out-of-memory error, as for a tensor
+          PyErr_SetString(PyExc_MemoryError, e.what_without_backtrace());
+          throw py::error_already_set();
+        }
+      },
+      py::arg("nbytes"), "Takes nbytes of host memory outside torch against the caching device; a handle.");
+  m.def("release", [](int64_t handle) { BudgetCpuAllocator::Instance().Release(handle); }, py::arg("handle"));
+  m.def("held", [] { return BudgetCpuAllocator::Instance().held(); });
   m.def("uninstall", [] { BudgetCpuAllocator::Instance().Uninstall(); },
         "Restores the allocator that was installed before.");
   m.def("installed", [] { return BudgetCpuAllocator::Instance().installed(); });

@@ -26,11 +26,13 @@ class TorchDevice(_C.Device):
     device (allocated, reserved, peak, inactive split, alloc retries, OOMs;
     total and free from ``torch.cuda.mem_get_info``), and the counts of
     ``oomguard.budget`` on the CPU (allocated, peak, refused allocations; the
-    budget as total) while it is installed; zeros otherwise.
+    budget as total) while it is installed, or its caching allocator's figures
+    when it is installed as one; zeros otherwise.
 
     ``device``: a CUDA device, ``"cpu"``, or None (the default): the current
     CUDA device once CUDA is initialised, else the CPU. ``release_caches``
-    empties torch's CUDA cache when CUDA is in use.
+    empties torch's CUDA cache when CUDA is in use, the budget's caching
+    allocator's when that is installed.
     """
 
     def __init__(self, device: Any = None) -> None:
@@ -65,6 +67,8 @@ class TorchDevice(_C.Device):
     def release_caches(self) -> None:
         if self._cuda_index() is not None:
             torch.cuda.empty_cache()
+        elif _budget.caching_device():
+            _budget.release_caches()
 
     def reset_peak(self) -> None:
         index = self._cuda_index()
@@ -95,7 +99,10 @@ def _cuda_figures(index: int) -> _C.MemoryStats:
 def _cpu_figures() -> _C.MemoryStats:
     """The budgeted CPU allocator's counts while it is installed, else zeros."""
     s = _C.MemoryStats()
-    if _budget.installed():
+    if _budget.caching_device():
+        for key, value in _budget.device_stats().items():
+            setattr(s, key, int(value))
+    elif _budget.installed():
         s.allocated = s.reserved = s.active = _budget.allocated()
         s.peak_allocated = _budget.peak()
         s.num_ooms = _budget.ooms()
