@@ -149,6 +149,10 @@ bool Mention(std::string_view l) {
       k = end + 1;
     }
   }
+  // "It causes the memory to exceed its limit"
+  if (Contains(l, "memory") && ContainsAny(l, {"exceed its limit", "exceeds its limit", "exceeded its limit",
+                                               "exceed the limit", "exceeds the limit", "exceeded the limit"}))
+    return true;
   // "fails due to cuda memory limit", "exceeds the GPU memory limit"
   if (size_t at = l.find("memory limit"); at != std::string_view::npos &&
       ContainsAny(l, {"fail", "exceed", "hit the", "hits the", "reach", "over the"}))
@@ -350,8 +354,21 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
   }
   if (!events.empty()) return events;
   // No error record: a description of an OOM is one event at its first mention.
+  // TensorFlow warns "Allocation of N exceeds 10% of free system memory" as
+  // host memory fills; a process then reported killed was the kernel's OOM kill.
+  bool system_memory_warned = false;
+  for (const Line& l : lines) system_memory_warned = system_memory_warned || Contains(l.lower, "% of system memory") ||
+                                                     Contains(l.lower, "% of free system memory");
+  auto killed_word = [](std::string_view l) {
+    for (size_t at = l.find("killed"); at != std::string_view::npos; at = l.find("killed", at + 1)) {
+      const bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));
+      const bool right = at + 6 >= l.size() || !std::isalpha(static_cast<unsigned char>(l[at + 6]));
+      if (left && right) return true;
+    }
+    return false;
+  };
   for (size_t i = 0; i < lines.size(); ++i) {
-    if (!Mention(lines[i].lower)) continue;
+    if (!Mention(lines[i].lower) && !(system_memory_warned && killed_word(lines[i].lower))) continue;
     Event e;
     e.first = e.last = e.anchor = i;
     e.mention = true;

@@ -160,6 +160,15 @@ TEST(LogParserFormatsTest, SharedMemoryAndMemoryEatenUntilKilledAreHostOoms) {
     ASSERT_EQ(incs.size(), 1u) << text;
     EXPECT_EQ(incs[0].kind, IncidentKind::kHost) << text;
   }
+  // WongKinYiu/yolov9#619: in words; xuannianz/keras-CenterNet#23: TensorFlow's system-memory warning, then killed.
+  auto incs = Parse("The GPU memory is not being allocated properly. It causes the memory to exceed its limit.\n");
+  EXPECT_EQ(incs.size(), 1u);
+  incs = Parse("I just see Epoch 1/200 and Killed.\n```\nAllocation of 1426063360 exceeds 10% of system memory.\n```\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  // The warning alone is not a failure, nor "killed" without it.
+  EXPECT_TRUE(Parse("Allocation of 1426063360 exceeds 10% of system memory.\nEpoch 1/200 done\n").empty());
+  EXPECT_TRUE(Parse("I killed the job myself after epoch 3.\n").empty());
   // Memory in use without a failure, and a disk that is full, are not OOMs.
   EXPECT_TRUE(Parse("The cache eats up memory quickly but the run finishes.\n").empty());
   EXPECT_TRUE(Parse("Saving failed: No space left on device (/data is full).\n").empty());
