@@ -149,6 +149,10 @@ bool Mention(std::string_view l) {
       k = end + 1;
     }
   }
+  // "It runs until the RAM is full."
+  if (ContainsAny(l, {"until the ram is full", "until ram is full", "until the memory is full", "until memory is full",
+                      "until the vram is full", "until vram is full", "until the gpu memory is full"}))
+    return true;
   // "It causes the memory to exceed its limit"
   if (Contains(l, "memory") && ContainsAny(l, {"exceed its limit", "exceeds its limit", "exceeded its limit",
                                                "exceed the limit", "exceeds the limit", "exceeded the limit"}))

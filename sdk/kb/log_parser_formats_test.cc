@@ -166,6 +166,10 @@ TEST(LogParserFormatsTest, SharedMemoryAndMemoryEatenUntilKilledAreHostOoms) {
   incs = Parse("I just see Epoch 1/200 and Killed.\n```\nAllocation of 1426063360 exceeds 10% of system memory.\n```\n");
   ASSERT_EQ(incs.size(), 1u);
   EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  // Linaqruf/kohya-trainer#231: memory filled until the notebook crashed.
+  incs = Parse("the colab always crashes at cell 5.2.\nIt runs until the RAM is full.\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
   // The warning alone is not a failure, nor "killed" without it.
   EXPECT_TRUE(Parse("Allocation of 1426063360 exceeds 10% of system memory.\nEpoch 1/200 done\n").empty());
   EXPECT_TRUE(Parse("I killed the job myself after epoch 3.\n").empty());
