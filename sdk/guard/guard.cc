@@ -65,21 +65,26 @@ const char* const kGenericRemedies =
     "saves about 60-70% of activations for 20-30% more compute); lower min_micro_batch or the "
     "sequence length; leave 20-30% headroom; shard optimizer state (ZeRO) or offload it";
 
+Status ValidatePerSample(std::string_view what, int64_t samples, std::span<const int64_t> costs,
+                         std::span<const int64_t> units) {
+  const std::string name(what);
+  if (samples < 1) return Status::InvalidArgument(name + ".samples must be >= 1 (got " + std::to_string(samples) + ")");
+  if (!costs.empty() && static_cast<int64_t>(costs.size()) != samples)
+    return Status::InvalidArgument(name + ".costs has " + std::to_string(costs.size()) + " entries for " +
+                                   std::to_string(samples) + " samples");
+  if (!units.empty() && static_cast<int64_t>(units.size()) != samples)
+    return Status::InvalidArgument(name + ".units has " + std::to_string(units.size()) + " entries for " +
+                                   std::to_string(samples) + " samples");
+  for (size_t i = 0; i < units.size(); ++i)
+    if (units[i] < 0)
+      return Status::InvalidArgument(name + ".units[" + std::to_string(i) + "] is negative (" +
+                                     std::to_string(units[i]) + ")");
+  return Status::Ok();
+}
+
 Status GuardImpl::ValidateRequest(const StepRequest& req) const {
-  if (req.samples < 1) return Status::InvalidArgument("StepRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
   if (!req.micro) return Status::InvalidArgument("StepRequest.micro must be set");
-  if (!req.costs.empty() && static_cast<int64_t>(req.costs.size()) != req.samples)
-    return Status::InvalidArgument("StepRequest.costs has " + std::to_string(req.costs.size()) + " entries for " +
-                                   std::to_string(req.samples) + " samples");
-  if (!req.units.empty()) {
-    if (static_cast<int64_t>(req.units.size()) != req.samples)
-      return Status::InvalidArgument("StepRequest.units has " + std::to_string(req.units.size()) + " entries for " +
-                                     std::to_string(req.samples) + " samples");
-    for (size_t i = 0; i < req.units.size(); ++i)
-      if (req.units[i] < 0)
-        return Status::InvalidArgument("StepRequest.units[" + std::to_string(i) + "] is negative (" +
-                                       std::to_string(req.units[i]) + ")");
-  }
+  OOMGUARD_RETURN_IF_ERROR(ValidatePerSample("StepRequest", req.samples, req.costs, req.units));
   // A redo needs the reset hook. Found here, on the first step, rather than at
   // the first OOM in backward or the first peer failure (in production, at
   // the worst moment). A training step (apply or sync) accumulates gradients

@@ -12,27 +12,6 @@
 #include "sdk/guard/guard_impl.h"
 
 namespace oomguard::guard_internal {
-namespace {
-
-Status ValidateEval(const EvalRequest& req) {
-  if (req.samples < 1)
-    return Status::InvalidArgument("EvalRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
-  if (!req.micro) return Status::InvalidArgument("EvalRequest.micro must be set");
-  if (!req.costs.empty() && static_cast<int64_t>(req.costs.size()) != req.samples)
-    return Status::InvalidArgument("EvalRequest.costs has " + std::to_string(req.costs.size()) + " entries for " +
-                                   std::to_string(req.samples) + " samples");
-  if (!req.units.empty() && static_cast<int64_t>(req.units.size()) != req.samples)
-    return Status::InvalidArgument("EvalRequest.units has " + std::to_string(req.units.size()) + " entries for " +
-                                   std::to_string(req.samples) + " samples");
-  for (size_t i = 0; i < req.units.size(); ++i)
-    if (req.units[i] < 0)
-      return Status::InvalidArgument("EvalRequest.units[" + std::to_string(i) + "] is negative (" +
-                                     std::to_string(req.units[i]) + ")");
-  return Status::Ok();
-}
-
-}  // namespace
-
 Status GuardImpl::Evaluate(const EvalRequest& req, StepReport* report_out) {
   StepReport local_report;
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
@@ -40,7 +19,9 @@ Status GuardImpl::Evaluate(const EvalRequest& req, StepReport* report_out) {
   rep.step = step_;
   rep.checkpoint_step = committed_step_;
   const auto started = Clock::now();
-  if (Status bad = ValidateEval(req); !bad.ok()) {
+  Status bad = req.micro ? ValidatePerSample("EvalRequest", req.samples, req.costs, req.units)
+                         : Status::InvalidArgument("EvalRequest.micro must be set");
+  if (!bad.ok()) {
     rep.status = bad;
     return bad;
   }

@@ -69,6 +69,11 @@ inline std::optional<FaultSite> SiteOfPhase(Phase p) {
 // What every give-up message offers, with the seeds' figures.
 extern const char* const kGenericRemedies;
 
+// kInvalidArgument naming `what` ("StepRequest", "EvalRequest") when costs or
+// units do not have one entry per sample, or a unit count is negative.
+Status ValidatePerSample(std::string_view what, int64_t samples, std::span<const int64_t> costs,
+                         std::span<const int64_t> units);
+
 // True for an error of a collective communicator (NCCL, or torch's
 // ProcessGroupNCCL) rather than of the training step's own memory: even when
 // its text says "out of memory", the communicator is unusable afterwards.

@@ -86,6 +86,17 @@ std::vector<SumBuffer> SumBuffers(const PyCallable& sync, PyCallable* keep) {
   throw py::error_already_set();
 }
 
+// Runs a guarded call (Step, Evaluate) without the GIL and returns its
+// report; a non-OK status becomes the status's exception with the report,
+// the user's own exception passes through unchanged.
+template <typename F>
+StepReport RunReported(F&& run) {
+  StepReport report;
+  Status status = WithoutGil([&] { return run(&report); });
+  if (!status.ok()) throw StatusError(status, std::move(report));
+  return report;
+}
+
 }  // namespace
 
 void BindGuard(py::module_& m) {
@@ -301,16 +312,7 @@ void BindGuard(py::module_& m) {
             if (apply_fn) req.apply = [&apply_fn] { CallGuarded(apply_fn); };
             if (reset_fn) req.reset = [&reset_fn] { CallGuarded(reset_fn); };
             if (sync_fn) req.sync = [&sync_fn, &sync_objects] { return SumBuffers(sync_fn, &sync_objects); };
-            StepReport report;
-            Status status;
-            try {
-              py::gil_scoped_release release;
-              status = guard.Step(req, &report);
-            } catch (PythonPassthrough& passthrough) {
-              Reraise(passthrough);  // the user's own exception, unchanged
-            }
-            if (!status.ok()) throw StatusError(status, std::move(report));
-            return report;
+            return RunReported([&](StepReport* report) { return guard.Step(req, report); });
           },
           py::arg("samples"), py::arg("micro"), py::arg("apply") = py::none(), py::arg("reset") = py::none(),
           py::arg("costs") = py::none(), py::arg("units") = py::none(), py::arg("sync") = py::none())
@@ -324,16 +326,7 @@ void BindGuard(py::module_& m) {
             if (costs) req.costs = std::span<const int64_t>(*costs);
             if (units) req.units = std::span<const int64_t>(*units);
             req.micro = [&micro_fn](const MicroBatch& mb) { CallGuarded(micro_fn, mb); };
-            StepReport report;
-            Status status;
-            try {
-              py::gil_scoped_release release;
-              status = guard.Evaluate(req, &report);
-            } catch (PythonPassthrough& passthrough) {
-              Reraise(passthrough);
-            }
-            if (!status.ok()) throw StatusError(status, std::move(report));
-            return report;
+            return RunReported([&](StepReport* report) { return guard.Evaluate(req, report); });
           },
           py::arg("samples"), py::arg("micro"), py::arg("costs") = py::none(), py::arg("units") = py::none(),
           "One batch of evaluation on this rank, split so that it fits (Guard::Evaluate); not collective.")
