@@ -6,8 +6,8 @@
 
 The budget counts live bytes of CPU tensors allocated while it is installed
 (tensors that existed before are not counted). Over budget, torch raises its
-own out-of-memory error (torch.cuda.OutOfMemoryError in torch 1.13-2.0,
-torch.OutOfMemoryError later), exactly as a real allocation failure would.
+own out-of-memory error (torch.OutOfMemoryError), exactly as a real
+allocation failure would.
 
 Built only when the package was compiled against libtorch
 (OOMGUARD_BUILD_TORCH_BUDGET); ``available()`` says whether it was.
