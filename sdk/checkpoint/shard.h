@@ -155,9 +155,15 @@ class ShardReader {
   int version() const { return version_; }
   // Format 2: the root `compression` attribute ("none", "zstd-1", ...).
   const std::string& compression() const { return compression_; }
+  // The root attributes as the file holds them (64-bit: never narrowed, so
+  // that a rank of 2^32 cannot pass for rank 0).
   int64_t step() const { return step_; }
-  int rank() const { return rank_; }
-  int world_size() const { return world_size_; }
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  // kDataLoss naming them unless step is in [0, kMaxStep], world_size in
+  // [1, kMaxWorldSize] and rank in [0, world_size): CheckedShard and
+  // InspectShard refuse a shard whose root attributes no writer could make.
+  Status CheckRootRanges() const;
 
   // Every dataset path in the file ("/model/fc1.weight"), sorted.
   StatusOr<std::vector<std::string>> DatasetPaths();
@@ -208,7 +214,7 @@ class ShardReader {
   std::string path_, format_, compression_;
   int version_ = 0;
   int64_t step_ = -1;
-  int rank_ = -1, world_size_ = -1;
+  int64_t rank_ = -1, world_size_ = -1;
 };
 
 }  // namespace oomguard::ckpt

@@ -87,23 +87,29 @@ StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string& path
   }
   r->format_ = *format;
   r->step_ = *step;
-  r->rank_ = static_cast<int>(*rank);
-  r->world_size_ = static_cast<int>(*ws);
+  r->rank_ = *rank;
+  r->world_size_ = *ws;
   return r;
+}
+
+Status ShardReader::CheckRootRanges() const {
+  if (world_size_ >= 1 && world_size_ <= kMaxWorldSize && rank_ >= 0 && rank_ < world_size_ && step_ >= 0 &&
+      step_ <= kMaxStep)
+    return Status::Ok();
+  return Status::DataLoss(path_ + ": root attributes step " + std::to_string(step_) + ", rank " +
+                          std::to_string(rank_) + ", world_size " + std::to_string(world_size_) +
+                          " are out of range (step in [0, " + std::to_string(kMaxStep) + "], world_size in [1, " +
+                          std::to_string(kMaxWorldSize) + "], rank in [0, world_size))");
 }
 
 StatusOr<std::vector<std::string>> ShardReader::DatasetPaths() {
   Hdf5Lock lock;
-  std::vector<std::string> out;
-  auto visit = [](hid_t, const char* name, const H5O_info_t* info, void* op) -> herr_t {
-    if (info->type == H5O_TYPE_DATASET)
-      static_cast<std::vector<std::string>*>(op)->push_back(std::string("/") + name);
-    return 0;
-  };
-  if (H5Ovisit(impl_->file.get(), H5_INDEX_NAME, H5_ITER_INC, visit, &out) < 0)
-    return Status::DataLoss(path_ + ": cannot list datasets (corrupt file)");
-  std::sort(out.begin(), out.end());
-  return out;
+  // The checker's bounded walk (hdf5_io.h): a file nested thousands of groups
+  // deep is refused at once instead of overflowing HDF5's recursive visitor.
+  ObjectWalk walk = WalkObjects(impl_->file.get());
+  if (!walk.error.empty()) return Status::DataLoss(path_ + ": " + walk.error);
+  std::sort(walk.datasets.begin(), walk.datasets.end());
+  return std::move(walk.datasets);
 }
 
 StatusOr<TensorInfo> ShardReader::Info(const std::string& dataset) {

@@ -95,6 +95,7 @@ Status CheckpointerImpl::Write(WriteJob& job) {
     durable_.erase(job.step);
     own_shards_.erase(job.step);
   }
+  OOMGUARD_RETURN_IF_ERROR(UsableStepDir(job.step));
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::Internal("cannot create " + dir + ": " + ec.message());
