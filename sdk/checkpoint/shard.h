@@ -198,8 +198,11 @@ class ShardReader {
   // was stored with filters skipped, or lies outside the file.
   Status StoredChunks(const std::string& dataset, std::vector<StoredChunk>* out, ChunkLayout* layout,
                       bool* raw);
-  // A read-only mapping of the whole file (made once).
+  // A read-only mapping of the whole file (made once). When the file is
+  // truncated while mapped, reads of the lost part see zeros instead of a
+  // SIGBUS and Truncated() turns true (mapped_file.h).
   StatusOr<std::span<const uint8_t>> Mapped();
+  bool Truncated() const;
 
   // The open HDF5 file, for CheckedShard's walk over it. REQUIRES: Hdf5Lock
   // held while it is used; valid as long as this reader.

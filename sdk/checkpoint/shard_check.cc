@@ -177,6 +177,7 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   if (st.st_size != shard.bytes)
     return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
                             std::to_string(shard.bytes) + " (truncated or rewritten)");
+  c->size_at_open_ = st.st_size;
   const bool v1 = manifest.format == kCheckpointFormatV1;
   // Format 1: the whole-file hash runs on its own thread while the pool
   // decodes: it reads the same pages, so the two passes share one trip
@@ -293,10 +294,19 @@ Status CheckedShard::ReadEverything(ThreadPool* pool) {
 }
 
 Status CheckedShard::Finish(const Status& read_status) {
-  if (pass_) return read_status.ok() ? FinishPass() : read_status;
-  Status fs = file_check_ ? file_check_->Verdict() : Status::Ok();
-  if (!read_status.ok()) return read_status;
-  return fs;
+  Status verdict;
+  if (pass_) {
+    verdict = read_status.ok() ? FinishPass() : read_status;
+  } else {
+    Status fs = file_check_ ? file_check_->Verdict() : Status::Ok();
+    verdict = read_status.ok() ? fs : read_status;
+  }
+  // What was read past the new end was zeros (mapped_file.h): that, not the
+  // hash mismatch it caused, is what the caller needs to hear.
+  if (reader_ != nullptr && reader_->Truncated())
+    return Status::DataLoss(path_ + " was truncated while it was read (it was " + std::to_string(size_at_open_) +
+                            " bytes)");
+  return verdict;
 }
 
 }  // namespace oomguard::ckpt

@@ -126,6 +126,7 @@ class CheckedShard {
   std::unique_ptr<ShardReader> reader_;
   std::vector<ShardEntry> entries_;
   int64_t total_bytes_ = 0;
+  int64_t size_at_open_ = 0;
   std::optional<FileHashCheck> file_check_;
 };
 
