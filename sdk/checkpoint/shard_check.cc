@@ -270,6 +270,10 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
     c->entries_.push_back(std::move(e).value());
   }
   if (!v1) OOMGUARD_RETURN_IF_ERROR(c->PlanPass(shard, hash_file));
+  // Cheaper checks first: see kDigestFirstRatio. Loads allocate objects of
+  // their declared sizes, so this runs before Open returns.
+  if (hash_file && c->total_bytes_ / kDigestFirstRatio > st.st_size)
+    OOMGUARD_RETURN_IF_ERROR(v1 ? c->file_check_->Verdict() : c->VerifyDigestFirst());
   return c;
 }
 

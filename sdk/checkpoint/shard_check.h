@@ -62,6 +62,12 @@ namespace oomguard::ckpt {
 // Decoded bytes per stored byte that no allowed filter exceeds: a zstd RLE
 // block turns 4 bytes into at most 128 KiB (32768x), deflate reaches ~1032x.
 inline constexpr int64_t kMaxExpansion = int64_t{1} << 16;
+// A shard whose tensors declare more than this many times the file's size
+// (zeros, or a forged size) proves its whole-file hash before anything is
+// decoded or allocated from those sizes: hashing the file then costs less
+// than an eighth of decoding it, and a damaged one is refused in
+// milliseconds instead of after gigabytes were allocated and decoded.
+inline constexpr int64_t kDigestFirstRatio = 8;
 
 // One tensor of a checked shard.
 struct ShardEntry {
@@ -121,6 +127,9 @@ class CheckedShard {
   Status PlanPass(const ManifestShard& shard, bool verify_file);
   Status ReadPass(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool);
   Status FinishPass();
+  // Hashes every region of the file now and compares the digest; the pass
+  // then checks only the chunks' own hashes (kDigestFirstRatio).
+  Status VerifyDigestFirst();
   std::unique_ptr<Pass> pass_;
   std::string path_;
   std::unique_ptr<ShardReader> reader_;

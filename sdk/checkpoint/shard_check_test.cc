@@ -21,12 +21,50 @@
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
+#include "sdk/checkpoint/zstd_filter.h"
 
 namespace oomguard {
 namespace {
 
 namespace fs = std::filesystem;
+
+// A zstd frame of `n` zero bytes made of RLE blocks (4 bytes per 128 KiB):
+// how a hostile file declares gigabytes in kilobytes.
+std::string ZeroFrame(uint64_t n) {
+  std::string f;
+  auto put = [&](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) f.push_back(static_cast<char>(v >> (8 * i)));
+  };
+  put(0xFD2FB528, 4);
+  f.push_back(static_cast<char>(0xE0));  // single segment, 8-byte content size
+  put(n, 8);
+  for (uint64_t done = 0; done < n;) {
+    const uint64_t len = std::min<uint64_t>(n - done, 128 * 1024);
+    done += len;
+    put((len << 3) | (1u << 1) | (done == n ? 1u : 0u), 3);  // an RLE block
+    f.push_back('\0');
+  }
+  return f;
+}
+
+// How much the peak resident memory grew while `fn` ran (the peak is reset
+// first through /proc/self/clear_refs).
+template <typename F>
+int64_t PeakGrowth(F fn) {
+  auto kib = [](const char* key) {
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    while (std::getline(in, line))
+      if (line.rfind(key, 0) == 0) return static_cast<int64_t>(std::stoll(line.substr(std::strlen(key))));
+    return int64_t{-1};
+  };
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const int64_t before = kib("VmRSS:");
+  fn();
+  return (kib("VmHWM:") - before) * 1024;
+}
 
 class ShardCheckTest : public ::testing::Test {
  protected:
@@ -346,6 +384,88 @@ TEST_F(ShardCheckTest, RootAttributesOutOfRangeAreRefused) {
   auto loaded = c->LoadLatest();
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(*loaded, 1);
+}
+
+// Issue 28, row 8: an object that declares 1 GiB, stored as 32 KiB of zstd
+// RLE frames in a shard with a wrong digest (within the 65536x a filter can
+// expand) is refused before a buffer of its size is allocated or a byte
+// decoded: memory stays bounded by what the file backs. A shard of zeros
+// whose digest is right still loads.
+TEST_F(ShardCheckTest, DeclaredSizeAmplificationIsRefusedBeforeAllocating) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  constexpr uint64_t kChunk = uint64_t{256} << 20, kChunks = 4;
+  {
+    ckpt::Hdf5Lock lock;
+    ASSERT_TRUE(ckpt::EnsureZstdRegistered().ok());
+    ckpt::H5Handle f(H5Fopen(Shard(2).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_TRUE(f.valid());
+    ASSERT_GE(H5Ldelete(f.get(), "/train/counter", H5P_DEFAULT), 0);
+    const hsize_t dims = kChunk * kChunks, chunk = kChunk;
+    ckpt::H5Handle space(H5Screate_simple(1, &dims, nullptr));
+    ckpt::H5Handle dcpl(H5Pcreate(H5P_DATASET_CREATE));
+    H5Pset_chunk(dcpl.get(), 1, &chunk);
+    H5Pset_shuffle(dcpl.get());
+    const unsigned level = 1;
+    H5Pset_filter(dcpl.get(), ckpt::kZstdFilter, H5Z_FLAG_MANDATORY, 1, &level);
+    ckpt::H5Handle d(
+        H5Dcreate2(f.get(), "/train/counter", H5T_STD_U8LE, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
+    ASSERT_TRUE(d.valid());
+    const std::string frame = ZeroFrame(kChunk);
+    for (hsize_t i = 0; i < kChunks; ++i) {
+      const hsize_t offset = i * kChunk;
+      ASSERT_GE(H5Dwrite_chunk(d.get(), H5P_DEFAULT, 0, &offset, frame.size(), frame.data()), 0);
+    }
+    ASSERT_TRUE(ckpt::WriteStringAttr(d.get(), "dtype", "uint8").ok());
+    ASSERT_TRUE(ckpt::WriteStringAttr(d.get(), "xxh3", "0123456789abcdef").ok());
+    ASSERT_TRUE(ckpt::WriteUint64ArrayAttr(d.get(), ckpt::kChunkHashAttr, std::vector<uint64_t>(kChunks, 1)).ok());
+    auto inventory = ckpt::ReadStringAttr(f.get(), ckpt::kInventoryAttr, 1 << 20).value();
+    const std::string was = R"("shape":[8])", now = "\"shape\":[" + std::to_string(dims) + "]";
+    ASSERT_NE(inventory.find(was), std::string::npos) << inventory;
+    inventory.replace(inventory.find(was), was.size(), now);
+    ASSERT_GE(H5Adelete(f.get(), ckpt::kInventoryAttr), 0);
+    ASSERT_TRUE(ckpt::WriteStringAttr(f.get(), ckpt::kInventoryAttr, inventory).ok());
+  }
+  FixSize(2);  // the digest stays wrong
+  ASSERT_LT(fs::file_size(Shard(2)), uint64_t{1} << 20);
+  Status verified, loaded;
+  StatusOr<int64_t> latest = int64_t{-1};
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t growth = PeakGrowth([&] {
+    verified = VerifyCheckpoint(dir_, 2);
+    loaded = c->Load(2).status();
+    Fill(99);
+    latest = c->LoadLatest();
+  });
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(verified.code(), StatusCode::kDataLoss);
+  EXPECT_NE(verified.message().find("digest"), std::string::npos) << verified;
+  EXPECT_EQ(loaded.code(), StatusCode::kDataLoss) << loaded;
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, 1);
+  EXPECT_LT(growth, int64_t{64} << 20) << "the peak resident memory grew by " << (growth >> 20) << " MiB";
+  EXPECT_LT(ms, 1000) << "refusing took " << ms << " ms";
+  std::printf("1 GiB declared in %ju bytes: refused in %.1f ms, peak memory +%lld KiB\n",
+              static_cast<uintmax_t>(fs::file_size(Shard(2))), ms, static_cast<long long>(growth >> 10));
+
+  // Zeros compress far beyond the ratio too: with the right digest they load.
+  ckpt::ScratchDir zeros_dir("oomguard-zeros");
+  CheckpointOptions o;
+  o.dir = zeros_dir.path();
+  o.fsync = false;
+  o.compression = CheckpointCompression::kZstd;
+  std::vector<float> z(size_t{4} << 20, 0.f);
+  auto zc = Checkpointer::Create(o).value();
+  ASSERT_TRUE(zc->AddTensor("model/zeros", DType::kFloat32, {static_cast<int64_t>(z.size())}, z.data()).ok());
+  ASSERT_TRUE(zc->SaveAsync(0).ok());
+  ASSERT_TRUE(zc->Wait().ok());
+  ASSERT_LT(fs::file_size(zeros_dir.path() + "/" + ckpt::StepDirName(0) + "/rank-00000.h5") * ckpt::kDigestFirstRatio,
+            z.size() * sizeof(float));
+  z[7] = 1.f;
+  EXPECT_TRUE(VerifyCheckpoint(zeros_dir.path(), 0).ok());
+  ASSERT_TRUE(zc->Load(0).ok());
+  EXPECT_EQ(z[7], 0.f);
 }
 
 TEST(ManifestParseTest, RefusesHostileFields) {
