@@ -21,33 +21,14 @@
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/hostile_shard_testutil.h"
 #include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
-#include "sdk/checkpoint/zstd_filter.h"
 
 namespace oomguard {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A zstd frame of `n` zero bytes made of RLE blocks (4 bytes per 128 KiB):
-// how a hostile file declares gigabytes in kilobytes.
-std::string ZeroFrame(uint64_t n) {
-  std::string f;
-  auto put = [&](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) f.push_back(static_cast<char>(v >> (8 * i)));
-  };
-  put(0xFD2FB528, 4);
-  f.push_back(static_cast<char>(0xE0));  // single segment, 8-byte content size
-  put(n, 8);
-  for (uint64_t done = 0; done < n;) {
-    const uint64_t len = std::min<uint64_t>(n - done, 128 * 1024);
-    done += len;
-    put((len << 3) | (1u << 1) | (done == n ? 1u : 0u), 3);  // an RLE block
-    f.push_back('\0');
-  }
-  return f;
-}
 
 // How much the peak resident memory grew while `fn` ran (the peak is reset
 // first through /proc/self/clear_refs).
@@ -398,34 +379,9 @@ TEST_F(ShardCheckTest, DeclaredSizeAmplificationIsRefusedBeforeAllocating) {
   constexpr uint64_t kChunk = uint64_t{256} << 20, kChunks = 4;
   {
     ckpt::Hdf5Lock lock;
-    ASSERT_TRUE(ckpt::EnsureZstdRegistered().ok());
     ckpt::H5Handle f(H5Fopen(Shard(2).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
     ASSERT_TRUE(f.valid());
-    ASSERT_GE(H5Ldelete(f.get(), "/train/counter", H5P_DEFAULT), 0);
-    const hsize_t dims = kChunk * kChunks, chunk = kChunk;
-    ckpt::H5Handle space(H5Screate_simple(1, &dims, nullptr));
-    ckpt::H5Handle dcpl(H5Pcreate(H5P_DATASET_CREATE));
-    H5Pset_chunk(dcpl.get(), 1, &chunk);
-    H5Pset_shuffle(dcpl.get());
-    const unsigned level = 1;
-    H5Pset_filter(dcpl.get(), ckpt::kZstdFilter, H5Z_FLAG_MANDATORY, 1, &level);
-    ckpt::H5Handle d(
-        H5Dcreate2(f.get(), "/train/counter", H5T_STD_U8LE, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
-    ASSERT_TRUE(d.valid());
-    const std::string frame = ZeroFrame(kChunk);
-    for (hsize_t i = 0; i < kChunks; ++i) {
-      const hsize_t offset = i * kChunk;
-      ASSERT_GE(H5Dwrite_chunk(d.get(), H5P_DEFAULT, 0, &offset, frame.size(), frame.data()), 0);
-    }
-    ASSERT_TRUE(ckpt::WriteStringAttr(d.get(), "dtype", "uint8").ok());
-    ASSERT_TRUE(ckpt::WriteStringAttr(d.get(), "xxh3", "0123456789abcdef").ok());
-    ASSERT_TRUE(ckpt::WriteUint64ArrayAttr(d.get(), ckpt::kChunkHashAttr, std::vector<uint64_t>(kChunks, 1)).ok());
-    auto inventory = ckpt::ReadStringAttr(f.get(), ckpt::kInventoryAttr, 1 << 20).value();
-    const std::string was = R"("shape":[8])", now = "\"shape\":[" + std::to_string(dims) + "]";
-    ASSERT_NE(inventory.find(was), std::string::npos) << inventory;
-    inventory.replace(inventory.find(was), was.size(), now);
-    ASSERT_GE(H5Adelete(f.get(), ckpt::kInventoryAttr), 0);
-    ASSERT_TRUE(ckpt::WriteStringAttr(f.get(), ckpt::kInventoryAttr, inventory).ok());
+    ASSERT_TRUE(ckpt::testutil::ReplaceWithZeroFrames(f.get(), "/train/counter", kChunk, kChunks));
   }
   FixSize(2);  // the digest stays wrong
   ASSERT_LT(fs::file_size(Shard(2)), uint64_t{1} << 20);
