@@ -1,6 +1,8 @@
 // The Checkpointer's creation: options validated, the directory made, the
 // committed checkpoints found. The rest of its jobs live beside this file
 // (checkpointer_impl.h lists them).
+#include <system_error>
+
 #include "sdk/checkpoint/checkpointer_impl.h"
 
 namespace oomguard {
@@ -24,14 +26,22 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
   if (o.chunk_bytes < 4096 || o.chunk_bytes > (int64_t{1} << 30))
     return bad("chunk_bytes must be in [4 KiB, 1 GiB] (got " + std::to_string(o.chunk_bytes) + ")");
   if (o.staging_budget_bytes < 0) return bad("staging_budget_bytes must be >= 0");
-  if (o.threads < 0) return bad("threads must be >= 0");
-  if (o.stage_threads < 0) return bad("stage_threads must be >= 0");
+  if (o.threads < 0 || o.threads > kMaxCheckpointThreads)
+    return bad("threads must be in [0, " + std::to_string(kMaxCheckpointThreads) + "] (got " +
+               std::to_string(o.threads) + ")");
+  if (o.stage_threads < 0 || o.stage_threads > kMaxCheckpointThreads)
+    return bad("stage_threads must be in [0, " + std::to_string(kMaxCheckpointThreads) + "] (got " +
+               std::to_string(o.stage_threads) + ")");
   OOMGUARD_RETURN_IF_ERROR(ckpt::CheckReadsSetting());
   std::error_code ec;
   std::filesystem::create_directories(o.dir, ec);
   if (ec)
     return Status::InvalidArgument("CheckpointOptions.dir: cannot create " + o.dir + ": " + ec.message());
-  return std::unique_ptr<Checkpointer>(new ckpt_internal::CheckpointerImpl(o));
+  try {
+    return std::unique_ptr<Checkpointer>(new ckpt_internal::CheckpointerImpl(o));
+  } catch (const std::system_error& e) {  // a thread could not be started
+    return Status::ResourceExhausted(std::string("cannot start the checkpointer's threads: ") + e.what());
+  }
 }
 
 Checkpointer::~Checkpointer() = default;

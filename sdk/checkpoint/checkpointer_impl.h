@@ -402,8 +402,15 @@ class CheckpointerImpl final : public Checkpointer {
     return o_.manifest_commit == ManifestCommit::kLocal ||
            (o_.manifest_commit == ManifestCommit::kAuto && o_.world_size == 1);
   }
-  // SaveAsync's body; may throw (user save callbacks, fault points, bad_alloc).
-  Status Stage(int64_t step);
+  // SaveAsync's body; may throw (user save callbacks, fault points,
+  // bad_alloc). *queued turns true once the writer has the save (and reports
+  // its failures itself).
+  Status Stage(int64_t step, bool* queued);
+  // Counts a failed save in Stats() and keeps it for Wait() as the newest
+  // failure, the writer's and SaveAsync's alike. REQUIRES: mu_ held.
+  void NoteSaveFailure(int64_t step, const Status& s);
+  // NoteSaveFailure under mu_, and the error logged (SaveAsync's failures).
+  void RecordSaveFailure(int64_t step, const Status& s);
   void WriterLoop();
   // Writer thread: a faulted-in (and pinned) spare for the next save when
   // `written` stays retained and no spare exists, within the staging budget.
