@@ -334,7 +334,8 @@ void BindGuard(py::module_& m) {
             g.AddCacheReleaser(name, Releaser(PyCallable(fn), name));
           },
           py::arg("name"), py::arg("release"))
-      .def_property("next_step", &Guard::step, &Guard::SetStep)
+      .def_property("next_step", &Guard::step,
+                    [](Guard& g, int64_t step) { ThrowIfError(g.SetStep(step)); })
       .def_property("micro_limit", &Guard::micro_limit, &Guard::SetMicroLimit)
       .def_property_readonly("total_ooms", &Guard::total_ooms)
       .def_property_readonly("run_id", &Guard::run_id)
