@@ -86,14 +86,14 @@ void RegisterErrorTranslation(py::module_& m) {
       py::object report = err.report() ? py::cast(*err.report()) : py::none();
       py::object exc = ErrorsModule().attr("_from_status")(static_cast<int>(err.status().code()),
                                                            std::string(StatusCodeName(err.status().code())),
-                                                           err.status().message(), report);
+                                                           Text(err.status().message()), report);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     } catch (const PythonOomError& err) {
       // An OOM raised in a callback that no guard was running (the Python
       // exception itself is gone by now): the unrecoverable-OOM class.
       py::object exc = ErrorsModule().attr("_from_status")(static_cast<int>(StatusCode::kResourceExhausted),
                                                            "RESOURCE_EXHAUSTED",
-                                                           err.type() + ": " + err.what(), py::none());
+                                                           Text(err.type() + ": " + err.what()), py::none());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
