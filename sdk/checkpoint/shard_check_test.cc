@@ -51,15 +51,19 @@ class ShardCheckTest : public ::testing::Test {
  protected:
   ckpt::ScratchDir scratch_{"oomguard-shardcheck"};
 
-  // A checkpointer with `tensors` float32 tensors of 300 elements, named
-  // <prefix>0, <prefix>1, ..., and one object.
-  std::unique_ptr<Checkpointer> Make(int tensors = 2, const std::string& prefix = "model/t") {
+  // Scratch checkpoints in `dir`: small chunks, no fsync.
+  static CheckpointOptions Options(const std::string& dir) {
     CheckpointOptions o;
-    o.dir = dir_;
+    o.dir = dir;
     o.fsync = false;
     o.chunk_bytes = 4096;
     o.threads = 2;
-    auto c = Checkpointer::Create(o).value();
+    return o;
+  }
+  // A checkpointer with `tensors` float32 tensors of 300 elements, named
+  // <prefix>0, <prefix>1, ..., and one object.
+  std::unique_ptr<Checkpointer> Make(int tensors = 2, const std::string& prefix = "model/t") {
+    auto c = Checkpointer::Create(Options(dir_)).value();
     values_.assign(static_cast<size_t>(tensors), std::vector<float>(300));
     for (int t = 0; t < tensors; ++t)
       EXPECT_TRUE(c->AddTensor(prefix + std::to_string(t), DType::kFloat32, {300},
@@ -220,12 +224,7 @@ TEST_F(ShardCheckTest, SymlinkedStepDirectoryIsNeverReadWrittenOrDeletedThrough)
     ~RemoveOther() { fs::remove_all(path); }
   } remove_other{other};
   {
-    CheckpointOptions o;
-    o.dir = other;
-    o.fsync = false;
-    o.chunk_bytes = 4096;
-    o.threads = 2;
-    auto theirs = Checkpointer::Create(o).value();
+    auto theirs = Checkpointer::Create(Options(other)).value();
     std::vector<float> v(300);
     ASSERT_TRUE(theirs->AddTensor("model/t0", DType::kFloat32, {300}, v.data()).ok());
     for (int64_t step : {0, 3}) {
@@ -242,11 +241,7 @@ TEST_F(ShardCheckTest, SymlinkedStepDirectoryIsNeverReadWrittenOrDeletedThrough)
   const std::string shard0 = bytes_of(theirs0 + "/rank-00000.h5"), shard3 = bytes_of(theirs3 + "/rank-00000.h5");
   const std::string manifest0 = bytes_of(theirs0 + "/MANIFEST.json");
 
-  CheckpointOptions o;
-  o.dir = dir_;
-  o.fsync = false;
-  o.chunk_bytes = 4096;
-  o.threads = 2;
+  CheckpointOptions o = Options(dir_);
   o.keep = 2;
   auto c = Checkpointer::Create(o).value();
   values_.assign(1, std::vector<float>(300));
@@ -407,9 +402,7 @@ TEST_F(ShardCheckTest, DeclaredSizeAmplificationIsRefusedBeforeAllocating) {
 
   // Zeros compress far beyond the ratio too: with the right digest they load.
   ckpt::ScratchDir zeros_dir("oomguard-zeros");
-  CheckpointOptions o;
-  o.dir = zeros_dir.path();
-  o.fsync = false;
+  CheckpointOptions o = Options(zeros_dir.path());
   o.compression = CheckpointCompression::kZstd;
   std::vector<float> z(size_t{4} << 20, 0.f);
   auto zc = Checkpointer::Create(o).value();
