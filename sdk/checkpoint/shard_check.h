@@ -6,10 +6,14 @@
 // A checkpoint may come from another machine or another person. Before any
 // tensor byte is read, Open refuses, naming the file and the tensor:
 //   * a shard file that is missing, a symlink, not a regular file, or not the
-//     size the manifest records; root attributes that do not name this
-//     step, rank and world size;
+//     size the manifest records; root attributes outside what a writer makes
+//     (ShardReader::CheckRootRanges) or that do not name this step, rank and
+//     world size (a step directory that is a symlink is refused before, by
+//     ReadManifest);
 //   * any link but a hard one (soft links, external links), any object but
-//     groups and datasets;
+//     groups and datasets, groups nested deeper than kMaxGroupDepth, more than
+//     kMaxLinks links, an object reached by a second link (WalkObjects, which
+//     stops at the first of these before opening anything deeper);
 //   * a dataset whose data would not come from the shard itself (external
 //     storage, a virtual dataset) or whose layout is not chunked, contiguous
 //     or compact; a filter other than shuffle, zstd, deflate or fletcher32;
@@ -24,7 +28,11 @@
 //   * datasets other than the ones the shard's inventory attribute lists, a
 //     listed one missing, or one whose dtype or shape differs from the listed.
 // So nothing is allocated from a size the file does not back, and nothing
-// outside the checkpoint directory is read.
+// outside the checkpoint directory is read. A shard whose tensors declare
+// more than kDigestFirstRatio times its size proves its whole-file hash in
+// Open too, before anything is decoded or allocated from those sizes. A
+// shard truncated while it is read is refused by Finish as truncated
+// (mapped_file.h), never with a signal.
 //
 // Then Read/ReadEverything decode the tensors and Finish gives the verdict
 // on the whole file (a tensor's own error first: it names the tensor):
