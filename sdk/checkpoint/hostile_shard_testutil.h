@@ -52,7 +52,8 @@ inline bool ReplaceWithZeroFrames(hid_t file, const std::string& dataset, uint64
   H5Pset_shuffle(dcpl.get());
   const unsigned level = 1;
   H5Pset_filter(dcpl.get(), kZstdFilter, H5Z_FLAG_MANDATORY, 1, &level);
-  H5Handle d(H5Dcreate2(file, dataset.c_str(), H5T_STD_U8LE, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
+  H5Handle d(
+      H5Dcreate2(file, dataset.c_str(), H5T_STD_U8LE, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
   if (!d.valid()) return false;
   const std::string frame = ZeroFrame(chunk);
   for (hsize_t i = 0; i < chunks; ++i) {

@@ -61,7 +61,8 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
     // truncated, so every page after this one faults too. A raw system call:
     // no library interceptor runs inside a signal handler.
     const uintptr_t page = addr & ~(g_page - 1);
-    const long p = ::syscall(SYS_mmap, page, end - page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    const long p =
+        ::syscall(SYS_mmap, page, end - page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     if (p == -1) break;
     s.faults.fetch_add(1, std::memory_order_relaxed);
     errno = saved_errno;

@@ -102,7 +102,8 @@ TEST(MappedFileTest, ShardTruncatedWhileReadIsRefusedNotFatal) {
   auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(VerifyCheckpoint(d.path(), 0).ok());
   const auto read_us = std::max<int64_t>(
-      1, std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+      1,
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
   std::mt19937 rng(28);
   int refused = 0, read_whole = 0;
   for (int i = 0; i < 16; ++i) {
