@@ -96,9 +96,18 @@ Status GuardImpl::Evaluate(const EvalRequest& req, StepReport* report_out) {
     Incident inc = NewIncident(info, mem, mb, req.costs);
     ++rep.ooms;
     ++total_ooms_;
-    const double user_ms = ReleaseCaches();
+    std::exception_ptr foreign;
+    std::string releaser;
+    const double user_ms = ReleaseCaches(&foreign, &releaser);
     ++rep.cache_releases;
     inc.actions.push_back(LadderAction::kRelease);
+    if (foreign) {  // a releaser's own exception (Ctrl-C in Python): the caller's to handle
+      inc.action = LadderAction::kGiveUp;
+      RecordIncident(rep, std::move(inc));
+      FinishIncidents(rep.incidents, IncidentOutcome::kFailed);
+      phase_ = Phase::kUnknown;
+      std::rethrow_exception(foreign);
+    }
     const bool smaller = rep.ooms <= options_.max_ooms_per_step && mb.size > 1 &&
                          (info.injected ? limit.OnInjectedOom(mb.cost) : limit.OnOom(mb.cost));
     rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);

@@ -215,7 +215,7 @@ TEST_F(FaultsCleared, OomAtMinimumRollsBackWithARecoveryStore) {
   rec.durable = 3;
   o.recovery = &rec;
   auto g = MakeGuard(o);
-  g->SetStep(5);
+  ASSERT_TRUE(g->SetStep(5).ok());
   Accumulator acc;
   StepReport rep;
   Status s = g->Step(Request(g.get(), &acc, 4), &rep);
@@ -246,7 +246,7 @@ TEST_F(FaultsCleared, OomInCommitRollsBackFromSnapshotOrGivesUp) {
   rec.snapshot = 1;
   o.recovery = &rec;
   auto g = MakeGuard(o);
-  g->SetStep(2);
+  ASSERT_TRUE(g->SetStep(2).ok());
   Accumulator acc;
   StepRequest r = Request(g.get(), &acc, 8);
   r.apply = [&] { g->MarkPhase(Phase::kOptimizer); };

@@ -31,14 +31,17 @@
 namespace oomguard::python {
 namespace {
 
-// A cache releaser runs on the recovery path: its own error is reported
-// through sys.unraisablehook and never replaces the OOM being handled.
+// A cache releaser runs on the recovery path: its own Exception is reported
+// through sys.unraisablehook and never replaces the OOM being handled; a
+// KeyboardInterrupt (or another BaseException) passes through, and the guard
+// ends the step with it.
 std::function<void()> Releaser(PyCallable fn, std::string name) {
   return [fn = std::move(fn), name = std::move(name)] {
     py::gil_scoped_acquire gil;
     try {
       fn.get()();
     } catch (py::error_already_set& e) {
+      if (!Survivable(e)) RethrowForGuard(std::move(e));
       e.discard_as_unraisable(("oomguard cache releaser '" + name + "'").c_str());
     }
   };
@@ -121,9 +124,9 @@ void BindGuard(py::module_& m) {
   py::class_<Status>(m, "Status")
       .def_property_readonly("ok", &Status::ok)
       .def_property_readonly("code", &Status::code)
-      .def_property_readonly("message", &Status::message)
-      .def("__str__", &Status::ToString)
-      .def("__repr__", [](const Status& s) { return "<oomguard.Status " + s.ToString() + ">"; });
+      .def_property_readonly("message", [](const Status& s) { return Text(s.message()); })
+      .def("__str__", [](const Status& s) { return Text(s.ToString()); })
+      .def("__repr__", [](const Status& s) { return Text("<oomguard.Status " + s.ToString() + ">"); });
 
   py::enum_<Phase>(m, "Phase")
       .value("unknown", Phase::kUnknown)
@@ -356,7 +359,8 @@ void BindGuard(py::module_& m) {
             g.AddCacheReleaser(name, Releaser(PyCallable(fn), name));
           },
           py::arg("name"), py::arg("release"))
-      .def_property("next_step", &Guard::step, &Guard::SetStep)
+      .def_property("next_step", &Guard::step,
+                    [](Guard& g, int64_t step) { ThrowIfError(g.SetStep(step)); })
       .def_property("micro_limit", &Guard::micro_limit, &Guard::SetMicroLimit)
       .def_property_readonly("eval_micro_limit", &Guard::eval_micro_limit)
       .def_property_readonly("total_ooms", &Guard::total_ooms)
