@@ -115,20 +115,8 @@ if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
   echo "PyTorch $TV at $TPREFIX ($PY)"
   timeout "$(left 240)" "$ROOT/tests/gpu/build_python.sh" "$BUNDLE" "$WORK/py" "$PY" > "$LOG/build_python.log" 2>&1 &
   PY_BUILD=$!
-  # libtorch_train: one translation unit with torch headers, linked to the
-  # bundle's liboomguard and this torch's libraries.
-  CUDA_INC=$(dirname "$(find "$(dirname "$CUDART_DIR")" /usr/local/cuda/include -maxdepth 2 -name cuda_runtime_api.h -print -quit 2> /dev/null)")
-  (
-    cd "$WORK" &&
-    timeout "$(left 300)" "${CXX:-c++}" -std=c++20 -O2 -D_GLIBCXX_USE_CXX11_ABI=1 -DOOMGUARD_EXAMPLE_TORCH_CUDA=1 \
-      -DSPDLOG_COMPILED_LIB -DSPDLOG_FMT_EXTERNAL -I"$ROOT/include" -I"$BUNDLE/include" -I"$ROOT/examples/cpp" \
-      -I"$ROOT" -isystem "$TPREFIX/include" -isystem "$TPREFIX/include/torch/csrc/api/include" \
-      -isystem "$CUDA_INC" \
-      "$ROOT/examples/cpp/libtorch_train.cpp" "$ROOT/examples/cpp/mlp.cc" "$ROOT/sdk/memory/torch_budget_allocator.cc" \
-      -o "$WORK/libtorch_train" -L"$BUNDLE/lib" -loomguard -L"$TPREFIX/lib" \
-      -Wl,--no-as-needed -ltorch -ltorch_cuda -Wl,--as-needed -ltorch_cpu -lc10_cuda -lc10 \
-      -Wl,-rpath,"$BUNDLE/lib:$TPREFIX/lib"
-  ) > "$LOG/build_libtorch_train.log" 2>&1 &
+  timeout "$(left 300)" "$ROOT/tests/gpu/build_libtorch_train.sh" "$BUNDLE" "$WORK" "$PY" \
+    > "$LOG/build_libtorch_train.log" 2>&1 &
   LT_BUILD=$!
 else
   echo "no Python with a CUDA-enabled torch at '$PY' (set PYTHON)"
