@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2054  # the commas in -Wl,... are the linker's, not array separators
 # Builds examples/cpp/libtorch_train on the machine that runs it, from a device
 # bundle (tests/gpu/bundle.sh) and this tree, against PYTHON's own torch (its
 # headers and libraries: on the GPU image, torch 2.11 from pip with CUDA).

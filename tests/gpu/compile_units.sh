@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by build_python.sh and build_libtorch_train.sh: compiles translation
 # units in parallel, each on its own command line (so that a compiler launcher
 # such as ccache can cache each), before the caller's one link.
