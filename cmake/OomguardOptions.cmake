@@ -114,6 +114,7 @@ endif()
 # builds) does not hide the torch installed where the package will run.
 set(OOMGUARD_TORCH_ROOT "" CACHE INTERNAL "The torch package the build compiles against")
 set(OOMGUARD_TORCH_VERSION "" CACHE INTERNAL "Its version")
+set(_og_torch_skipped "libtorch (c10) not found")
 if(Python_Interpreter_FOUND)
   execute_process(
     COMMAND ${Python_EXECUTABLE} -I -c
@@ -128,8 +129,8 @@ if(Python_Interpreter_FOUND)
       set(OOMGUARD_TORCH_ROOT "${_og_torch_root}" CACHE INTERNAL "The torch package the build compiles against")
       set(OOMGUARD_TORCH_VERSION "${_og_torch_version}" CACHE INTERNAL "Its version")
     else()
-      message(STATUS "oomguard: torch ${_og_torch_version} at ${_og_torch_root} uses the pre-C++11 string ABI; "
-                     "not compiled against (torch >= 2.7 wheels use the C++11 ABI)")
+      string(CONCAT _og_torch_skipped "torch ${_og_torch_version} at ${_og_torch_root} uses the pre-C++11 "
+                                      "string ABI (PyPI's wheels use the C++11 ABI from torch 2.7 on)")
     endif()
   endif()
 endif()
@@ -159,7 +160,7 @@ if(OOMGUARD_WITH_TORCH)
 elseif(C10_LIBRARY)
   _og_note(OOMGUARD_WITH_TORCH OFF "disabled by the user")
 else()
-  _og_note(OOMGUARD_WITH_TORCH OFF "libtorch (c10) not found")
+  _og_note(OOMGUARD_WITH_TORCH OFF "${_og_torch_skipped}")
 endif()
 
 # The budgeted CPU allocator (oomguard._budget): real torch OOMs on CPU, for the
@@ -179,7 +180,7 @@ if(OOMGUARD_BUILD_TORCH_BUDGET)
 elseif(NOT OOMGUARD_BUILD_PYTHON)
   _og_note(OOMGUARD_BUILD_TORCH_BUDGET OFF "needs OOMGUARD_BUILD_PYTHON")
 elseif(NOT C10_LIBRARY)
-  _og_note(OOMGUARD_BUILD_TORCH_BUDGET OFF "libtorch (c10) not found")
+  _og_note(OOMGUARD_BUILD_TORCH_BUDGET OFF "${_og_torch_skipped}")
 else()
   _og_note(OOMGUARD_BUILD_TORCH_BUDGET OFF "disabled by the user")
 endif()

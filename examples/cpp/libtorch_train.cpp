@@ -284,7 +284,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::unique_ptr<oomguard::Guard> guard = std::move(guard_or).value();
-  guard->SetStep(resumed_from + 1);
+  if (oomguard::Status s = guard->SetStep(resumed_from + 1); !s.ok()) {
+    std::fprintf(stderr, "libtorch_train: %s\n", s.ToString().c_str());
+    return 2;
+  }
 #ifdef OOMGUARD_EXAMPLE_TORCH_CUDA
   if (cuda) {
     // Blocks cached by torch's allocator are invisible to cudaMalloc; the

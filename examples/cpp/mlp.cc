@@ -373,7 +373,10 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
       return result;
     }
   }
-  guard->SetStep(first_step);
+  if (oomguard::Status s = guard->SetStep(first_step); !s.ok()) {
+    result.status = s;
+    return result;
+  }
   result.initial_micro_batch = std::min(guard->micro_limit(), n_local);
   std::vector<int64_t> costs, units;
   double loss = 0;  // this rank's weighted loss; after the sync, the global batch's mean

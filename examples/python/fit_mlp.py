@@ -33,10 +33,12 @@ import oomguard.torch as ogt
 FEATURES, HIDDEN, SAMPLES = 32, 256, 8192
 
 
-def make_parts(seed: int):
+def make_parts(seed: int, device: str = "cpu"):
+    """The model (float64, on ``device``), its optimizer and scheduler; the
+    model is moved before the optimizer is made, so it holds the moved tensors."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                                torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)).double()
+                                torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)).to(device, torch.float64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
     return model, optimizer, scheduler

@@ -52,6 +52,10 @@ class IncidentSink;
 // digest of the shard built from them (docs/checkpoints.md); format 1
 // checkpoints are still read.
 inline constexpr std::string_view kCheckpointFormat = "oomguard-ckpt/2";
+// The most threads CheckpointOptions::threads and stage_threads may ask for:
+// more than any machine has cores to give a checkpoint, few enough that
+// starting them cannot exhaust the process's threads.
+inline constexpr int kMaxCheckpointThreads = 256;
 inline constexpr std::string_view kCheckpointFormatV1 = "oomguard-ckpt/1";
 // The HDF5 filter id registered for Zstandard.
 inline constexpr int kZstdFilterId = 32015;
@@ -107,11 +111,12 @@ struct CheckpointOptions {
   // Target uncompressed bytes per HDF5 chunk (and per compression task).
   int64_t chunk_bytes = 1 << 20;
   // Compression/decompression threads. 0: hardware concurrency, at most 8.
+  // At most kMaxCheckpointThreads.
   int threads = 0;
   // Threads that copy host tensors into the staging buffers during
   // SaveAsync's blocking part, the calling thread included (one memcpy
   // stream rarely saturates memory bandwidth). 0: hardware concurrency, at
-  // most 4; 1: the calling thread alone.
+  // most 4; 1: the calling thread alone. At most kMaxCheckpointThreads.
   int stage_threads = 0;
   // Upper bound on host bytes held by staging buffers (the retained snapshot
   // included). 0: unlimited. A state larger than the budget is staged in
@@ -189,11 +194,14 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   // ---- saving ----
   // Stages the registered state as step `step` and returns; the rest runs in
   // the background. Blocks longer only when the staging budget is exhausted
-  // (back-pressure) or the state is staged in pieces. A background failure is
-  // logged, counted in Stats() and returned by Wait() unless a later save
-  // became durable since. Never throws: an exception of a save callback, a
-  // fault point or an allocation is returned as a status (kResourceExhausted
-  // for running out of memory).
+  // (back-pressure) or the state is staged in pieces. A failure, in staging
+  // or in the background, is logged, counted in Stats() and returned by
+  // Wait() unless a later save became durable since. kInvalidArgument (not a
+  // failed save) for a step outside [0, kMaxStep]. A std::exception of a save
+  // callback, a fault point or an allocation is returned as a status
+  // (kResourceExhausted for running out of memory); any other exception (the
+  // host language's own, such as a Python KeyboardInterrupt carried through a
+  // save callback) is counted as a failed save and rethrown.
   virtual Status SaveAsync(int64_t step) = 0;
   // Waits until every started save is durable (and committed when local).
   // Returns the error of the newest save when it failed; an error that a

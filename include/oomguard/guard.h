@@ -51,6 +51,7 @@
 #include "oomguard/incident.h"
 #include "oomguard/options.h"
 #include "oomguard/plan.h"
+#include "oomguard/recovery.h"
 #include "oomguard/status.h"
 
 namespace oomguard {
@@ -62,7 +63,8 @@ struct StepRequest {
   // the micro-batch limit is in cost units.
   std::span<const int64_t> costs;
   // Optional per-sample loss units (e.g. valid tokens of a mean-over-tokens
-  // loss); when set, size(units) == samples, every entry >= 0. A micro-batch's
+  // loss); when set, size(units) == samples, every entry >= 0, and their sum
+  // (over every rank) within int64 (kInvalidArgument otherwise). A micro-batch's
   // weight is then its units over this rank's units, and the sync scales each
   // rank by its units over the global batch's, so that the gradient is the
   // mean over every unit of the global batch, exactly. Empty: one per sample.
@@ -142,6 +144,14 @@ class OOMGUARD_EXPORT Guard {
   // kDataLoss (no step every rank can restore), kInternal (the ranks' collectives
   // diverged). Rethrows a non-OOM exception raised by user code, after the
   // other ranks were told. Every rank returns at the same step.
+  // An exception that is not a std::exception (the host language's own, such
+  // as a Python KeyboardInterrupt carried through C++) raised by a cache
+  // releaser or a checkpoint object's save is rethrown too; a std::exception
+  // there is logged and counted (the releaser is skipped, the checkpoint of
+  // the step is lost), and the step goes on.
+  // kFailedPrecondition, at once and without a vote, when called from inside
+  // a step's own callbacks (Step is not re-entrant); kInvalidArgument when the
+  // step counter is past kMaxStep.
   virtual Status Step(const StepRequest& request, StepReport* report = nullptr) = 0;
 
   // Runs one batch of evaluation on this rank alone, split into micro-batches
@@ -181,7 +191,9 @@ class OOMGUARD_EXPORT Guard {
   // The number of the next step (starts at 0; Step advances it on success).
   virtual int64_t step() const = 0;
   // Sets the next step number (after resuming from a checkpoint).
-  virtual void SetStep(int64_t step) = 0;
+  // kInvalidArgument unless 0 <= step <= kMaxStep (a checkpoint of a step
+  // outside could never be loaded); kFailedPrecondition inside a step.
+  [[nodiscard]] virtual Status SetStep(int64_t step) = 0;
   // The micro-batch limit the next step will use (INT64_MAX: no limit
   // known yet, every step runs whole until an OOM says otherwise).
   virtual int64_t micro_limit() const = 0;

@@ -1,7 +1,10 @@
 // Logging: oomguard logs through a named spdlog logger "oomguard", never the
 // global default logger, and never changes the default's level. Each line
-// carries the rank. OOMGUARD_LOG_LEVEL (trace, debug, info, warn, error,
-// critical, off) sets the level; the default is info.
+// carries the rank. OOMGUARD_LOG_LEVEL (trace, debug, info, warn or warning,
+// error or err, critical, off; in any letter case) sets the level; the
+// default is info. The built-in logger takes another value as info and says
+// so in its first line; tools that can refuse it (the CLI) use
+// LogLevelFromEnv.
 //
 // Logging never throws on the training path: the logger's error handler
 // swallows formatting and sink errors (counted in LogErrors()).
@@ -18,8 +21,13 @@
 #include <memory>
 
 #include "oomguard/export.h"
+#include "oomguard/status.h"
 
 namespace oomguard {
+
+// The level OOMGUARD_LOG_LEVEL names (info when it is unset or empty);
+// kInvalidArgument naming the variable, the value and the levels otherwise.
+OOMGUARD_EXPORT StatusOr<spdlog::level::level_enum> LogLevelFromEnv();
 
 // The logger in use (created on first use: stderr, pattern with the rank).
 OOMGUARD_EXPORT std::shared_ptr<spdlog::logger> Logger();

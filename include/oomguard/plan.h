@@ -38,7 +38,7 @@ OOMGUARD_EXPORT std::vector<MicroBatch> PlanBySamples(int64_t n, int64_t limit, 
 // Packs samples [begin, n) greedily into contiguous micro-batches whose summed
 // cost is within `limit`; a sample whose cost alone exceeds the limit gets a
 // micro-batch of its own. n = costs.size(). kInvalidArgument for a negative
-// cost, limit < 1, or begin out of range.
+// cost, costs whose sum overflows int64, limit < 1, or begin out of range.
 OOMGUARD_EXPORT StatusOr<std::vector<MicroBatch>> PlanByCost(std::span<const int64_t> costs,
                                                              int64_t limit, int64_t begin = 0,
                                                              int first_index = 0);

@@ -26,6 +26,13 @@
 
 namespace oomguard {
 
+// The largest step number. Steps are 0 .. kMaxStep: checkpoints name their
+// directories after the step in at most 16 digits ("step-00000100"), and a
+// guard's step counter never reaches a number that could not be saved and
+// loaded again. A negative step is only ever the state before a run's first
+// step (-1), which is kept in memory, never written.
+inline constexpr int64_t kMaxStep = 9'999'999'999'999'999;
+
 class OOMGUARD_EXPORT RecoveryStore {
  public:
   virtual ~RecoveryStore();

@@ -211,6 +211,8 @@ class OOMGUARD_EXPORT SizeController {
   // Marks `size` as failing (a real OOM there), with a strike when it
   // retried a size that had failed before.
   void RememberBad(int64_t size);
+  // An OOM at the minimum: the limit stays there; returns false (escalate).
+  bool AtMinimum();
   // kSearch's growth after grow_after clean, limit-bound steps.
   void SearchGrow();
   // The model (size_model.cc).

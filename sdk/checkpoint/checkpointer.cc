@@ -1,6 +1,8 @@
 // The Checkpointer's creation: options validated, the directory made, the
 // committed checkpoints found. The rest of its jobs live beside this file
 // (checkpointer_impl.h lists them).
+#include <system_error>
+
 #include "sdk/checkpoint/checkpointer_impl.h"
 
 namespace oomguard {
@@ -24,8 +26,12 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
   if (o.chunk_bytes < 4096 || o.chunk_bytes > (int64_t{1} << 30))
     return bad("chunk_bytes must be in [4 KiB, 1 GiB] (got " + std::to_string(o.chunk_bytes) + ")");
   if (o.staging_budget_bytes < 0) return bad("staging_budget_bytes must be >= 0");
-  if (o.threads < 0) return bad("threads must be >= 0");
-  if (o.stage_threads < 0) return bad("stage_threads must be >= 0");
+  if (o.threads < 0 || o.threads > kMaxCheckpointThreads)
+    return bad("threads must be in [0, " + std::to_string(kMaxCheckpointThreads) + "] (got " +
+               std::to_string(o.threads) + ")");
+  if (o.stage_threads < 0 || o.stage_threads > kMaxCheckpointThreads)
+    return bad("stage_threads must be in [0, " + std::to_string(kMaxCheckpointThreads) + "] (got " +
+               std::to_string(o.stage_threads) + ")");
   OOMGUARD_RETURN_IF_ERROR(ckpt::CheckReadsSetting());
   std::error_code ec;
   std::filesystem::create_directories(o.dir, ec);
@@ -33,7 +39,12 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
     return Status::InvalidArgument("CheckpointOptions.dir: cannot create " + o.dir + ": " + ec.message());
   auto lock = ckpt::DirLock::Acquire(o.dir, o.rank);
   if (!lock.ok()) return lock.status();
-  auto impl = std::make_unique<ckpt_internal::CheckpointerImpl>(o);
+  std::unique_ptr<ckpt_internal::CheckpointerImpl> impl;
+  try {
+    impl = std::make_unique<ckpt_internal::CheckpointerImpl>(o);
+  } catch (const std::system_error& e) {  // a thread could not be started
+    return Status::ResourceExhausted(std::string("cannot start the checkpointer's threads: ") + e.what());
+  }
   impl->HoldLock(std::move(lock).value());
   return std::unique_ptr<Checkpointer>(std::move(impl));
 }

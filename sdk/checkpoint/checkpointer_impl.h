@@ -189,7 +189,11 @@ struct WriteJob {
 };
 
 // Committed step directories under `dir` (MANIFEST.json present), ascending.
-std::vector<int64_t> CommittedSteps(const std::string& dir);
+// Step directories that are symbolic links are left out unless
+// include_linked: LoadLatest tries them so that each is refused with a
+// warning (ckpt::CheckStepDir), as a linked shard is; retention and the
+// durable steps never see them.
+std::vector<int64_t> CommittedSteps(const std::string& dir, bool include_linked = false);
 
 class CheckpointerImpl final : public Checkpointer {
  public:
@@ -333,16 +337,37 @@ class CheckpointerImpl final : public Checkpointer {
   }
 
  private:
+  // A state path is a dataset's name in the shard: groups separated by '/'.
+  // HDF5 would cut a name at a NUL byte and resolve "." and ".." components,
+  // so a checkpoint with such a path could never be loaded; a path deeper
+  // than ckpt::kMaxGroupDepth groups would be refused by every reader.
   Status CheckNewPath(const std::string& path) const {
+    const std::string shown = ckpt::PrintableName(path);
     if (path.empty() || path.front() == '/' || path.back() == '/' || path.find("//") != std::string::npos ||
         path.find('.') == 0)
-      return Status::InvalidArgument("state path '" + path + "' must look like 'model/fc1.weight'");
+      return Status::InvalidArgument("state path '" + shown + "' must look like 'model/fc1.weight'");
+    if (path.find('\0') != std::string::npos)
+      return Status::InvalidArgument("state path '" + shown + "' contains a NUL byte");
+    if (("/" + path + "/").find("/./") != std::string::npos || ("/" + path + "/").find("/../") != std::string::npos)
+      return Status::InvalidArgument("state path '" + shown + "' has a '.' or '..' component");
+    if (std::count(path.begin(), path.end(), '/') > ckpt::kMaxGroupDepth)
+      return Status::InvalidArgument("state path '" + shown + "' nests deeper than " +
+                                     std::to_string(ckpt::kMaxGroupDepth) + " groups");
     for (const auto& e : entries_)
       if (e.path == path) return Status::InvalidArgument("state path '" + path + "' is registered twice");
     return Status::Ok();
   }
   std::string StepDir(int64_t step) const { return o_.dir + "/" + ckpt::StepDirName(step); }
   std::string ShardPath(int64_t step) const { return StepDir(step) + "/" + ckpt::ShardFileName(o_.rank); }
+  // OK when StepDir(step) is absent or a real directory (ckpt::CheckStepDir);
+  // kFailedPrecondition naming it otherwise: a save or a commit never writes
+  // through a link.
+  Status UsableStepDir(int64_t step) const {
+    Status s = ckpt::CheckStepDir(StepDir(step));
+    if (s.ok() || s.code() == StatusCode::kNotFound) return Status::Ok();
+    return Status::FailedPrecondition("cannot write checkpoint of step " + std::to_string(step) + ": " +
+                                      s.message());
+  }
   // Serialises the objects and copies the registered state into a staging
   // buffer (the blocking part of a save). REQUIRES: the state fits the
   // staging budget beside what is in flight (or there is no budget).
@@ -380,8 +405,15 @@ class CheckpointerImpl final : public Checkpointer {
     return o_.manifest_commit == ManifestCommit::kLocal ||
            (o_.manifest_commit == ManifestCommit::kAuto && o_.world_size == 1);
   }
-  // SaveAsync's body; may throw (user save callbacks, fault points, bad_alloc).
-  Status Stage(int64_t step);
+  // SaveAsync's body; may throw (user save callbacks, fault points,
+  // bad_alloc). *queued turns true once the writer has the save (and reports
+  // its failures itself).
+  Status Stage(int64_t step, bool* queued);
+  // Counts a failed save in Stats() and keeps it for Wait() as the newest
+  // failure, the writer's and SaveAsync's alike. REQUIRES: mu_ held.
+  void NoteSaveFailure(int64_t step, const Status& s);
+  // NoteSaveFailure under mu_, and the error logged (SaveAsync's failures).
+  void RecordSaveFailure(int64_t step, const Status& s);
   void WriterLoop();
   // Writer thread: a faulted-in (and pinned) spare for the next save when
   // `written` stays retained and no spare exists, within the staging budget.

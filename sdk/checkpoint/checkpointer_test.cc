@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <limits>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -1068,6 +1069,83 @@ TEST_F(SavedRun, SaveAsyncTurnsExceptionsIntoStatuses) {
   s = c_->SaveAsync(1);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("save failed"), std::string::npos) << s;
+}
+
+// Issue 28, row 9: a save that fails while it is staged counts as a failed
+// save (Stats, Wait), like one that fails in the background; an exception
+// that is not a std::exception (a Python KeyboardInterrupt on its way
+// through C++) is counted and passed on, never swallowed.
+TEST_F(SavedRun, StagingFailuresAreCountedAndForeignExceptionsPassThrough) {
+  Make(Opts(d_.path()));
+  bool foreign = false;
+  ASSERT_TRUE(c_->AddObject(
+                    "train/flaky",
+                    [&]() -> std::vector<uint8_t> {
+                      if (foreign) throw 42;
+                      throw std::runtime_error("ValueError: bad state");
+                    },
+                    [](std::span<const uint8_t>) { return Status::Ok(); })
+                  .ok());
+  Status s = c_->SaveAsync(0);
+  EXPECT_EQ(s.code(), StatusCode::kInternal) << s;
+  EXPECT_EQ(c_->Stats().save_failures, 1);
+  Status waited = c_->Wait();
+  EXPECT_FALSE(waited.ok()) << "Wait hid the failed save";
+  EXPECT_NE(waited.message().find("ValueError: bad state"), std::string::npos) << waited;
+  foreign = true;
+  EXPECT_THROW((void)c_->SaveAsync(1), int);
+  EXPECT_EQ(c_->Stats().save_failures, 2);
+  EXPECT_FALSE(c_->Wait().ok());
+}
+
+// Issue 28, row 10: a step no directory name can carry is refused before
+// anything is staged (it is not a failed save), and nothing is written.
+TEST_F(SavedRun, StepsOutsideTheNameableRangeAreInvalidArguments) {
+  Make(Opts(d_.path()));
+  for (int64_t bad : {int64_t{-1}, int64_t{-3}, kMaxStep + 1, std::numeric_limits<int64_t>::max()}) {
+    Status s = c_->SaveAsync(bad);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad << ": " << s;
+  }
+  EXPECT_TRUE(c_->Wait().ok());
+  EXPECT_EQ(c_->Stats().save_failures, 0);
+  for (const auto& e : fs::directory_iterator(d_.path()))
+    EXPECT_EQ(e.path().filename(), "LOCK.rank-00000") << "something was written beside the rank's lock";
+  EXPECT_EQ(ckpt::ParseStepDirName(ckpt::StepDirName(kMaxStep)), kMaxStep);
+  EXPECT_FALSE(ckpt::ParseStepDirName("step-" + std::to_string(kMaxStep + 1)).has_value());
+}
+
+// Issue 28, row 5: thread counts are bounded options, not a crash.
+TEST(OptionsTest, ThreadCountsAreBounded) {
+  TempDir d;
+  for (int field = 0; field < 2; ++field) {
+    CheckpointOptions o = Opts(d.path());
+    (field == 0 ? o.threads : o.stage_threads) = 100000;
+    auto c = Checkpointer::Create(o);
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(field == 0 ? "threads must be in [0, 256]" : "stage_threads"),
+              std::string::npos)
+        << c.status();
+  }
+  CheckpointOptions o = Opts(d.path());
+  o.threads = kMaxCheckpointThreads;
+  EXPECT_TRUE(Checkpointer::Create(o).ok());
+}
+
+// Issue 28, row 15: a state path that HDF5 would store under another name
+// (cut at a NUL, "." resolved) could never be loaded: refused at registration.
+TEST(OptionsTest, StatePathsThatCouldNeverLoadAreRefused) {
+  TempDir d;
+  auto c = Checkpointer::Create(Opts(d.path())).value();
+  float x = 0;
+  std::string deep = "w";
+  for (int i = 0; i < 65; ++i) deep = "g/" + deep;  // 65 nested groups
+  for (const std::string& path : {std::string("model/w\0x", 9), std::string("model/./w"), std::string("a/../w"), deep}) {
+    Status s = c->AddTensor(path, DType::kFloat32, {}, &x);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << path;
+  }
+  EXPECT_TRUE(c->AddTensor(deep.substr(2), DType::kFloat32, {}, &x).ok()) << "64 groups are allowed";
+  EXPECT_TRUE(c->AddTensor("model/w", DType::kFloat32, {}, &x).ok());
 }
 
 }  // namespace

@@ -8,12 +8,15 @@
 
 namespace oomguard::ckpt_internal {
 
-std::vector<int64_t> CommittedSteps(const std::string& dir) {
+std::vector<int64_t> CommittedSteps(const std::string& dir, bool include_linked) {
   std::vector<int64_t> out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     auto step = ckpt::ParseStepDirName(e.path().filename().string());
-    if (step && fs::exists(e.path() / ckpt::kManifestName, ec)) out.push_back(*step);
+    if (!step) continue;
+    std::error_code lec;
+    if (e.is_symlink(lec) && !include_linked) continue;
+    if (fs::exists(e.path() / ckpt::kManifestName, ec)) out.push_back(*step);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -24,6 +27,7 @@ Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
   std::lock_guard<std::mutex> commit_lock(commit_mu_);
   FaultPoint(FaultSite::kCkptManifest, FaultContext{step, o_.rank, -1, 0});
   const std::string dir = StepDir(step);
+  OOMGUARD_RETURN_IF_ERROR(UsableStepDir(step));
   ckpt::Manifest m;
   m.format = std::string(kCheckpointFormat);
   m.step = step;
@@ -82,6 +86,11 @@ void CheckpointerImpl::ApplyRetention(int64_t newest_committed) {
   }
   for (int64_t s : doomed) {
     if (s == newest_committed) continue;
+    // Never through a link: it may lead to another run's checkpoint.
+    if (Status usable = ckpt::CheckStepDir(StepDir(s)); !usable.ok()) {
+      if (usable.code() != StatusCode::kNotFound) Logger()->warn("retention leaves alone: {}", usable.message());
+      continue;
+    }
     // Remove the manifest first: a crash mid-delete leaves an uncommitted directory, never a
     // committed one with shards missing.
     fs::remove(StepDir(s) + "/" + ckpt::kManifestName, ec);
@@ -133,6 +142,9 @@ std::vector<int64_t> CheckpointerImpl::DurableSteps() {
 
 Status CheckpointerImpl::Commit(int64_t step, int world_size) {
   if (CommitsLocally()) return Status::Ok();  // the writer commits its own saves
+  if (step < 0 || step > kMaxStep)
+    return Status::InvalidArgument("Commit(" + std::to_string(step) + "): a step is in [0, " +
+                                   std::to_string(kMaxStep) + "]");
   // The guard calls this between collectives: an exception here (an injected
   // fault, bad_alloc) must become a status that reaches every rank.
   try {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "sdk/checkpoint/zstd_filter.h"
 
@@ -194,6 +195,159 @@ std::optional<std::vector<uint64_t>> ReadUint64ArrayAttr(hid_t obj, const char* 
   std::vector<uint64_t> out(static_cast<size_t>(count));
   if (H5Aread(attr.get(), H5T_NATIVE_UINT64, out.data()) < 0) return std::nullopt;
   return out;
+}
+
+std::string PrintableName(std::string_view s) {
+  std::string out;
+  for (unsigned char c : s.substr(0, 256)) {
+    if (c < 0x20 || c == 0x7f) {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (s.size() > 256) out += "...";
+  return out;
+}
+
+namespace {
+
+// One group of the walk: its links are listed when it is opened, then
+// taken one at a time.
+struct WalkGroup {
+  H5Handle group;
+  std::string path;  // "" for the root, else "model/sub"
+  int depth = 0;     // the root is 0
+  struct Link {
+    std::string name;
+    H5L_type_t type;
+    size_t val_size;
+  };
+  std::vector<Link> links;
+  size_t next = 0;
+};
+
+struct ListLinks {
+  std::vector<WalkGroup::Link>* out;
+  int64_t* links;  // over the whole walk
+};
+
+herr_t ListLink(hid_t, const char* name, const H5L_info_t* info, void* op) {
+  auto* l = static_cast<ListLinks*>(op);
+  if (++*l->links > kMaxLinks) return 1;
+  l->out->push_back({name, info->type, info->type == H5L_TYPE_HARD ? 0 : info->u.val_size});
+  return 0;
+}
+
+// "a soft link to /x", "an external link to /d in the file 'f.h5'".
+std::string DescribeLink(hid_t group, const WalkGroup::Link& link) {
+  std::string what = link.type == H5L_TYPE_SOFT       ? "a soft link"
+                     : link.type == H5L_TYPE_EXTERNAL ? "an external link"
+                                                      : "a user-defined link";
+  // Name the target, so that whoever made the file sees where it pointed.
+  const size_t n = link.val_size;
+  if (n == 0 || n > 4096) return what;
+  std::vector<char> val(n + 1, '\0');
+  if (H5Lget_val(group, link.name.c_str(), val.data(), n, H5P_DEFAULT) < 0) return what;
+  const char* file = nullptr;
+  const char* obj = nullptr;
+  unsigned flags = 0;
+  if (link.type == H5L_TYPE_SOFT)
+    what += " to " + PrintableName(val.data());
+  else if (link.type == H5L_TYPE_EXTERNAL && H5Lunpack_elink_val(val.data(), n, &flags, &file, &obj) >= 0 &&
+           file != nullptr && obj != nullptr)
+    what += " to " + PrintableName(obj) + " in the file '" + PrintableName(file) + "'";
+  return what;
+}
+
+}  // namespace
+
+ObjectWalk WalkObjects(hid_t file) {
+  ObjectWalk w;
+  int64_t links = 0;
+  std::set<haddr_t> seen;
+  std::vector<WalkGroup> stack;
+  auto open_group = [&](H5Handle group, std::string path, int depth) -> bool {
+    WalkGroup g;
+    g.group = std::move(group);
+    g.path = std::move(path);
+    g.depth = depth;
+    ListLinks list{&g.links, &links};
+    const herr_t rc = H5Literate(g.group.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr, ListLink, &list);
+    if (links > kMaxLinks) {
+      w.error = "holds more than " + std::to_string(kMaxLinks) + " links";
+      return false;
+    }
+    if (rc < 0) {
+      w.error = "cannot list its links (corrupt file)";
+      return false;
+    }
+    stack.push_back(std::move(g));
+    return true;
+  };
+  {
+    H5O_info_t root{};
+    if (H5Oget_info2(file, &root, H5O_INFO_BASIC) < 0) {
+      w.error = "cannot list its links (corrupt file)";
+      return w;
+    }
+    seen.insert(root.addr);
+    H5Handle g(H5Gopen2(file, "/", H5P_DEFAULT));
+    if (!g.valid()) {
+      w.error = "cannot list its links (corrupt file)";
+      return w;
+    }
+    if (!open_group(std::move(g), "", 0)) return w;
+  }
+  while (!stack.empty()) {
+    WalkGroup& g = stack.back();
+    if (g.next == g.links.size()) {
+      stack.pop_back();
+      continue;
+    }
+    const WalkGroup::Link link = g.links[g.next++];
+    const std::string path = g.path.empty() ? link.name : g.path + "/" + link.name;
+    if (link.type != H5L_TYPE_HARD) {
+      w.error = "tensor /" + PrintableName(path) + " is " + DescribeLink(g.group.get(), link) +
+                "; a checkpoint holds its tensors itself (hard links only)";
+      return w;
+    }
+    H5O_info_t info{};
+    if (H5Oget_info_by_name2(g.group.get(), link.name.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0) {
+      w.error = "/" + PrintableName(path) + " cannot be opened (corrupt header)";
+      return w;
+    }
+    if (!seen.insert(info.addr).second) {
+      w.error = "/" + PrintableName(path) +
+                " is a second link to an object linked elsewhere in the file; a checkpoint links each "
+                "tensor and group once";
+      return w;
+    }
+    if (info.type == H5O_TYPE_DATASET) {
+      w.datasets.push_back("/" + path);
+    } else if (info.type == H5O_TYPE_GROUP) {
+      if (g.depth + 1 > kMaxGroupDepth) {
+        w.error = "nests groups deeper than " + std::to_string(kMaxGroupDepth) + " levels (at /" +
+                  PrintableName(path) + "); a checkpoint's state paths are not that deep";
+        return w;
+      }
+      H5Handle child(H5Gopen2(g.group.get(), link.name.c_str(), H5P_DEFAULT));
+      if (!child.valid()) {
+        w.error = "/" + PrintableName(path) + " cannot be opened (corrupt header)";
+        return w;
+      }
+      const int depth = g.depth + 1;
+      if (!open_group(std::move(child), path, depth)) return w;  // `g` may dangle from here
+    } else {
+      w.error = "/" + PrintableName(path) +
+                " is an HDF5 object of another kind (a committed datatype?), not a tensor";
+      return w;
+    }
+  }
+  return w;
 }
 
 ChunkLayout PlanChunks(const std::vector<int64_t>& shape, size_t elem_size, int64_t target_bytes) {

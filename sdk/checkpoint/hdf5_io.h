@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "oomguard/checkpoint.h"
@@ -78,6 +79,34 @@ std::optional<int64_t> ReadInt64Attr(hid_t obj, const char* name);
 Status WriteUint64ArrayAttr(hid_t obj, const char* name, const std::vector<uint64_t>& values);
 std::optional<std::vector<uint64_t>> ReadUint64ArrayAttr(hid_t obj, const char* name, uint64_t count,
                                                          uint64_t file_bytes);
+
+// A name from a file as it may appear in a message: control bytes (a
+// terminal escape in a hostile dataset name) are shown as \xNN, and very
+// long names are cut.
+std::string PrintableName(std::string_view s);
+
+// Groups below the root a shard may nest: a state path ("model/fc1.weight")
+// is a group per '/'. Checkpointer::AddTensor refuses deeper paths, so every
+// shard a writer makes stays within it.
+inline constexpr int kMaxGroupDepth = 64;
+// Links a shard may hold; a model with more tensors than this is not a
+// checkpoint this format was made for, and a walk must end somewhere.
+inline constexpr int64_t kMaxLinks = int64_t{1} << 20;
+
+// What a walk over every link of a file found, or the first thing it refused.
+struct ObjectWalk {
+  std::string error;                  // empty: every link is a hard link to a group or a dataset
+  std::vector<std::string> datasets;  // "/model/fc1.weight", in the order found
+};
+// Walks every link from the root group, depth first, without recursion and
+// without HDF5's own visitors (which recurse per level and slow down with
+// depth: a 20,000-level file overflowed the stack). Refuses, before going
+// further: groups nested deeper than kMaxGroupDepth, more than kMaxLinks
+// links, a link that is not a hard link (soft, external, user-defined: named
+// with its target), an object reached by a second link (a group linked
+// into itself or twice would make the walk endless or exponential), and
+// objects other than groups and datasets. REQUIRES: Hdf5Lock held.
+ObjectWalk WalkObjects(hid_t file);
 
 // How a tensor is cut into chunks that are contiguous runs of its row-major
 // bytes: chunk dims are (1, ..., 1, r, d[k+1], ..., d[n-1]). The last chunk

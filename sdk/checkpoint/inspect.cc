@@ -29,6 +29,11 @@ StatusOr<std::vector<CheckpointInfo>> ListCheckpoints(const std::string& dir) {
     CheckpointInfo info;
     info.step = *step;
     info.dir = e.path().string();
+    if (Status usable = ckpt::CheckStepDir(info.dir); !usable.ok()) {
+      info.problem = usable.message();  // a link: nothing is read through it
+      out.push_back(std::move(info));
+      continue;
+    }
     int64_t on_disk = 0;
     for (const auto& f : fs::directory_iterator(e.path(), ec)) {
       const std::string name = f.path().filename().string();
@@ -89,12 +94,13 @@ StatusOr<ShardInfo> InspectShard(const std::string& file) {
   auto reader = ckpt::ShardReader::Open(file);
   if (!reader.ok()) return reader.status();
   auto& r = **reader;
+  OOMGUARD_RETURN_IF_ERROR(r.CheckRootRanges());
   ShardInfo info;
   info.file = file;
   info.format = r.format();
   info.step = r.step();
-  info.rank = r.rank();
-  info.world_size = r.world_size();
+  info.rank = static_cast<int>(r.rank());  // in range (CheckRootRanges)
+  info.world_size = static_cast<int>(r.world_size());
   std::error_code ec;
   info.file_bytes = static_cast<int64_t>(fs::file_size(file, ec));
   auto paths = r.DatasetPaths();

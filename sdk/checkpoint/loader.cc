@@ -105,7 +105,7 @@ void CheckpointerImpl::RecordCorrupt(int64_t step, const Status& why) {
 
 StatusOr<int64_t> CheckpointerImpl::LoadLatest() {
   (void)Wait();
-  std::vector<int64_t> steps = CommittedSteps(o_.dir);
+  std::vector<int64_t> steps = CommittedSteps(o_.dir, /*include_linked=*/true);
   if (steps.empty()) return Status::NotFound("no committed checkpoint in " + o_.dir);
   std::string failures;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {

@@ -1,7 +1,6 @@
 #include "sdk/checkpoint/manifest.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +15,7 @@
 #include "oomguard/checkpoint.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/compression.h"
+#include "sdk/checkpoint/mapped_file.h"
 #include "sdk/checkpoint/xxh.h"
 
 namespace oomguard::ckpt {
@@ -36,8 +36,9 @@ std::optional<int64_t> ParseStepDirName(const std::string& name) {
   if (name.size() < 6 || name.compare(0, 5, "step-") != 0) return std::nullopt;
   int64_t v = 0;
   for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9' || i > 20) return std::nullopt;
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
     v = v * 10 + (name[i] - '0');
+    if (v > kMaxStep) return std::nullopt;
   }
   return v;
 }
@@ -139,7 +140,7 @@ StatusOr<Manifest> ParseManifest(const std::string& text) {
                               std::string(kCheckpointFormat) + "' (or '" + std::string(kCheckpointFormatV1) +
                               "')");
     const bool v1 = m.format == kCheckpointFormatV1;
-    m.step = IntField(j, "step", 0, std::numeric_limits<int64_t>::max(), "");
+    m.step = IntField(j, "step", 0, kMaxStep, "");
     m.world_size = static_cast<int>(IntField(j, "world_size", 1, kMaxWorldSize, ""));
     if (j.contains("created_unix"))
       m.created_unix = IntField(j, "created_unix", std::numeric_limits<int64_t>::min(),
@@ -230,7 +231,22 @@ StatusOr<std::string> ReadRegularFile(const std::string& path, int64_t max_bytes
   return out;
 }
 
+Status CheckStepDir(const std::string& step_dir) {
+  struct stat st {};
+  if (::lstat(step_dir.c_str(), &st) != 0) {
+    if (errno == ENOENT) return Status::NotFound(step_dir + " does not exist");
+    return Status::DataLoss("stat " + step_dir + ": " + std::strerror(errno));
+  }
+  if (S_ISLNK(st.st_mode))
+    return Status::DataLoss(step_dir +
+                            " is a symbolic link; a checkpoint's step directories are directories of its own "
+                            "(nothing is read, written or deleted through a link)");
+  if (!S_ISDIR(st.st_mode)) return Status::DataLoss(step_dir + " is not a directory");
+  return Status::Ok();
+}
+
 StatusOr<Manifest> ReadManifest(const std::string& step_dir) {
+  OOMGUARD_RETURN_IF_ERROR(CheckStepDir(step_dir));
   const std::string path = step_dir + "/" + kManifestName;
   auto text = ReadRegularFile(path, kMaxManifestBytes);
   if (!text.ok()) return text.status();
@@ -295,14 +311,13 @@ Status HashFile(const std::string& path, uint64_t* hash, int64_t* bytes) {
   if (st.st_size > 0) {
     // Hashing the page cache in place skips read()'s copy: 1 GiB hashes in
     // about 175 ms instead of 250 ms on the reference machine.
-    const size_t len = static_cast<size_t>(st.st_size);
-    void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, 0);
-    if (p != MAP_FAILED) {
-      (void)::madvise(p, len, MADV_SEQUENTIAL);
-      *hash = XXH3_64bits(p, len);
+    auto map = MappedFile::Map(fd, path);
+    if (map.ok()) {
+      *hash = XXH3_64bits((*map)->bytes().data(), (*map)->bytes().size());
       *bytes = st.st_size;
-      ::munmap(p, len);
+      const bool truncated = (*map)->truncated();
       ::close(fd);
+      if (truncated) return Status::DataLoss(path + " was truncated while it was hashed");
       return Status::Ok();
     }
   }

@@ -66,8 +66,15 @@ std::string ManifestToJson(const Manifest& m);
 // xxh3 (format 1) or digest (format 2) that is not 16 lowercase hex digits, a
 // compression (format 2) other than "none" or "zstd-<level>".
 StatusOr<Manifest> ParseManifest(const std::string& text);
-// Reads <step_dir>/MANIFEST.json. kNotFound when absent; kDataLoss when it is
-// not a regular file (a symlink, FIFO, device or directory), is larger than
+// Whether `step_dir` may be used as a step directory: a real directory, not a
+// symbolic link (to another run's step, say) or another kind of file. Every
+// read, write and deletion of a step directory asks this first, so that
+// nothing is read, written or deleted through a link. kNotFound when it does
+// not exist; kDataLoss naming it otherwise.
+Status CheckStepDir(const std::string& step_dir);
+// Reads <step_dir>/MANIFEST.json. kNotFound when absent; kDataLoss when the
+// step directory is refused by CheckStepDir, when the manifest is not a
+// regular file (a symlink, FIFO, device or directory), is larger than
 // kMaxManifestBytes, or does not parse.
 StatusOr<Manifest> ReadManifest(const std::string& step_dir);
 // Reads a whole regular file of at most max_bytes. Never follows a symlink,

@@ -155,9 +155,15 @@ class ShardReader {
   int version() const { return version_; }
   // Format 2: the root `compression` attribute ("none", "zstd-1", ...).
   const std::string& compression() const { return compression_; }
+  // The root attributes as the file holds them (64-bit: never narrowed, so
+  // that a rank of 2^32 cannot pass for rank 0).
   int64_t step() const { return step_; }
-  int rank() const { return rank_; }
-  int world_size() const { return world_size_; }
+  int64_t rank() const { return rank_; }
+  int64_t world_size() const { return world_size_; }
+  // kDataLoss naming them unless step is in [0, kMaxStep], world_size in
+  // [1, kMaxWorldSize] and rank in [0, world_size): CheckedShard and
+  // InspectShard refuse a shard whose root attributes no writer could make.
+  Status CheckRootRanges() const;
 
   // Every dataset path in the file ("/model/fc1.weight"), sorted.
   StatusOr<std::vector<std::string>> DatasetPaths();
@@ -192,8 +198,11 @@ class ShardReader {
   // was stored with filters skipped, or lies outside the file.
   Status StoredChunks(const std::string& dataset, std::vector<StoredChunk>* out, ChunkLayout* layout,
                       bool* raw);
-  // A read-only mapping of the whole file (made once).
+  // A read-only mapping of the whole file (made once). When the file is
+  // truncated while mapped, reads of the lost part see zeros instead of a
+  // SIGBUS and Truncated() turns true (mapped_file.h).
   StatusOr<std::span<const uint8_t>> Mapped();
+  bool Truncated() const;
 
   // The open HDF5 file, for CheckedShard's walk over it. REQUIRES: Hdf5Lock
   // held while it is used; valid as long as this reader.
@@ -208,7 +217,7 @@ class ShardReader {
   std::string path_, format_, compression_;
   int version_ = 0;
   int64_t step_ = -1;
-  int rank_ = -1, world_size_ = -1;
+  int64_t rank_ = -1, world_size_ = -1;
 };
 
 }  // namespace oomguard::ckpt

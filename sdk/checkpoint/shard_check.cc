@@ -20,33 +20,11 @@ std::string ShapeString(const std::vector<int64_t>& s) {
 
 namespace {
 
-// Links a shard may hold; a model with more tensors than this is not a
-// checkpoint this format was made for, and the walk must end somewhere.
-constexpr int64_t kMaxLinks = int64_t{1} << 20;
 // The inventory attribute: about 40 bytes per tensor.
 constexpr size_t kMaxInventoryBytes = size_t{16} << 20;
 // The writer's largest chunk (CheckpointOptions.chunk_bytes is at most
 // 1 GiB); a reader allocates a chunk's decoded size, so no more is accepted.
 constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 30;
-
-// A name from the file as it may appear in a message: control bytes (a
-// terminal escape in a hostile dataset name) are shown as \xNN, and very
-// long names are cut.
-std::string Printable(std::string_view s) {
-  std::string out;
-  for (unsigned char c : s.substr(0, 256)) {
-    if (c < 0x20 || c == 0x7f) {
-      static const char* hex = "0123456789abcdef";
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  if (s.size() > 256) out += "...";
-  return out;
-}
 
 bool IsLowerHex16(const std::string& s) {
   return s.size() == 16 && std::all_of(s.begin(), s.end(), [](char c) {
@@ -56,61 +34,11 @@ bool IsLowerHex16(const std::string& s) {
 
 bool MulOverflows(uint64_t a, uint64_t b, uint64_t* out) { return __builtin_mul_overflow(a, b, out); }
 
-// What the walk over the file found, or the first thing it refused.
-struct Walk {
-  std::string error;
-  std::vector<std::string> datasets;  // "/model/fc1.weight"
-  int64_t links = 0;
-};
-
-herr_t VisitLink(hid_t group, const char* name, const H5L_info_t* info, void* op) {
-  auto* w = static_cast<Walk*>(op);
-  if (++w->links > kMaxLinks) {
-    w->error = "holds more than " + std::to_string(kMaxLinks) + " links";
-    return 1;
-  }
-  if (info->type == H5L_TYPE_HARD) return 0;
-  std::string what = info->type == H5L_TYPE_SOFT       ? "a soft link"
-                     : info->type == H5L_TYPE_EXTERNAL ? "an external link"
-                                                       : "a user-defined link";
-  // Name the target, so that whoever made the file sees where it pointed.
-  const size_t n = info->u.val_size;
-  if (n > 0 && n <= 4096) {
-    std::vector<char> val(n + 1, '\0');
-    if (H5Lget_val(group, name, val.data(), n, H5P_DEFAULT) >= 0) {
-      const char* file = nullptr;
-      const char* obj = nullptr;
-      unsigned flags = 0;
-      if (info->type == H5L_TYPE_SOFT)
-        what += " to " + Printable(val.data());
-      else if (info->type == H5L_TYPE_EXTERNAL &&
-               H5Lunpack_elink_val(val.data(), n, &flags, &file, &obj) >= 0 && file != nullptr &&
-               obj != nullptr)
-        what += " to " + Printable(obj) + " in the file '" + Printable(file) + "'";
-    }
-  }
-  w->error = "tensor /" + Printable(name) + " is " + what +
-             "; a checkpoint holds its tensors itself (hard links only)";
-  return 1;
-}
-
-herr_t VisitObject(hid_t, const char* name, const H5O_info_t* info, void* op) {
-  auto* w = static_cast<Walk*>(op);
-  if (info->type == H5O_TYPE_GROUP) return 0;
-  if (info->type == H5O_TYPE_DATASET) {
-    w->datasets.push_back(std::string("/") + name);
-    return 0;
-  }
-  w->error =
-      "/" + Printable(name) + " is an HDF5 object of another kind (a committed datatype?), not a tensor";
-  return 1;
-}
-
 // Checks one dataset as the header describes. REQUIRES: Hdf5Lock held.
 StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64_t file_bytes, uint64_t base,
                                   const std::string& where) {
   auto bad = [&](const std::string& why) {
-    return Status::DataLoss(where + ": tensor " + Printable(dataset) + " " + why);
+    return Status::DataLoss(where + ": tensor " + PrintableName(dataset) + " " + why);
   };
   H5Handle d(H5Dopen2(file, dataset.c_str(), H5P_DEFAULT));
   if (!d.valid()) return bad("cannot be opened (corrupt header)");
@@ -127,7 +55,7 @@ StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64
     hsize_t size = 0;
     std::string first;
     if (externals > 0 && H5Pget_external(dcpl.get(), 0, sizeof(name) - 1, name, &offset, &size) >= 0)
-      first = " ('" + Printable(name) + "')";
+      first = " ('" + PrintableName(name) + "')";
     return bad("keeps its data in an external file" + first + "; a checkpoint holds its tensors itself");
   }
   if (layout != H5D_CHUNKED && layout != H5D_CONTIGUOUS && layout != H5D_COMPACT)
@@ -148,7 +76,7 @@ StatusOr<ShardEntry> CheckDataset(hid_t file, const std::string& dataset, uint64
   e.dataset = dataset;
   const auto dtype_name = ReadStringAttr(d.get(), "dtype");
   const auto dtype = dtype_name ? ParseDType(*dtype_name) : std::nullopt;
-  if (!dtype) return bad("has no valid dtype attribute (got '" + Printable(dtype_name.value_or("")) + "')");
+  if (!dtype) return bad("has no valid dtype attribute (got '" + PrintableName(dtype_name.value_or("")) + "')");
   e.dtype = *dtype;
   const auto xxh3 = ReadStringAttr(d.get(), "xxh3");
   if (!xxh3 || !IsLowerHex16(*xxh3)) return bad("has no xxh3 attribute of 16 lowercase hex digits");
@@ -249,6 +177,7 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   if (st.st_size != shard.bytes)
     return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
                             std::to_string(shard.bytes) + " (truncated or rewritten)");
+  c->size_at_open_ = st.st_size;
   const bool v1 = manifest.format == kCheckpointFormatV1;
   // Format 1: the whole-file hash runs on its own thread while the pool
   // decodes: it reads the same pages, so the two passes share one trip
@@ -268,6 +197,7 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   if (!v1 && r.compression() != shard.compression)
     return Status::DataLoss(file + ": compression '" + r.compression() + "', the manifest says '" +
                             shard.compression + "'");
+  OOMGUARD_RETURN_IF_ERROR(r.CheckRootRanges());
   if (r.step() != manifest.step || r.rank() != shard.rank || r.world_size() != manifest.world_size)
     return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
                             std::to_string(r.rank()) + " world size " + std::to_string(r.world_size()) +
@@ -277,14 +207,8 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
 
   Hdf5Lock lock;
   const hid_t f = r.hdf5_file();
-  Walk walk;
-  // Links first: H5Ovisit reaches objects through hard links only, so a soft
-  // or external link would otherwise just look like a missing tensor.
-  if (H5Lvisit(f, H5_INDEX_NAME, H5_ITER_INC, VisitLink, &walk) < 0 && walk.error.empty())
-    walk.error = "cannot list its links (corrupt file)";
-  if (walk.error.empty() &&
-      H5Ovisit2(f, H5_INDEX_NAME, H5_ITER_INC, VisitObject, &walk, H5O_INFO_BASIC) < 0 && walk.error.empty())
-    walk.error = "cannot list its datasets (corrupt file)";
+  // Bounded in depth and links before anything deeper is opened (hdf5_io.h).
+  const ObjectWalk walk = WalkObjects(f);
   if (!walk.error.empty()) return Status::DataLoss(file + ": " + walk.error);
 
   // The inventory: what the writer wrote, against what the file holds.
@@ -323,21 +247,21 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   std::set<std::string> listed;
   for (const Listed& l : inventory)
     if (!listed.insert(l.dataset).second)
-      return Status::DataLoss(file + ": the tensor inventory lists " + Printable(l.dataset) + " twice");
+      return Status::DataLoss(file + ": the tensor inventory lists " + PrintableName(l.dataset) + " twice");
   for (const Listed& l : inventory)
     if (!present.count(l.dataset))
-      return Status::DataLoss(file + ": tensor " + Printable(l.dataset) +
+      return Status::DataLoss(file + ": tensor " + PrintableName(l.dataset) +
                               " is missing (the shard's inventory lists it)");
   for (const std::string& ds : walk.datasets)
     if (!listed.count(ds))
-      return Status::DataLoss(file + ": holds " + Printable(ds) +
+      return Status::DataLoss(file + ": holds " + PrintableName(ds) +
                               ", which its tensor inventory does not list");
 
   for (const Listed& l : inventory) {
     auto e = CheckDataset(f, l.dataset, static_cast<uint64_t>(st.st_size), r.base_address(), file);
     if (!e.ok()) return e.status();
     if ((l.dtype && *l.dtype != e->dtype) || (l.shape && *l.shape != e->shape))
-      return Status::DataLoss(file + ": tensor " + Printable(l.dataset) + " has dtype " +
+      return Status::DataLoss(file + ": tensor " + PrintableName(l.dataset) + " has dtype " +
                               std::string(DTypeName(e->dtype)) + " and shape " + ShapeString(e->shape) +
                               ", its inventory says " + std::string(DTypeName(*l.dtype)) + " and " +
                               ShapeString(*l.shape));
@@ -346,6 +270,10 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
     c->entries_.push_back(std::move(e).value());
   }
   if (!v1) OOMGUARD_RETURN_IF_ERROR(c->PlanPass(shard, hash_file));
+  // Cheaper checks first: see kDigestFirstRatio. Loads allocate objects of
+  // their declared sizes, so this runs before Open returns.
+  if (hash_file && c->total_bytes_ / kDigestFirstRatio > st.st_size)
+    OOMGUARD_RETURN_IF_ERROR(v1 ? c->file_check_->Verdict() : c->VerifyDigestFirst());
   return c;
 }
 
@@ -370,10 +298,19 @@ Status CheckedShard::ReadEverything(ThreadPool* pool) {
 }
 
 Status CheckedShard::Finish(const Status& read_status) {
-  if (pass_) return read_status.ok() ? FinishPass() : read_status;
-  Status fs = file_check_ ? file_check_->Verdict() : Status::Ok();
-  if (!read_status.ok()) return read_status;
-  return fs;
+  Status verdict;
+  if (pass_) {
+    verdict = read_status.ok() ? FinishPass() : read_status;
+  } else {
+    Status fs = file_check_ ? file_check_->Verdict() : Status::Ok();
+    verdict = read_status.ok() ? fs : read_status;
+  }
+  // What was read past the new end was zeros (mapped_file.h): that, not the
+  // hash mismatch it caused, is what the caller needs to hear.
+  if (reader_ != nullptr && reader_->Truncated())
+    return Status::DataLoss(path_ + " was truncated while it was read (it was " + std::to_string(size_at_open_) +
+                            " bytes)");
+  return verdict;
 }
 
 }  // namespace oomguard::ckpt

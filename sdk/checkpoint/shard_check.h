@@ -6,10 +6,14 @@
 // A checkpoint may come from another machine or another person. Before any
 // tensor byte is read, Open refuses, naming the file and the tensor:
 //   * a shard file that is missing, a symlink, not a regular file, or not the
-//     size the manifest records; root attributes that do not name this
-//     step, rank and world size;
+//     size the manifest records; root attributes outside what a writer makes
+//     (ShardReader::CheckRootRanges) or that do not name this step, rank and
+//     world size (a step directory that is a symlink is refused before, by
+//     ReadManifest);
 //   * any link but a hard one (soft links, external links), any object but
-//     groups and datasets;
+//     groups and datasets, groups nested deeper than kMaxGroupDepth, more than
+//     kMaxLinks links, an object reached by a second link (WalkObjects, which
+//     stops at the first of these before opening anything deeper);
 //   * a dataset whose data would not come from the shard itself (external
 //     storage, a virtual dataset) or whose layout is not chunked, contiguous
 //     or compact; a filter other than shuffle, zstd, deflate or fletcher32;
@@ -24,7 +28,11 @@
 //   * datasets other than the ones the shard's inventory attribute lists, a
 //     listed one missing, or one whose dtype or shape differs from the listed.
 // So nothing is allocated from a size the file does not back, and nothing
-// outside the checkpoint directory is read.
+// outside the checkpoint directory is read. A shard whose tensors declare
+// more than kDigestFirstRatio times its size proves its whole-file hash in
+// Open too, before anything is decoded or allocated from those sizes. A
+// shard truncated while it is read is refused by Finish as truncated
+// (mapped_file.h), never with a signal.
 //
 // Then Read/ReadEverything decode the tensors and Finish gives the verdict
 // on the whole file (a tensor's own error first: it names the tensor):
@@ -62,6 +70,12 @@ namespace oomguard::ckpt {
 // Decoded bytes per stored byte that no allowed filter exceeds: a zstd RLE
 // block turns 4 bytes into at most 128 KiB (32768x), deflate reaches ~1032x.
 inline constexpr int64_t kMaxExpansion = int64_t{1} << 16;
+// A shard whose tensors declare more than this many times the file's size
+// (zeros, or a forged size) proves its whole-file hash before anything is
+// decoded or allocated from those sizes: hashing the file then costs less
+// than an eighth of decoding it, and a damaged one is refused in
+// milliseconds instead of after gigabytes were allocated and decoded.
+inline constexpr int64_t kDigestFirstRatio = 8;
 
 // One tensor of a checked shard.
 struct ShardEntry {
@@ -121,11 +135,15 @@ class CheckedShard {
   Status PlanPass(const ManifestShard& shard, bool verify_file);
   Status ReadPass(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool);
   Status FinishPass();
+  // Hashes every region of the file now and compares the digest; the pass
+  // then checks only the chunks' own hashes (kDigestFirstRatio).
+  Status VerifyDigestFirst();
   std::unique_ptr<Pass> pass_;
   std::string path_;
   std::unique_ptr<ShardReader> reader_;
   std::vector<ShardEntry> entries_;
   int64_t total_bytes_ = 0;
+  int64_t size_at_open_ = 0;
   std::optional<FileHashCheck> file_check_;
 };
 

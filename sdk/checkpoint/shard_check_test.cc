@@ -21,6 +21,8 @@
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/hostile_shard_testutil.h"
+#include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
 
 namespace oomguard {
@@ -28,19 +30,40 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// How much the peak resident memory grew while `fn` ran (the peak is reset
+// first through /proc/self/clear_refs).
+template <typename F>
+int64_t PeakGrowth(F fn) {
+  auto kib = [](const char* key) {
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    while (std::getline(in, line))
+      if (line.rfind(key, 0) == 0) return static_cast<int64_t>(std::stoll(line.substr(std::strlen(key))));
+    return int64_t{-1};
+  };
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const int64_t before = kib("VmRSS:");
+  fn();
+  return (kib("VmHWM:") - before) * 1024;
+}
+
 class ShardCheckTest : public ::testing::Test {
  protected:
   ckpt::ScratchDir scratch_{"oomguard-shardcheck"};
 
-  // A checkpointer with `tensors` float32 tensors of 300 elements, named
-  // <prefix>0, <prefix>1, ..., and one object.
-  std::unique_ptr<Checkpointer> Make(int tensors = 2, const std::string& prefix = "model/t") {
+  // Scratch checkpoints in `dir`: small chunks, no fsync.
+  static CheckpointOptions Options(const std::string& dir) {
     CheckpointOptions o;
-    o.dir = dir_;
+    o.dir = dir;
     o.fsync = false;
     o.chunk_bytes = 4096;
     o.threads = 2;
-    auto c = Checkpointer::Create(o).value();
+    return o;
+  }
+  // A checkpointer with `tensors` float32 tensors of 300 elements, named
+  // <prefix>0, <prefix>1, ..., and one object.
+  std::unique_ptr<Checkpointer> Make(int tensors = 2, const std::string& prefix = "model/t") {
+    auto c = Checkpointer::Create(Options(dir_)).value();
     values_.assign(static_cast<size_t>(tensors), std::vector<float>(300));
     for (int t = 0; t < tensors; ++t)
       EXPECT_TRUE(c->AddTensor(prefix + std::to_string(t), DType::kFloat32, {300},
@@ -76,6 +99,14 @@ class ShardCheckTest : public ::testing::Test {
     ASSERT_TRUE(d.ok()) << d.status();
     m.shards[0].bytes = d->bytes;
     m.shards[0].digest = d->digest;
+    ASSERT_TRUE(
+        ckpt::WriteFileDurably(StepDir(step) + "/MANIFEST.json", ckpt::ManifestToJson(m), false).ok());
+  }
+  // Rewrites the manifest's size (not its digest) to match the shard: the
+  // size check passes and only the deeper checks stand in the way.
+  void FixSize(int64_t step) {
+    auto m = ckpt::ReadManifest(StepDir(step)).value();
+    m.shards[0].bytes = static_cast<int64_t>(fs::file_size(Shard(step)));
     ASSERT_TRUE(
         ckpt::WriteFileDurably(StepDir(step) + "/MANIFEST.json", ckpt::ManifestToJson(m), false).ok());
   }
@@ -178,6 +209,212 @@ TEST_F(ShardCheckTest, ShardThatIsNotARegularFileIsRefused) {
   auto loaded = WithinSeconds([&] { return c->LoadLatest(); }, unblock);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(*loaded, 1);
+}
+
+// Issue 28, row 1: a step directory that is a symbolic link to another
+// run's step is refused as a linked shard is: resume skips it with a
+// warning, verify and list name it, a save of that step fails instead of
+// writing through it, and retention never deletes through it. The other
+// run's checkpoints stay exactly as they were.
+TEST_F(ShardCheckTest, SymlinkedStepDirectoryIsNeverReadWrittenOrDeletedThrough) {
+  const std::string other = scratch_.path() + "-other";
+  fs::create_directories(other);
+  struct RemoveOther {
+    std::string path;
+    ~RemoveOther() { fs::remove_all(path); }
+  } remove_other{other};
+  {
+    auto theirs = Checkpointer::Create(Options(other)).value();
+    std::vector<float> v(300);
+    ASSERT_TRUE(theirs->AddTensor("model/t0", DType::kFloat32, {300}, v.data()).ok());
+    for (int64_t step : {0, 3}) {
+      std::fill(v.begin(), v.end(), static_cast<float>(step + 500));
+      ASSERT_TRUE(theirs->SaveAsync(step).ok());
+      ASSERT_TRUE(theirs->Wait().ok());
+    }
+  }
+  auto bytes_of = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  const std::string theirs0 = other + "/" + ckpt::StepDirName(0), theirs3 = other + "/" + ckpt::StepDirName(3);
+  const std::string shard0 = bytes_of(theirs0 + "/rank-00000.h5"), shard3 = bytes_of(theirs3 + "/rank-00000.h5");
+  const std::string manifest0 = bytes_of(theirs0 + "/MANIFEST.json");
+
+  CheckpointOptions o = Options(dir_);
+  o.keep = 2;
+  auto c = Checkpointer::Create(o).value();
+  values_.assign(1, std::vector<float>(300));
+  ASSERT_TRUE(c->AddTensor("model/t0", DType::kFloat32, {300}, values_[0].data()).ok());
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  fs::create_directory_symlink(theirs0, StepDir(0));
+  fs::create_directory_symlink(theirs3, StepDir(3));
+
+  // Resume: the newest is the link; it is refused and step 2 loads.
+  Fill(99);
+  auto loaded = c->LoadLatest();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 2);
+  EXPECT_EQ(values_[0][5], 2005.f);
+  EXPECT_GE(c->Stats().corrupt_skipped, 1);
+  Status v = VerifyCheckpoint(dir_, 3);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss);
+  EXPECT_NE(v.message().find("symbolic link"), std::string::npos) << v;
+  auto list = ListCheckpoints(dir_).value();
+  ASSERT_EQ(list.size(), 4u);
+  EXPECT_FALSE(list[3].committed);
+  EXPECT_NE(list[3].problem.find("symbolic link"), std::string::npos) << list[3].problem;
+  EXPECT_TRUE(list[3].shards.empty()) << "listed through the link";
+
+  // A save of the linked step fails instead of writing through it.
+  Fill(3);
+  ASSERT_TRUE(c->SaveAsync(3).ok());
+  Status saved = c->Wait();
+  EXPECT_EQ(saved.code(), StatusCode::kFailedPrecondition) << saved;
+  EXPECT_NE(saved.message().find("symbolic link"), std::string::npos) << saved;
+  // Retention (keep 2) after steps 4 and 5 removes step 1 and 2, and leaves
+  // the linked step 0 alone.
+  Save(c.get(), 4);
+  Save(c.get(), 5);
+  EXPECT_FALSE(fs::exists(StepDir(1)));
+  EXPECT_TRUE(fs::is_symlink(StepDir(0)));
+  EXPECT_EQ(bytes_of(theirs0 + "/MANIFEST.json"), manifest0) << "retention deleted through the link";
+  EXPECT_EQ(bytes_of(theirs0 + "/rank-00000.h5"), shard0);
+  EXPECT_EQ(bytes_of(theirs3 + "/rank-00000.h5"), shard3) << "the save wrote through the link";
+  EXPECT_TRUE(VerifyCheckpoint(other, 0).ok());
+  EXPECT_TRUE(VerifyCheckpoint(other, 3).ok());
+  EXPECT_EQ(c->DurableSteps(), (std::vector<int64_t>{4, 5}));
+}
+
+// Issue 28, row 2: groups nested 20,000 deep (3 MB; HDF5's own visitors
+// took 53 s at 2,000 levels and overflowed the stack at 20,000) and a group
+// linked into itself are refused in milliseconds by verify, load, resume and
+// inspect, before anything deeper is opened.
+TEST_F(ShardCheckTest, DeeplyNestedOrCyclicGroupsAreRefusedAtOnce) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  Save(c.get(), 3);
+  {
+    ckpt::Hdf5Lock lock;
+    ckpt::H5Handle f(H5Fopen(Shard(2).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_TRUE(f.valid());
+    ckpt::H5Handle g(H5Gcreate2(f.get(), "deep", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+    for (int i = 0; i < 20000 && g.valid(); ++i)
+      g = ckpt::H5Handle(H5Gcreate2(g.get(), "g", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+    ASSERT_TRUE(g.valid());
+    ckpt::H5Handle f3(H5Fopen(Shard(3).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_GE(H5Lcreate_hard(f3.get(), "/model", f3.get(), "/model/again", H5P_DEFAULT, H5P_DEFAULT), 0);
+  }
+  FixSize(2);
+  FixSize(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status v2 = VerifyCheckpoint(dir_, 2);
+  EXPECT_EQ(v2.code(), StatusCode::kDataLoss);
+  EXPECT_NE(v2.message().find("nests groups deeper than 64 levels"), std::string::npos) << v2;
+  Status v3 = VerifyCheckpoint(dir_, 3);
+  EXPECT_EQ(v3.code(), StatusCode::kDataLoss);
+  EXPECT_NE(v3.message().find("/model/again is a second link"), std::string::npos) << v3;
+  EXPECT_EQ(c->Load(2).status().code(), StatusCode::kDataLoss);
+  auto inspected = InspectShard(Shard(2));
+  EXPECT_EQ(inspected.status().code(), StatusCode::kDataLoss);
+  Fill(99);
+  auto loaded = c->LoadLatest();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 1);
+  EXPECT_EQ(values_[0][5], 1005.f);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(ms, 2000) << "refusing the nested shards took " << ms << " ms";
+}
+
+// Issue 28, row 11: root attributes that do not fit the reader's integers
+// (rank 2^32, world_size 2^32 + 1, with the digest recomputed) are refused,
+// never narrowed into rank 0 of 1.
+TEST_F(ShardCheckTest, RootAttributesOutOfRangeAreRefused) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  Save(c.get(), 3);
+  auto set_root = [&](int64_t step, const char* name, int64_t value) {
+    ckpt::Hdf5Lock lock;
+    ckpt::H5Handle f(H5Fopen(Shard(step).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_TRUE(f.valid());
+    ASSERT_GE(H5Adelete(f.get(), name), 0);
+    ASSERT_TRUE(ckpt::WriteInt64Attr(f.get(), name, value).ok());
+  };
+  set_root(2, "rank", int64_t{1} << 32);
+  set_root(3, "world_size", (int64_t{1} << 32) + 1);
+  FixManifest(2);
+  FixManifest(3);
+  for (int64_t step : {2, 3}) {
+    Status v = VerifyCheckpoint(dir_, step);
+    EXPECT_EQ(v.code(), StatusCode::kDataLoss);
+    EXPECT_NE(v.message().find("out of range"), std::string::npos) << v;
+    EXPECT_EQ(c->Load(step).status().code(), StatusCode::kDataLoss);
+    auto inspected = InspectShard(Shard(step));
+    EXPECT_EQ(inspected.status().code(), StatusCode::kDataLoss) << "inspect: rank " << inspected->rank;
+  }
+  EXPECT_NE(VerifyCheckpoint(dir_, 2).message().find("rank 4294967296"), std::string::npos);
+  Fill(99);
+  auto loaded = c->LoadLatest();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 1);
+}
+
+// Issue 28, row 8: an object that declares 1 GiB, stored as 32 KiB of zstd
+// RLE frames in a shard with a wrong digest (within the 65536x a filter can
+// expand) is refused before a buffer of its size is allocated or a byte
+// decoded: memory stays bounded by what the file backs. A shard of zeros
+// whose digest is right still loads.
+TEST_F(ShardCheckTest, DeclaredSizeAmplificationIsRefusedBeforeAllocating) {
+  auto c = Make();
+  Save(c.get(), 1);
+  Save(c.get(), 2);
+  constexpr uint64_t kChunk = uint64_t{256} << 20, kChunks = 4;
+  {
+    ckpt::Hdf5Lock lock;
+    ckpt::H5Handle f(H5Fopen(Shard(2).c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_TRUE(f.valid());
+    ASSERT_TRUE(ckpt::testutil::ReplaceWithZeroFrames(f.get(), "/train/counter", kChunk, kChunks));
+  }
+  FixSize(2);  // the digest stays wrong
+  ASSERT_LT(fs::file_size(Shard(2)), uint64_t{1} << 20);
+  Status verified, loaded;
+  StatusOr<int64_t> latest = int64_t{-1};
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t growth = PeakGrowth([&] {
+    verified = VerifyCheckpoint(dir_, 2);
+    loaded = c->Load(2).status();
+    Fill(99);
+    latest = c->LoadLatest();
+  });
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(verified.code(), StatusCode::kDataLoss);
+  EXPECT_NE(verified.message().find("digest"), std::string::npos) << verified;
+  EXPECT_EQ(loaded.code(), StatusCode::kDataLoss) << loaded;
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, 1);
+  EXPECT_LT(growth, int64_t{64} << 20) << "the peak resident memory grew by " << (growth >> 20) << " MiB";
+  EXPECT_LT(ms, 1000) << "refusing took " << ms << " ms";
+  std::printf("1 GiB declared in %ju bytes: refused in %.1f ms, peak memory +%lld KiB\n",
+              static_cast<uintmax_t>(fs::file_size(Shard(2))), ms, static_cast<long long>(growth >> 10));
+
+  // Zeros compress far beyond the ratio too: with the right digest they load.
+  ckpt::ScratchDir zeros_dir("oomguard-zeros");
+  CheckpointOptions o = Options(zeros_dir.path());
+  o.compression = CheckpointCompression::kZstd;
+  std::vector<float> z(size_t{4} << 20, 0.f);
+  auto zc = Checkpointer::Create(o).value();
+  ASSERT_TRUE(zc->AddTensor("model/zeros", DType::kFloat32, {static_cast<int64_t>(z.size())}, z.data()).ok());
+  ASSERT_TRUE(zc->SaveAsync(0).ok());
+  ASSERT_TRUE(zc->Wait().ok());
+  ASSERT_LT(fs::file_size(zeros_dir.path() + "/" + ckpt::StepDirName(0) + "/rank-00000.h5") * ckpt::kDigestFirstRatio,
+            z.size() * sizeof(float));
+  z[7] = 1.f;
+  EXPECT_TRUE(VerifyCheckpoint(zeros_dir.path(), 0).ok());
+  ASSERT_TRUE(zc->Load(0).ok());
+  EXPECT_EQ(z[7], 0.f);
 }
 
 TEST(ManifestParseTest, RefusesHostileFields) {

@@ -4,7 +4,9 @@
 // truncations, appended bytes, and HDF5 object edits made through the C API
 // (datasets deleted, renamed, replaced by links, by external storage or by
 // fill-value datasets of huge extent, attributes removed or changed, objects
-// added). Most cases then fix the manifest's size and hash, so that only the
+// added; issue 28: groups nested past any state path, datasets declaring far
+// more than they store, root attributes past the reader's integers). A
+// second case truncates a shard while it is verified, loaded or resumed. Most cases then fix the manifest's size and hash, so that only the
 // loader's own checks stand in the way. Every case asserts:
 //   * no crash and no hang (every call runs under a watchdog; the external
 //     files the edits point at are FIFOs, so a read outside the checkpoint
@@ -27,13 +29,16 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "oomguard/checkpoint.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/hostile_shard_testutil.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
@@ -144,9 +149,14 @@ class ShardFuzzTest : public ::testing::Test {
     // The digest as a hostile editor would recompute it; a file whose chunks
     // cannot even be listed keeps the pristine manifest.
     auto d = ckpt::DigestShardFile(Shard(s));
-    if (!d.ok()) return;
-    m.shards[0].bytes = d->bytes;
-    m.shards[0].digest = d->digest;
+    if (d.ok()) {
+      m.shards[0].bytes = d->bytes;
+      m.shards[0].digest = d->digest;
+    } else {
+      // Its size at least, so that the checks past the size check are reached.
+      std::error_code ec;
+      m.shards[0].bytes = static_cast<int64_t>(fs::file_size(Shard(s), ec));
+    }
     WriteAll(Manifest(s), ckpt::ManifestToJson(m));
   }
   void Restore(int64_t s) {
@@ -251,6 +261,29 @@ class ShardFuzzTest : public ::testing::Test {
         H5Tcommit2(fid, "/model/type", t.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
         return "added a committed datatype";
       }
+      case 14: {  // issue 28, row 2: nesting past what any state path has
+        const int depth = 65 + static_cast<int>(rng() % 1000);
+        ckpt::H5Handle g(H5Gcreate2(fid, "/model/deep", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+        for (int i = 0; i < depth && g.valid(); ++i)
+          g = ckpt::H5Handle(H5Gcreate2(g.get(), "g", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+        if (rng() % 2) H5Lcreate_hard(fid, "/model", fid, "/model/deep/g/loop", H5P_DEFAULT, H5P_DEFAULT);
+        return "nested groups " + std::to_string(depth) + " deep";
+      }
+      case 15: {  // issue 28, row 8: sizes declared far beyond the bytes stored
+        const uint64_t chunk = uint64_t{1} << (16 + rng() % 7), chunks = 1 + rng() % 16;
+        ckpt::testutil::ReplaceWithZeroFrames(fid, ds, chunk, chunks);
+        return "replaced " + ds + " by " + std::to_string(chunk * chunks) + " declared bytes of zstd RLE frames";
+      }
+      case 16: {  // issue 28, row 11: root attributes past the reader's integers
+        static const char* kRoot[] = {"rank", "world_size", "step"};
+        static const int64_t kValues[] = {int64_t{1} << 32, (int64_t{1} << 32) + 1, -1, int64_t{1} << 62,
+                                          std::numeric_limits<int64_t>::min()};
+        const char* name = kRoot[rng() % 3];
+        const int64_t value = kValues[rng() % 5];
+        H5Adelete(fid, name);
+        (void)ckpt::WriteInt64Attr(fid, name, value);
+        return std::string("set the root attribute ") + name + " to " + std::to_string(value);
+      }
       default:
         H5Adelete(fid, ckpt::kInventoryAttr);
         (void)ckpt::WriteStringAttr(
@@ -318,7 +351,7 @@ TEST_F(ShardFuzzTest, DamagedShardsNeverCrashHangOrLoadWrongValues) {
       } else {  // HDF5 object edits
         WriteAll(Shard(s), bytes);
         const int edits = 1 + static_cast<int>(rng() % 2);
-        for (int i = 0; i < edits; ++i) what += " " + EditObjects(s, static_cast<int>(rng() % 14), rng) + ";";
+        for (int i = 0; i < edits; ++i) what += " " + EditObjects(s, static_cast<int>(rng() % 17), rng) + ";";
         by_kind["HDF5 object edits"]++;
       }
       if (rng() % 10 < 7) {
@@ -356,6 +389,85 @@ TEST_F(ShardFuzzTest, DamagedShardsNeverCrashHangOrLoadWrongValues) {
   std::printf("fuzz: %d cases (%s; %d manifests fixed up) in %.1f s: %d refused, %d loaded exact values\n",
               kShardCases, kinds.c_str() + 1, fixed_manifests, seconds, refused, loaded_damaged);
   EXPECT_GT(refused, kShardCases / 2);
+}
+
+// Issue 28, row 3: the newest shard is truncated at a random moment and to a
+// random length while a verify, a load or a resume reads it (through the
+// mapping or by pread, as the page cache decides). Every outcome is a
+// status, never a signal: a load either refuses or holds exactly the values
+// saved, and a resume lands on the newest checkpoint it could read whole.
+TEST_F(ShardFuzzTest, TruncationDuringLoadIsRefusedOrLoadsExactValues) {
+  CheckpointOptions o;
+  o.dir = dir_;
+  o.fsync = false;
+  o.threads = 2;
+  o.keep = 0;
+  o.compression = CheckpointCompression::kNone;  // the file as large as the state
+  std::vector<float> big(size_t{4} << 20);         // 16 MiB: a read takes long enough to be cut
+  auto fill = [&](int64_t step) {
+    for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(step) + 1e-4f * static_cast<float>(i % 4099);
+  };
+  auto c = Checkpointer::Create(o).value();
+  ASSERT_TRUE(c->AddTensor("model/big", DType::kFloat32, {static_cast<int64_t>(big.size())}, big.data()).ok());
+  for (int64_t s : {1, 2}) {
+    fill(s);
+    ASSERT_TRUE(c->SaveAsync(s).ok());
+    ASSERT_TRUE(c->Wait().ok());
+  }
+  auto holds = [&](int64_t step) {
+    for (size_t i = 0; i < big.size(); i += 997)
+      if (big[i] != static_cast<float>(step) + 1e-4f * static_cast<float>(i % 4099)) return false;
+    return true;
+  };
+  const std::string pristine = ReadAll(Shard(2));
+  auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(VerifyCheckpoint(dir_, 2).ok());
+  const int64_t read_us = std::max<int64_t>(
+      1, std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count());
+  std::mt19937_64 rng(20261228);
+  const int fds_before = OpenFds();
+  int refused = 0;
+  for (int n = 0; n < kShardCases / 20; ++n) {
+    WriteAll(Shard(2), pristine);
+    const auto cut_at = static_cast<off_t>(rng() % pristine.size());
+    const auto delay = std::chrono::microseconds(static_cast<int64_t>(rng() % static_cast<uint64_t>(read_us)));
+    const int op = static_cast<int>(rng() % 3);
+    SCOPED_TRACE("case " + std::to_string(n) + ": op " + std::to_string(op) + ", cut to " + std::to_string(cut_at) +
+                 " bytes after " + std::to_string(delay.count()) + " us");
+    std::atomic<bool> go{false};
+    std::thread cutter([&] {
+      while (!go.load()) std::this_thread::yield();
+      std::this_thread::sleep_for(delay);
+      EXPECT_EQ(::truncate(Shard(2).c_str(), cut_at), 0);
+    });
+    std::fill(big.begin(), big.end(), -1.f);
+    go = true;
+    if (op == 0) {
+      Status v = Watched([&] { return VerifyCheckpoint(dir_, 2); }, "verify");
+      if (!v.ok()) {
+        ++refused;
+        EXPECT_EQ(v.code(), StatusCode::kDataLoss) << v;
+      }
+    } else if (op == 1) {
+      auto loaded = Watched([&] { return c->Load(2); }, "load");
+      if (loaded.ok()) {
+        EXPECT_TRUE(holds(2));
+      } else {
+        ++refused;
+        EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status();
+      }
+    } else {
+      auto latest = Watched([&] { return c->LoadLatest(); }, "LoadLatest");
+      ASSERT_TRUE(latest.ok()) << latest.status();
+      EXPECT_TRUE(holds(*latest)) << "resumed at step " << *latest;
+      refused += *latest == 1;
+    }
+    cutter.join();
+  }
+  EXPECT_EQ(OpenFds(), fds_before) << "a refused shard left a file descriptor open";
+  std::printf("truncation fuzz: %d cases, %d refused (a read takes %lld us)\n", kShardCases / 20, refused,
+              static_cast<long long>(read_us));
+  EXPECT_GT(refused, 0);
 }
 
 TEST(ManifestFuzzTest, MutatedManifestsNeverCrashAndAcceptOnlyConsistentOnes) {

@@ -2,7 +2,6 @@
 // its datasets, and decodes tensors out of a read-only mapping of the file in
 // one pipeline over the thread pool. The writer is in shard.cc.
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +18,7 @@
 #include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
+#include "sdk/checkpoint/mapped_file.h"
 #include "sdk/checkpoint/shard.h"
 #include "sdk/checkpoint/xxh.h"
 #include "sdk/checkpoint/zstd_filter.h"
@@ -26,13 +26,10 @@
 namespace oomguard::ckpt {
 
 struct ShardReader::Impl {
-  ~Impl() {
-    if (map != nullptr) ::munmap(map, map_bytes);
-  }
   H5Handle file;
-  // A read-only mapping of the whole file, made on the first fast read.
-  void* map = nullptr;
-  size_t map_bytes = 0;
+  // A read-only mapping of the whole file, made on the first fast read;
+  // reads of it survive the file being truncated (mapped_file.h).
+  std::unique_ptr<MappedFile> map;
   // HDF5 addresses count from the end of the user block.
   hsize_t base = 0;
 };
@@ -87,23 +84,29 @@ StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string& path
   }
   r->format_ = *format;
   r->step_ = *step;
-  r->rank_ = static_cast<int>(*rank);
-  r->world_size_ = static_cast<int>(*ws);
+  r->rank_ = *rank;
+  r->world_size_ = *ws;
   return r;
+}
+
+Status ShardReader::CheckRootRanges() const {
+  if (world_size_ >= 1 && world_size_ <= kMaxWorldSize && rank_ >= 0 && rank_ < world_size_ && step_ >= 0 &&
+      step_ <= kMaxStep)
+    return Status::Ok();
+  return Status::DataLoss(path_ + ": root attributes step " + std::to_string(step_) + ", rank " +
+                          std::to_string(rank_) + ", world_size " + std::to_string(world_size_) +
+                          " are out of range (step in [0, " + std::to_string(kMaxStep) + "], world_size in [1, " +
+                          std::to_string(kMaxWorldSize) + "], rank in [0, world_size))");
 }
 
 StatusOr<std::vector<std::string>> ShardReader::DatasetPaths() {
   Hdf5Lock lock;
-  std::vector<std::string> out;
-  auto visit = [](hid_t, const char* name, const H5O_info_t* info, void* op) -> herr_t {
-    if (info->type == H5O_TYPE_DATASET)
-      static_cast<std::vector<std::string>*>(op)->push_back(std::string("/") + name);
-    return 0;
-  };
-  if (H5Ovisit(impl_->file.get(), H5_INDEX_NAME, H5_ITER_INC, visit, &out) < 0)
-    return Status::DataLoss(path_ + ": cannot list datasets (corrupt file)");
-  std::sort(out.begin(), out.end());
-  return out;
+  // The checker's bounded walk (hdf5_io.h): a file nested thousands of groups
+  // deep is refused at once instead of overflowing HDF5's recursive visitor.
+  ObjectWalk walk = WalkObjects(impl_->file.get());
+  if (!walk.error.empty()) return Status::DataLoss(path_ + ": " + walk.error);
+  std::sort(walk.datasets.begin(), walk.datasets.end());
+  return std::move(walk.datasets);
 }
 
 StatusOr<TensorInfo> ShardReader::Info(const std::string& dataset) {
@@ -199,20 +202,16 @@ StatusOr<std::span<const uint8_t>> ShardReader::Mapped() {
   if (impl_->map == nullptr) {
     int fd = ::open(path_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
-      void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) {
-        impl_->map = p;
-        impl_->map_bytes = static_cast<size_t>(st.st_size);
-        (void)::madvise(p, impl_->map_bytes, MADV_SEQUENTIAL);
-      }
-    }
+    auto map = MappedFile::Map(fd, path_);
     ::close(fd);
-    if (impl_->map == nullptr) return Status::DataLoss(path_ + ": cannot map the file");
+    if (!map.ok()) return map.status();
+    if ((*map)->bytes().empty()) return Status::DataLoss(path_ + ": cannot map the file (it is empty)");
+    impl_->map = std::move(map).value();
   }
-  return std::span<const uint8_t>(static_cast<const uint8_t*>(impl_->map), impl_->map_bytes);
+  return impl_->map->bytes();
 }
+
+bool ShardReader::Truncated() const { return impl_->map != nullptr && impl_->map->truncated(); }
 
 Status ShardReader::StoredChunks(const std::string& dataset, std::vector<StoredChunk>* out, ChunkLayout* L,
                                  bool* raw) {
@@ -368,7 +367,9 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
     auto mapped = Mapped();
     if (!mapped.ok()) return mapped.status();
   }
-  const auto* base = static_cast<const uint8_t*>(impl_->map);
+  const std::span<const uint8_t> mapped = chunks.empty() ? std::span<const uint8_t>() : impl_->map->bytes();
+  const uint8_t* base = mapped.data();
+  const size_t map_bytes = mapped.size();
   std::vector<XXH3_state_t*> hashes(requests.size(), nullptr);
   struct HashFree {
     std::vector<XXH3_state_t*>* v;
@@ -399,7 +400,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
       if (check_only && !checks.Fits(c.full, kCheckWindowBytes)) break;
       ++next;
       const uint64_t start = c.addr + impl_->base;
-      if (start < c.addr || start > impl_->map_bytes || c.size > impl_->map_bytes - start) {
+      if (start < c.addr || start > map_bytes || c.size > map_bytes - start) {
         status = Status::DataLoss(where(c.req) + ": chunk " + std::to_string(c.index) +
                                   " lies outside the file (corrupt chunk index)");
         break;

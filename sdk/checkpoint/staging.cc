@@ -143,24 +143,57 @@ Status CheckpointerImpl::Snapshot(int64_t step) {
 }
 
 Status CheckpointerImpl::SaveAsync(int64_t step) {
-  // Never throws: the guard calls it between collectives, and a user's save
-  // callback, a fault point or an allocation may throw inside.
+  // A directory name no load would parse back (step--0000001) is refused
+  // before anything is staged; it is a bad argument, not a failed save.
+  if (step < 0 || step > kMaxStep)
+    return Status::InvalidArgument("SaveAsync(" + std::to_string(step) + "): a step is in [0, " +
+                                   std::to_string(kMaxStep) + "]");
+  // The guard calls this between collectives, and a user's save callback, a
+  // fault point or an allocation may throw inside: a std::exception becomes
+  // the status. A failure before the save reached the writer is counted
+  // here (the writer counts the others), so Stats() and Wait() see it.
+  bool queued = false;
+  Status s;
   try {
-    return Stage(step);
+    s = Stage(step, &queued);
   } catch (const std::bad_alloc& e) {
-    return Status::ResourceExhausted("staging checkpoint of step " + std::to_string(step) +
-                                     " ran out of host memory: " + e.what());
+    s = Status::ResourceExhausted("staging checkpoint of step " + std::to_string(step) +
+                                  " ran out of host memory: " + e.what());
   } catch (const DeviceOomError& e) {
-    return Status::ResourceExhausted("staging checkpoint of step " + std::to_string(step) +
-                                     " ran out of device memory: " + e.what());
+    s = Status::ResourceExhausted("staging checkpoint of step " + std::to_string(step) +
+                                  " ran out of device memory: " + e.what());
   } catch (const std::exception& e) {
-    return Status::Internal("checkpoint of step " + std::to_string(step) + " failed: " + e.what());
+    s = Status::Internal("checkpoint of step " + std::to_string(step) + " failed: " + e.what());
   } catch (...) {
-    return Status::Internal("checkpoint of step " + std::to_string(step) + " failed: a non-standard exception");
+    // Not a std::exception: the host language's own (a Python
+    // KeyboardInterrupt carried through a save callback). Counted, and
+    // passed on: it is not the SDK's to swallow.
+    if (!queued)
+      RecordSaveFailure(step, Status::Cancelled("checkpoint of step " + std::to_string(step) +
+                                                " stopped: a save callback raised an exception that is not a "
+                                                "std::exception (passed on to the caller)"));
+    throw;
   }
+  if (!s.ok() && !queued) RecordSaveFailure(step, s);
+  return s;
 }
 
-Status CheckpointerImpl::Stage(int64_t step) {
+void CheckpointerImpl::NoteSaveFailure(int64_t step, const Status& s) {
+  ++stats_.save_failures;
+  stats_.last_error = s;
+  pending_error_ = s;
+  pending_error_step_ = step;
+}
+
+void CheckpointerImpl::RecordSaveFailure(int64_t step, const Status& s) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    NoteSaveFailure(step, s);
+  }
+  Logger()->error("checkpoint of step {} failed: {}", step, s.ToString());
+}
+
+Status CheckpointerImpl::Stage(int64_t step, bool* queued) {
   const auto t0 = Clock::now();
   FaultPoint(FaultSite::kCkptStage, FaultContext{step, o_.rank, -1, 0});
   {
@@ -198,6 +231,7 @@ Status CheckpointerImpl::Stage(int64_t step) {
       stats_.state_bytes = need;
       stats_.stall_ms.push_back(MsSince(t0));
       queue_.push_back(std::move(job));
+      *queued = true;
     }
     cv_.notify_all();
   } else {
@@ -227,6 +261,7 @@ Status CheckpointerImpl::Stage(int64_t step) {
       std::lock_guard<std::mutex> lk(mu_);
       stats_.state_bytes = need;
       queue_.push_back(std::move(job));
+      *queued = true;  // from here the writer reports what goes wrong
     }
     cv_.notify_all();
     // From here the writer waits for pieces: any way out of this function

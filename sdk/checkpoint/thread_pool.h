@@ -20,6 +20,8 @@ namespace oomguard::ckpt {
 
 class ThreadPool {
  public:
+  // Starts `threads` workers (at least one). Throws std::system_error when a
+  // thread cannot be started, after joining those that were.
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -42,6 +44,7 @@ class ThreadPool {
 
  private:
   void Run();
+  void Stop();
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -44,10 +44,7 @@ void CheckpointerImpl::WriterLoop() {
         // a complete copy of that step's state: it stays usable for rollback.
       }
       if (!s.ok()) {
-        ++stats_.save_failures;
-        stats_.last_error = s;
-        pending_error_ = s;
-        pending_error_step_ = job.step;
+        NoteSaveFailure(job.step, s);
       } else if (job.step >= pending_error_step_) {
         // A newer state is durable: the earlier failure no longer matters to
         // anyone who waits for the newest save (Stats() keeps it).
@@ -95,6 +92,7 @@ Status CheckpointerImpl::Write(WriteJob& job) {
     durable_.erase(job.step);
     own_shards_.erase(job.step);
   }
+  OOMGUARD_RETURN_IF_ERROR(UsableStepDir(job.step));
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::Internal("cannot create " + dir + ": " + ec.message());

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/shard_check.h"
 #include "sdk/cli/command.h"
 #include "sdk/cli/table.h"
 
@@ -48,7 +49,7 @@ int List(const CkptArgs& a) {
                    {"bytes", c.bytes},
                    {"shards", c.shards},
                    {"problem", c.problem}});
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", JsonText(j).c_str());
     return 0;
   }
   Table t({"STEP", "STATE", "WORLD", "SIZE", "SHARDS", "CREATED"});
@@ -63,6 +64,12 @@ int List(const CkptArgs& a) {
 }
 
 int Verify(const CkptArgs& a) {
+  // A bad OOMGUARD_CKPT_READS is this run's setting, not a bad checkpoint:
+  // one error and exit 2, rather than BAD for every healthy checkpoint.
+  if (Status reads = ckpt::CheckReadsSetting(); !reads.ok()) {
+    std::fprintf(stderr, "oomguard ckpt: %s\n", TerminalSafe(reads.message()).c_str());
+    return 2;
+  }
   std::vector<int64_t> steps, incomplete;
   if (a.step >= 0) {
     steps.push_back(a.step);
@@ -104,9 +111,8 @@ int Verify(const CkptArgs& a) {
     }
   }
   if (a.json) {
-    std::printf("%s\n", ordered_json{{"ok", bad == 0}, {"checkpoints", results}, {"incomplete", incomplete}}
-                            .dump(-1, ' ', false, ordered_json::error_handler_t::replace)
-                            .c_str());
+    std::printf("%s\n",
+                JsonText(ordered_json{{"ok", bad == 0}, {"checkpoints", results}, {"incomplete", incomplete}}).c_str());
   } else {
     for (int64_t step : incomplete)
       std::printf("step %" PRId64 ": incomplete (no MANIFEST.json), not a checkpoint\n", step);
@@ -132,7 +138,7 @@ int Inspect(const CkptArgs& a) {
     ordered_json j{{"file", info->file}, {"format", info->format},         {"step", info->step},
                    {"rank", info->rank}, {"world_size", info->world_size}, {"file_bytes", info->file_bytes},
                    {"tensors", tensors}};
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", JsonText(j).c_str());
     return 0;
   }
   std::printf("%s: format %s, step %" PRId64 ", rank %d of %d, %s\n", TerminalSafe(info->file).c_str(),

@@ -10,12 +10,12 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "oomguard/knowledge_base.h"
 #include "sdk/cli/command.h"
+#include "sdk/cli/input.h"
 #include "sdk/cli/table.h"
 #include "sdk/kb/file_set.h"
 #include "sdk/kb/log_parser.h"
@@ -26,7 +26,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr int64_t kMaxFileBytes = int64_t{256} << 20;
+constexpr size_t kMaxFileBytes = size_t{256} << 20;
 
 struct DiagnoseArgs {
   std::vector<std::string> files;
@@ -51,19 +51,21 @@ std::vector<Incident> ParseFiles(const DiagnoseArgs& a, std::vector<std::pair<st
     struct stat st;
     if (::stat(path.c_str(), &st) != 0) throw Failure{path + ": cannot open: " + std::strerror(errno)};
     if (S_ISDIR(st.st_mode)) throw Failure{path + ": is a directory, not a log file"};
-    if (st.st_size > kMaxFileBytes)
+    // The size a pipe reports is 0: the limit holds on what is read.
+    if (st.st_size > static_cast<off_t>(kMaxFileBytes))
       throw Failure{path + ": " + std::to_string(st.st_size >> 20) + " MiB is larger than the 256 MiB a log may have"};
     std::ifstream in(path, std::ios::binary);
     if (!in) throw Failure{path + ": cannot open: " + std::strerror(errno)};
-    std::ostringstream buf;
-    buf << in.rdbuf();
+    std::string text;
+    if (!ReadAllCapped(in, kMaxFileBytes, &text))
+      throw Failure{path + ": more than the 256 MiB a log may have (stopped reading there)"};
     if (in.bad()) throw Failure{path + ": read error"};
     kb::LogParseOptions o;
     o.source_name = path;
     o.workload = a.workload;
     o.run_id = a.run;
     o.default_time_unix_ms = static_cast<int64_t>(st.st_mtime) * 1000;
-    auto parsed = kb::ParseOomLog(buf.str(), o);
+    auto parsed = kb::ParseOomLog(text, o);
     if (!parsed.ok()) throw Failure{parsed.status().message()};
     per_file->emplace_back(path, parsed->size());
     for (Incident& inc : *parsed) {
@@ -149,7 +151,7 @@ void CmdDiagnose(const DiagnoseArgs& a) {
     for (const auto& i : incs) {
       json j = EventJson(i);
       if (!a.library.empty()) j["similar"] = SimilarJson(near(i));
-      std::printf("%s\n", j.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+      std::printf("%s\n", JsonText(j).c_str());
     }
     return;
   }
@@ -192,9 +194,9 @@ void CmdImportLog(const DiagnoseArgs& a) {
   if (a.json) {
     json events = json::array();
     for (const auto& i : incs) events.push_back(EventJson(i));
-    std::printf("%s\n", json({{"db", a.db}, {"events", incs.size()}, {"added", added}, {"incidents", events}})
-                            .dump(2, ' ', false, json::error_handler_t::replace)
-                            .c_str());
+    std::printf("%s\n",
+                JsonText(json({{"db", a.db}, {"events", incs.size()}, {"added", added}, {"incidents", events}}), 2)
+                    .c_str());
     return;
   }
   Table t({"SOURCE", "PATTERN", "CONF", "EVIDENCE"});

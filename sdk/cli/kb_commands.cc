@@ -14,6 +14,7 @@
 
 #include "oomguard/knowledge_base.h"
 #include "sdk/cli/command.h"
+#include "sdk/cli/input.h"
 #include "sdk/cli/table.h"
 #include "sdk/core/ids.h"
 #include "sdk/kb/file_set.h"
@@ -77,7 +78,7 @@ std::string Conf(double c) {
   return buf;
 }
 
-void Print(const json& j) { std::printf("%s\n", j.dump(2, ' ', false, json::error_handler_t::replace).c_str()); }
+void Print(const json& j) { std::printf("%s\n", JsonText(j, 2).c_str()); }
 
 void CmdList(const KbArgs& a) {
   auto incs = QueryAll(a, true);
@@ -338,11 +339,10 @@ std::vector<Incident> ReadJsonl(const std::string& path) {
   std::vector<Incident> out;
   std::string line;
   int64_t n = 0;
-  while (std::getline(in, line)) {
+  for (LineRead r; (r = ReadLineCapped(in, kMaxLineBytes, &line)) != LineRead::kEnd;) {
     ++n;
-    if (line.size() > kMaxLineBytes)
-      throw Failure{path + ":" + std::to_string(n) + ": line is longer than 1 MiB (" + std::to_string(line.size()) +
-                    " bytes)"};
+    if (r == LineRead::kTooLong)
+      throw Failure{path + ":" + std::to_string(n) + ": line is longer than 1 MiB (stopped reading it there)"};
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
     auto inc = IncidentFromJson(line);
@@ -379,7 +379,7 @@ void CmdClassify(const KbArgs& a) {
       ClassifyInPlace(&c);
       json j = {{"id", c.id}, {"pattern", c.pattern}, {"confidence", c.confidence}, {"evidence", c.evidence},
                 {"remedies", c.remedies}, {"fingerprint", c.fingerprint}};
-      std::printf("%s\n", j.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+      std::printf("%s\n", JsonText(j).c_str());
     }
     return;
   }

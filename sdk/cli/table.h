@@ -33,6 +33,15 @@ class Table {
 // clear, move over or forge what the terminal shows. Other text is kept.
 std::string TerminalSafe(std::string_view s);
 
+// `j` (an nlohmann json or ordered_json) as text, `indent` as in dump().
+// Strings from elsewhere (a dataset name with byte 0xFF, a message cut
+// inside a UTF-8 character) may not be UTF-8: such bytes become U+FFFD
+// instead of an exception that would abort the command.
+template <typename Json>
+std::string JsonText(const Json& j, int indent = -1) {
+  return j.dump(indent, ' ', false, Json::error_handler_t::replace);
+}
+
 // "2024-05-01 12:00:03" (UTC) or "-" for 0.
 std::string FormatTime(int64_t unix_ms);
 // "1.5 GiB".

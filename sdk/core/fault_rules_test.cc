@@ -151,6 +151,11 @@ TEST(FaultParseTest, BadRulesNameTheRuleAndTheProblem) {
       {"oom@step= ", "oom@step=", "step: '' is not a number"},
       {"oom@rank=one", "oom@rank=one", "rank: 'one' is not a number (expected N)"},
       {"oom@step=99999999999999999999", "oom@step=99999999999999999999", "out of range"},
+      // Issue 28: an overflow in a range said "is not a number".
+      {"oom@step=1-99999999999999999999", "oom@step=1-99999999999999999999",
+       "step: range '1-99999999999999999999': end '99999999999999999999' is out of range"},
+      {"oom@step=99999999999999999999-100000000000000000000", "oom@step=99999999999999999999-100000000000000000000",
+       "start '99999999999999999999' is out of range"},
       {"oom@rank=3000000000", "oom@rank=3000000000", "rank: '3000000000' is out of range"},
       {"oom@step", "oom@step", "'step' has no '=' (expected key=value)"},
       {"oom@step=1,", "oom@step=1,", "empty key=value pair"},

@@ -84,26 +84,38 @@ std::string_view Trim(std::string_view s) {
 
 std::string Quote(std::string_view s) { return "'" + std::string(s) + "'"; }
 
-// Parses a non-negative decimal int64. The whole of `s` must be the number:
+enum class Count { kOk, kNotANumber, kOutOfRange, kNegative };
+
+// A non-negative decimal int64 in *out. The whole of `s` must be the number:
 // trailing garbage, a sign other than a leading '-', and overflow are errors.
-// `expected` completes the "not a number" message ("N" or "N or A-B").
-Status ParseCount(std::string_view key, std::string_view s, std::string_view expected,
-                  int64_t* out) {
-  auto not_a_number = [&] {
-    return Status::InvalidArgument(std::string(key) + ": " + Quote(s) +
-                                   " is not a number (expected " + std::string(expected) + ")");
-  };
-  if (s.empty()) return not_a_number();
+Count ParseCountValue(std::string_view s, int64_t* out) {
+  if (s.empty()) return Count::kNotANumber;
   int64_t v = 0;
   const char* end = s.data() + s.size();
   auto [ptr, ec] = std::from_chars(s.data(), end, v);
-  if (ec == std::errc::result_out_of_range) {
-    return Status::InvalidArgument(std::string(key) + ": " + Quote(s) + " is out of range");
-  }
-  if (ec != std::errc() || ptr != end) return not_a_number();
-  if (v < 0) return Status::InvalidArgument(std::string(key) + ": " + Quote(s) + " is negative");
+  if (ec == std::errc::result_out_of_range) return Count::kOutOfRange;
+  if (ec != std::errc() || ptr != end) return Count::kNotANumber;
+  if (v < 0) return Count::kNegative;
   *out = v;
-  return Status::Ok();
+  return Count::kOk;
+}
+
+// ParseCountValue with a message naming the key. `expected` completes the
+// "not a number" message ("N" or "N or A-B").
+Status ParseCount(std::string_view key, std::string_view s, std::string_view expected,
+                  int64_t* out) {
+  switch (ParseCountValue(s, out)) {
+    case Count::kOk:
+      return Status::Ok();
+    case Count::kOutOfRange:
+      return Status::InvalidArgument(std::string(key) + ": " + Quote(s) + " is out of range");
+    case Count::kNegative:
+      return Status::InvalidArgument(std::string(key) + ": " + Quote(s) + " is negative");
+    case Count::kNotANumber:
+      break;
+  }
+  return Status::InvalidArgument(std::string(key) + ": " + Quote(s) + " is not a number (expected " +
+                                 std::string(expected) + ")");
 }
 
 // As ParseCount, for fields stored as int (rank, micro).
@@ -131,8 +143,14 @@ Status ParseStep(std::string_view s, FaultRule* rule) {
     return Status::Ok();
   }
   int64_t lo = 0, hi = 0;
-  if (!ParseCount("step", s.substr(0, dash), kExpected, &lo).ok() ||
-      !ParseCount("step", s.substr(dash + 1), kExpected, &hi).ok()) {
+  const Count first = ParseCountValue(s.substr(0, dash), &lo), last = ParseCountValue(s.substr(dash + 1), &hi);
+  // A bound too large to hold says so; anything else is not a range at all.
+  if (first == Count::kOutOfRange || last == Count::kOutOfRange) {
+    const bool start = first == Count::kOutOfRange;
+    return Status::InvalidArgument("step: range " + Quote(s) + ": " + (start ? "start " : "end ") +
+                                   Quote(start ? s.substr(0, dash) : s.substr(dash + 1)) + " is out of range");
+  }
+  if (first != Count::kOk || last != Count::kOk) {
     return Status::InvalidArgument("step: " + Quote(s) + " is not a number (expected " +
                                    std::string(kExpected) + ")");
   }

@@ -4,9 +4,11 @@
 #include <spdlog/sinks/stdout_sinks.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <utility>
 
 namespace oomguard {
 namespace {
@@ -33,14 +35,11 @@ std::shared_ptr<spdlog::logger> MakeBuiltinLogger() {
   auto formatter = std::make_unique<spdlog::pattern_formatter>();
   formatter->add_flag<RankFlag>('*').set_pattern("[%H:%M:%S.%e] [oomguard r%*] [%l] %v");
   logger->set_formatter(std::move(formatter));
-  spdlog::level::level_enum level = spdlog::level::info;
-  if (const char* env = std::getenv("OOMGUARD_LOG_LEVEL"); env != nullptr && *env != '\0') {
-    level = spdlog::level::from_str(env);
-    // from_str maps unknown names to "off"; only accept "off" when it was meant.
-    if (level == spdlog::level::off && std::string(env) != "off") level = spdlog::level::info;
-  }
-  logger->set_level(level);
+  auto level = LogLevelFromEnv();
+  logger->set_level(level.ok() ? *level : spdlog::level::info);
   logger->flush_on(spdlog::level::warn);
+  // A library must not refuse to run over a log setting, nor ignore it silently.
+  if (!level.ok()) logger->warn("{}; logging at info", level.status().message());
   return logger;
 }
 
@@ -53,6 +52,21 @@ std::mutex g_mu;
 std::shared_ptr<spdlog::logger> g_logger;
 
 }  // namespace
+
+StatusOr<spdlog::level::level_enum> LogLevelFromEnv() {
+  const char* env = std::getenv("OOMGUARD_LOG_LEVEL");
+  if (env == nullptr || *env == '\0') return spdlog::level::info;
+  std::string v(env);
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  static const std::pair<const char*, spdlog::level::level_enum> kNames[] = {
+      {"trace", spdlog::level::trace}, {"debug", spdlog::level::debug},       {"info", spdlog::level::info},
+      {"warn", spdlog::level::warn},   {"warning", spdlog::level::warn},      {"error", spdlog::level::err},
+      {"err", spdlog::level::err},     {"critical", spdlog::level::critical}, {"off", spdlog::level::off}};
+  for (const auto& [name, level] : kNames)
+    if (v == name) return level;
+  return Status::InvalidArgument("OOMGUARD_LOG_LEVEL='" + std::string(env).substr(0, 64) +
+                                 "' is not a level (trace, debug, info, warn, error, critical or off)");
+}
 
 std::shared_ptr<spdlog::logger> Logger() {
   std::lock_guard<std::mutex> lock(g_mu);

@@ -65,21 +65,36 @@ const char* const kGenericRemedies =
     "saves about 60-70% of activations for 20-30% more compute); lower min_micro_batch or the "
     "sequence length; leave 20-30% headroom; shard optimizer state (ZeRO) or offload it";
 
-Status GuardImpl::ValidateRequest(const StepRequest& req) const {
-  if (req.samples < 1) return Status::InvalidArgument("StepRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
-  if (!req.micro) return Status::InvalidArgument("StepRequest.micro must be set");
-  if (!req.costs.empty() && static_cast<int64_t>(req.costs.size()) != req.samples)
-    return Status::InvalidArgument("StepRequest.costs has " + std::to_string(req.costs.size()) + " entries for " +
-                                   std::to_string(req.samples) + " samples");
-  if (!req.units.empty()) {
-    if (static_cast<int64_t>(req.units.size()) != req.samples)
-      return Status::InvalidArgument("StepRequest.units has " + std::to_string(req.units.size()) + " entries for " +
-                                     std::to_string(req.samples) + " samples");
-    for (size_t i = 0; i < req.units.size(); ++i)
-      if (req.units[i] < 0)
-        return Status::InvalidArgument("StepRequest.units[" + std::to_string(i) + "] is negative (" +
-                                       std::to_string(req.units[i]) + ")");
+Status ValidatePerSample(std::string_view what, int64_t samples, std::span<const int64_t> costs,
+                         std::span<const int64_t> units) {
+  const std::string name(what);
+  if (samples < 1) return Status::InvalidArgument(name + ".samples must be >= 1 (got " + std::to_string(samples) + ")");
+  if (!costs.empty() && static_cast<int64_t>(costs.size()) != samples)
+    return Status::InvalidArgument(name + ".costs has " + std::to_string(costs.size()) + " entries for " +
+                                   std::to_string(samples) + " samples");
+  if (!units.empty() && static_cast<int64_t>(units.size()) != samples)
+    return Status::InvalidArgument(name + ".units has " + std::to_string(units.size()) + " entries for " +
+                                   std::to_string(samples) + " samples");
+  int64_t total = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (units[i] < 0)
+      return Status::InvalidArgument(name + ".units[" + std::to_string(i) + "] is negative (" +
+                                     std::to_string(units[i]) + ")");
+    // Every micro-batch's weight is its units over their sum: a sum that
+    // wraps would weigh the step wrongly (or by zero) without a sign.
+    if (__builtin_add_overflow(total, units[i], &total))
+      return Status::InvalidArgument(name + ".units overflow: their sum passes 2^63 - 1 at units[" +
+                                     std::to_string(i) + "] (" + std::to_string(units[i]) + ")");
   }
+  return Status::Ok();
+}
+
+Status GuardImpl::ValidateRequest(const StepRequest& req) const {
+  if (step_ < 0 || step_ > kMaxStep)
+    return Status::InvalidArgument("the step counter is at " + std::to_string(step_) + ", past the last step (" +
+                                   std::to_string(kMaxStep) + ") a checkpoint can name");
+  if (!req.micro) return Status::InvalidArgument("StepRequest.micro must be set");
+  OOMGUARD_RETURN_IF_ERROR(ValidatePerSample("StepRequest", req.samples, req.costs, req.units));
   // A redo needs the reset hook. Found here, on the first step, rather than at
   // the first OOM in backward or the first peer failure (in production, at
   // the worst moment). A training step (apply or sync) accumulates gradients
@@ -97,7 +112,7 @@ Status GuardImpl::ValidateRequest(const StepRequest& req) const {
 
 // An OOM in the very first apply (optimizer state allocation, the most common
 // real OOM) can roll back only if the state before it is kept somewhere.
-void GuardImpl::EnsureInitialSnapshot() {
+void GuardImpl::EnsureInitialSnapshot(Run& run) {
   if (snapshot_checked_ || options_.recovery == nullptr) return;
   snapshot_checked_ = true;
   RecoveryStore* store = options_.recovery;
@@ -111,11 +126,25 @@ void GuardImpl::EnsureInitialSnapshot() {
   } catch (const std::exception& e) {
     Logger()->warn("no in-memory snapshot of the initial state: {}", e.what());
   } catch (...) {
-    Logger()->warn("no in-memory snapshot of the initial state: {}", DescribeException(std::current_exception()));
+    // Not the SDK's to swallow (a save callback's KeyboardInterrupt): this
+    // rank fails the step with it, rethrown once the others know.
+    run.error = std::current_exception();
+    run.local = Local::kFailed;
+    run.failure = Status::Cancelled("saving the initial state raised: " + FailureText(run));
   }
 }
 
 Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
+  // From inside a step's callbacks (micro calling step): a nested step would
+  // run on this step's state and number. Refused at once, without a vote: the
+  // outer step is still running on every rank.
+  if (in_step_)
+    return Status::FailedPrecondition("Guard::Step called inside a step (from its callbacks): steps do not nest");
+  in_step_ = true;
+  struct Leave {
+    bool* in_step;
+    ~Leave() { *in_step = false; }
+  } leave{&in_step_};
   StepReport local_report;
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
   rep = StepReport{};
@@ -158,7 +187,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
     run.failure = bad;
   }
   rep.limit_before = EffectiveLimit(req);
-  EnsureInitialSnapshot();
+  if (bad.ok()) EnsureInitialSnapshot(run);
 
   State state = State::kLocal;
   for (;;) {
@@ -293,9 +322,15 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   steps_ok_since_oom_ = 0;
 
   const int64_t free_before = device != nullptr ? device->Stats().free : 0;
-  const double user_ms = ReleaseCaches();
+  const double user_ms = ReleaseCaches(run);
   ++rep.cache_releases;
   inc.actions.push_back(LadderAction::kRelease);
+  if (run.local == Local::kFailed) {  // a releaser's own exception stops this rank
+    inc.action = LadderAction::kGiveUp;
+    inc.micro_after = EffectiveLimit(run.req);
+    RecordIncident(run, std::move(inc));
+    return false;
+  }
 
   // Completed micro-batches survive an OOM before backward; otherwise the
   // gradients may hold part of the failed micro-batch.
@@ -426,9 +461,15 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   ++run.rep.ooms;
   ++total_ooms_;
   steps_ok_since_oom_ = 0;
-  const double user_ms = ReleaseCaches();
+  const double user_ms = ReleaseCaches(run);
   ++run.rep.cache_releases;
   inc.actions.push_back(LadderAction::kRelease);
+  if (run.local == Local::kFailed) {  // a releaser's own exception: every rank ends the step
+    run.applied = kApplyError;
+    inc.action = LadderAction::kGiveUp;
+    RecordIncident(run, std::move(inc));
+    return;
+  }
   // Parameters may be half-updated: only a restore can put them back. The
   // micro-batch stays: the activations are gone by the apply, and what the
   // optimizer allocates does not depend on the split.

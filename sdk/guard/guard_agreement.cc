@@ -47,6 +47,12 @@ State GuardImpl::Vote(Run& run) {
   }
   if (options_.uniform_micro_batch && v.min_micro_limit < controller_.limit()) controller_.SetLimit(v.min_micro_limit);
   if (v.status == VoteStatus::kFailed) return EndFailed(run);
+  // The same words on every rank, so every rank refuses together.
+  if (v.units_overflow)
+    return Done(run,
+                Status::InvalidArgument("StepRequest.units overflow: the loss units of step " + std::to_string(step_) +
+                                        " summed over the ranks pass 2^63 - 1"),
+                IncidentOutcome::kFailed);
   if (v.status == VoteStatus::kRollback) {
     // The same words on every rank: a local rollback vote means an OOM that
     // splitting cannot fix.
@@ -74,6 +80,10 @@ State GuardImpl::Sync(Run& run) {
     if (ClassifyException(error).is_oom()) {
       mine.oom = true;
       HandleOom(run, std::move(error), Where::kCommit);
+      if (run.error) {  // a cache releaser raised on the way: an error, not an OOM
+        mine.oom = false;
+        mine.error = true;
+      }
     } else {
       mine.error = true;
       run.error = std::move(error);
@@ -194,8 +204,13 @@ void GuardImpl::CommitStep(Run& run) {
   Status s;
   try {
     s = store->OnStepCommitted(done, run.vote.any_oom);
-  } catch (...) {
+  } catch (const std::exception&) {
     s = Status::Internal(DescribeException(std::current_exception()));
+  } catch (...) {
+    // Not the SDK's to swallow (a save callback's KeyboardInterrupt): the
+    // step stays committed, and Conclude rethrows it.
+    run.error = std::current_exception();
+    s = Status::Cancelled(DescribeException(run.error));
   }
   if (!s.ok()) Logger()->error("checkpoint after step {} failed: {}", done, s.ToString());
 }

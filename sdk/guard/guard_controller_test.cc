@@ -13,6 +13,7 @@
 #include "oomguard/faults.h"
 #include "oomguard/guard.h"
 #include "oomguard/priors.h"
+#include "sdk/guard/guard_testing.h"
 
 namespace oomguard {
 namespace {
@@ -54,11 +55,7 @@ class GuardController : public ::testing::Test {
   std::vector<MicroBatch> ran_;  // the micro-batches that completed in the current attempt
 };
 
-std::unique_ptr<Guard> MakeGuard(const GuardOptions& o) {
-  auto g = Guard::Create(o);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return std::move(g).value();
-}
+using testing::MakeGuard;
 
 TEST_F(GuardController, AfterAColdOomTheRestOfTheStepIsReplannedFromTheFigures) {
   MakeDevice(1024);  // about 230 samples fit

@@ -12,27 +12,6 @@
 #include "sdk/guard/guard_impl.h"
 
 namespace oomguard::guard_internal {
-namespace {
-
-Status ValidateEval(const EvalRequest& req) {
-  if (req.samples < 1)
-    return Status::InvalidArgument("EvalRequest.samples must be >= 1 (got " + std::to_string(req.samples) + ")");
-  if (!req.micro) return Status::InvalidArgument("EvalRequest.micro must be set");
-  if (!req.costs.empty() && static_cast<int64_t>(req.costs.size()) != req.samples)
-    return Status::InvalidArgument("EvalRequest.costs has " + std::to_string(req.costs.size()) + " entries for " +
-                                   std::to_string(req.samples) + " samples");
-  if (!req.units.empty() && static_cast<int64_t>(req.units.size()) != req.samples)
-    return Status::InvalidArgument("EvalRequest.units has " + std::to_string(req.units.size()) + " entries for " +
-                                   std::to_string(req.samples) + " samples");
-  for (size_t i = 0; i < req.units.size(); ++i)
-    if (req.units[i] < 0)
-      return Status::InvalidArgument("EvalRequest.units[" + std::to_string(i) + "] is negative (" +
-                                     std::to_string(req.units[i]) + ")");
-  return Status::Ok();
-}
-
-}  // namespace
-
 Status GuardImpl::Evaluate(const EvalRequest& req, StepReport* report_out) {
   StepReport local_report;
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
@@ -40,7 +19,9 @@ Status GuardImpl::Evaluate(const EvalRequest& req, StepReport* report_out) {
   rep.step = step_;
   rep.checkpoint_step = committed_step_;
   const auto started = Clock::now();
-  if (Status bad = ValidateEval(req); !bad.ok()) {
+  Status bad = req.micro ? ValidatePerSample("EvalRequest", req.samples, req.costs, req.units)
+                         : Status::InvalidArgument("EvalRequest.micro must be set");
+  if (!bad.ok()) {
     rep.status = bad;
     return bad;
   }
@@ -115,9 +96,18 @@ Status GuardImpl::Evaluate(const EvalRequest& req, StepReport* report_out) {
     Incident inc = NewIncident(info, mem, mb, req.costs);
     ++rep.ooms;
     ++total_ooms_;
-    const double user_ms = ReleaseCaches();
+    std::exception_ptr foreign;
+    std::string releaser;
+    const double user_ms = ReleaseCaches(&foreign, &releaser);
     ++rep.cache_releases;
     inc.actions.push_back(LadderAction::kRelease);
+    if (foreign) {  // a releaser's own exception (Ctrl-C in Python): the caller's to handle
+      inc.action = LadderAction::kGiveUp;
+      RecordIncident(rep, std::move(inc));
+      FinishIncidents(rep.incidents, IncidentOutcome::kFailed);
+      phase_ = Phase::kUnknown;
+      std::rethrow_exception(foreign);
+    }
     const bool smaller = rep.ooms <= options_.max_ooms_per_step && mb.size > 1 &&
                          (info.injected ? limit.OnInjectedOom(mb.cost) : limit.OnOom(mb.cost));
     rep.recovery_ms += std::max(0.0, MsSince(t_oom) - user_ms);

@@ -4,7 +4,6 @@
 // alone, with its incidents recorded.
 #include <gtest/gtest.h>
 
-#include <mutex>
 #include <stdexcept>
 #include <vector>
 
@@ -13,20 +12,14 @@
 #include "oomguard/guard.h"
 #include "oomguard/incident.h"
 #include "oomguard/oom_error.h"
+#include "sdk/guard/guard_testing.h"
 
 namespace oomguard {
 namespace {
 
-class GuardSizes : public ::testing::Test {
+class GuardSizes : public testing::FaultsCleared {
  protected:
-  void SetUp() override { ClearFaultRules(); }
-  void TearDown() override { ClearFaultRules(); }
-
-  std::unique_ptr<Guard> Make(GuardOptions o) {
-    auto g = Guard::Create(o);
-    EXPECT_TRUE(g.ok()) << g.status();
-    return std::move(g).value();
-  }
+  static std::unique_ptr<Guard> Make(const GuardOptions& o) { return testing::MakeGuard(o); }
 
   // A training step of n samples whose micro-batches do nothing but count.
   StepRequest Train(int64_t n) {
@@ -40,19 +33,7 @@ class GuardSizes : public ::testing::Test {
   std::vector<int64_t> sizes;
 };
 
-class Sink : public IncidentSink {
- public:
-  void Record(const Incident& i) override {
-    std::lock_guard<std::mutex> l(mu);
-    recorded.push_back(i);
-  }
-  void UpdateOutcome(const Incident& i) override {
-    std::lock_guard<std::mutex> l(mu);
-    updated.push_back(i);
-  }
-  std::mutex mu;
-  std::vector<Incident> recorded, updated;
-};
+using Sink = testing::RecordingSink;
 
 // Issue 23/30: an OOM at the sync site when the limit was 1 left every later
 // step at micro-batches of 1; what the sync allocates does not depend on the split.

@@ -69,6 +69,11 @@ inline std::optional<FaultSite> SiteOfPhase(Phase p) {
 // What every give-up message offers, with the seeds' figures.
 extern const char* const kGenericRemedies;
 
+// kInvalidArgument naming `what` ("StepRequest", "EvalRequest") when costs or
+// units do not have one entry per sample, or a unit count is negative.
+Status ValidatePerSample(std::string_view what, int64_t samples, std::span<const int64_t> costs,
+                         std::span<const int64_t> units);
+
 // True for an error of a collective communicator (NCCL, or torch's
 // ProcessGroupNCCL) rather than of the training step's own memory: even when
 // its text says "out of memory", the communicator is unusable afterwards.
@@ -184,7 +189,14 @@ class GuardImpl final : public Guard {
     releasers_.emplace_back(std::move(name), std::move(release));
   }
   int64_t step() const override { return step_; }
-  void SetStep(int64_t step) override { step_ = step; }
+  Status SetStep(int64_t step) override {
+    if (in_step_) return Status::FailedPrecondition("Guard::SetStep called inside a step (from its callbacks)");
+    if (step < 0 || step > kMaxStep)
+      return Status::InvalidArgument("Guard::SetStep(" + std::to_string(step) + "): a step is in [0, " +
+                                     std::to_string(kMaxStep) + "]");
+    step_ = step;
+    return Status::Ok();
+  }
   int64_t micro_limit() const override { return controller_.limit(); }
   int64_t eval_micro_limit() const override {
     return eval_controller_ ? eval_controller_->limit() : controller_.limit();
@@ -260,15 +272,18 @@ class GuardImpl final : public Guard {
   StatusOr<int64_t> RestoreAgreed(const std::vector<internal::RankPoints>& points,
                                   const std::vector<int64_t>& candidates, std::string* tried);
   Status ValidateRequest(const StepRequest& req) const;
-  void EnsureInitialSnapshot();
+  void EnsureInitialSnapshot(Run& run);
   internal::RankVote MyVote(const Run& run);
 
   // The limit as it applies to this request: "whole step" when it is larger.
+  // The costs' sum saturates (a request whose sum overflows is refused, but
+  // its report is still filled in).
   int64_t EffectiveLimit(const StepRequest& req) const {
     int64_t whole = req.samples;
     if (!req.costs.empty()) {
       whole = 0;
-      for (int64_t c : req.costs) whole += c;
+      for (int64_t c : req.costs)
+        if (__builtin_add_overflow(whole, std::max<int64_t>(c, 0), &whole)) whole = INT64_MAX;
     }
     return std::min(controller_.limit(), std::max<int64_t>(whole, 1));
   }
@@ -303,7 +318,23 @@ class GuardImpl final : public Guard {
   // Rung 1: the retry must see the memory. User releasers first (they drop
   // references), then the device's allocator cache. Returns the time spent in
   // user releasers, which recovery time excludes.
-  double ReleaseCaches() {
+  // A releaser's std::exception is logged and the next releaser runs; any
+  // other exception (the host language's own: a Python KeyboardInterrupt) is
+  // not the SDK's to swallow: this rank fails the step with it (run.error),
+  // rethrown once the others know, and no further releaser runs.
+  double ReleaseCaches(Run& run) {
+    std::string name;
+    const double user_ms = ReleaseCaches(&run.error, &name);
+    if (run.error) {
+      run.local = Local::kFailed;
+      run.failure = Status::Cancelled("cache releaser '" + name + "' raised: " + FailureText(run));
+    }
+    return user_ms;
+  }
+  // The same outside a step: *foreign receives the exception a releaser
+  // raised that is not a std::exception (and *who its name), for the caller
+  // to rethrow.
+  double ReleaseCaches(std::exception_ptr* foreign, std::string* who) {
     auto t0 = Clock::now();
     for (auto& [name, fn] : releasers_) {
       try {
@@ -311,7 +342,9 @@ class GuardImpl final : public Guard {
       } catch (const std::exception& e) {
         Logger()->warn("cache releaser '{}' threw: {}", name, e.what());
       } catch (...) {
-        Logger()->warn("cache releaser '{}' threw a non-standard exception", name);
+        *foreign = std::current_exception();
+        *who = name;
+        break;
       }
     }
     double user_ms = MsSince(t0);
@@ -428,6 +461,7 @@ class GuardImpl final : public Guard {
   int64_t rollback_target_ = INT64_MIN;  // the last rollback's step
   int rollback_repeats_ = 0;             // rollbacks to it in a row
   int64_t rollback_from_ = -1;           // the step that last asked for a rollback
+  bool in_step_ = false;                 // Step is running (its callbacks may call back)
 };
 
 }  // namespace oomguard::guard_internal

@@ -381,7 +381,7 @@ TEST_F(MultiRank, RollbackTargetIsInEveryRanksDurableSet) {
   o.min_micro_batch = 16;
   Make(3, o);
   for (auto& rk : ranks_) {
-    rk->guard->SetStep(20);
+    ASSERT_TRUE(rk->guard->SetStep(20).ok());
     rk->recovery.save_on_commit = false;
     rk->recovery.can_snapshot = false;
   }
@@ -405,7 +405,7 @@ TEST_F(MultiRank, FailedRestoreOnOneRankMovesEveryRankToTheNextCommonStep) {
   o.min_micro_batch = 16;
   Make(3, o);
   for (auto& rk : ranks_) {
-    rk->guard->SetStep(20);
+    ASSERT_TRUE(rk->guard->SetStep(20).ok());
     rk->recovery.save_on_commit = false;
     rk->recovery.can_snapshot = false;
     rk->recovery.durable = {9, 14};
@@ -425,7 +425,7 @@ TEST_F(MultiRank, NoStepEveryRankHoldsStopsEveryRank) {
   o.min_micro_batch = 16;
   Make(2, o);
   for (auto& rk : ranks_) {
-    rk->guard->SetStep(20);
+    ASSERT_TRUE(rk->guard->SetStep(20).ok());
     rk->recovery.save_on_commit = false;
     rk->recovery.can_snapshot = false;
   }

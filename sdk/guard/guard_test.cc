@@ -13,21 +13,14 @@
 #include "oomguard/faults.h"
 #include "oomguard/priors.h"
 #include "oomguard/recovery.h"
+#include "sdk/guard/guard_testing.h"
 
 namespace oomguard {
 namespace {
 
-class FaultsCleared : public ::testing::Test {
- protected:
-  void SetUp() override { ClearFaultRules(); }
-  void TearDown() override { ClearFaultRules(); }
-};
-
-std::unique_ptr<Guard> MakeGuard(GuardOptions o) {
-  auto g = Guard::Create(o);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return std::move(g).value();
-}
+using testing::FaultsCleared;
+using testing::MakeGuard;
+using testing::RecordingSink;
 
 // Counts how often each sample's contribution was kept (applied and not reset).
 struct Accumulator {
@@ -36,20 +29,6 @@ struct Accumulator {
   double weight_sum = 0;
   int resets = 0;
   int commits = 0;
-};
-
-class RecordingSink : public IncidentSink {
- public:
-  void Record(const Incident& i) override {
-    std::lock_guard<std::mutex> l(mu);
-    recorded.push_back(i);
-  }
-  void UpdateOutcome(const Incident& i) override {
-    std::lock_guard<std::mutex> l(mu);
-    updated.push_back(i);
-  }
-  std::mutex mu;
-  std::vector<Incident> recorded, updated;
 };
 
 class FakeRecovery : public RecoveryStore {
@@ -236,7 +215,7 @@ TEST_F(FaultsCleared, OomAtMinimumRollsBackWithARecoveryStore) {
   rec.durable = 3;
   o.recovery = &rec;
   auto g = MakeGuard(o);
-  g->SetStep(5);
+  ASSERT_TRUE(g->SetStep(5).ok());
   Accumulator acc;
   StepReport rep;
   Status s = g->Step(Request(g.get(), &acc, 4), &rep);
@@ -267,7 +246,7 @@ TEST_F(FaultsCleared, OomInCommitRollsBackFromSnapshotOrGivesUp) {
   rec.snapshot = 1;
   o.recovery = &rec;
   auto g = MakeGuard(o);
-  g->SetStep(2);
+  ASSERT_TRUE(g->SetStep(2).ok());
   Accumulator acc;
   StepRequest r = Request(g.get(), &acc, 8);
   r.apply = [&] { g->MarkPhase(Phase::kOptimizer); };

@@ -37,6 +37,14 @@ StatusOr<std::vector<MicroBatch>> PlanByCost(std::span<const int64_t> costs, int
   if (n == 0) return Status::InvalidArgument("plan: no samples");
   if (begin < 0 || begin >= n)
     return Status::InvalidArgument("plan: begin " + std::to_string(begin) + " outside [0, " + std::to_string(n) + ")");
+  // Costs are summed into micro-batches (and the caller sums them for the
+  // whole step): a sum that wraps would pack a negative cost.
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (costs[static_cast<size_t>(i)] >= 0 && __builtin_add_overflow(total, costs[static_cast<size_t>(i)], &total))
+      return Status::InvalidArgument("plan: costs overflow: their sum passes 2^63 - 1 at sample " +
+                                     std::to_string(i) + " (" + std::to_string(costs[static_cast<size_t>(i)]) +
+                                     ")");
   std::vector<MicroBatch> plan;
   MicroBatch cur;
   cur.offset = begin;

@@ -105,6 +105,13 @@ TEST(PlanByCost, RejectsBadInput) {
   EXPECT_EQ(PlanByCost(ok, 0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(PlanByCost(ok, 5, 2).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(PlanByCost(std::span<const int64_t>(), 5).status().code(), StatusCode::kInvalidArgument);
+  // Issue 28: costs whose sum wraps packed into one micro-batch of negative cost.
+  std::vector<int64_t> huge(3, int64_t{1} << 62);
+  auto wrapped = PlanByCost(huge, INT64_MAX);
+  ASSERT_FALSE(wrapped.ok());
+  EXPECT_EQ(wrapped.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(wrapped.status().message().find("costs overflow"), std::string::npos) << wrapped.status();
+  EXPECT_NE(wrapped.status().message().find("sample 1"), std::string::npos) << wrapped.status();
 }
 
 // The central identity on a scalar least-squares model: the weighted sum of

@@ -43,21 +43,20 @@ void SizeController::RememberBad(int64_t size) {
   bad_set_at_ = steps_;
 }
 
+bool SizeController::AtMinimum() {
+  limit_ = options_.min;
+  probing_ = false;
+  model_limit_ = false;
+  cold_ = false;
+  return false;
+}
+
 bool SizeController::OnInjectedOom(int64_t size) {
   ++ooms_;
   clean_steps_ = 0;
   probe_ = false;
-  if (size <= options_.min) {
-    limit_ = options_.min;
-    probing_ = false;
-    model_limit_ = false;
-    cold_ = false;
-    return false;
-  }
-  limit_ = std::max(options_.min, std::min(limit_, size / 2));
-  probing_ = false;
-  model_limit_ = false;
-  cold_ = false;
+  if (size <= options_.min) return AtMinimum();
+  SearchOnOom(size);
   return true;
 }
 
@@ -81,13 +80,7 @@ bool SizeController::OnOom(int64_t size, const MicroBatchMemory& memory) {
     // What the model cannot explain it must not grow into again.
     CapBelow(size);
   }
-  if (size <= options_.min) {
-    limit_ = options_.min;
-    probing_ = false;
-    model_limit_ = false;
-    cold_ = false;
-    return false;
-  }
+  if (size <= options_.min) return AtMinimum();
   if (!figures || search_since_ >= 0) {
     SearchOnOom(size);
     return true;

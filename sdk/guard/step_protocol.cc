@@ -124,7 +124,7 @@ StatusOr<VoteOutcome> StepChannel::Vote(const RankVote& mine) {
       if (out.first_failed < 0) out.first_failed = r;
       ++out.failed_count;
     }
-    out.total_units += rv.units;
+    if (__builtin_add_overflow(out.total_units, rv.units, &out.total_units)) out.units_overflow = true;
     out.min_micro_limit = std::min(out.min_micro_limit, rv.micro_limit);
     out.any_oom = out.any_oom || rv.had_oom;
   }

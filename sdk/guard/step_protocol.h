@@ -63,6 +63,7 @@ struct VoteOutcome {
   int first_failed = -1;  // lowest rank that voted kFailed
   int failed_count = 0;
   int64_t total_units = 0;
+  bool units_overflow = false;        // the ranks' units do not sum within int64
   int64_t min_micro_limit = 0;
   bool any_oom = false;
   std::optional<int64_t> newest_common_durable;  // in every rank's durable list

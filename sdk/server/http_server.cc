@@ -89,8 +89,9 @@ class HttpServer::Impl {
     return h == "127.0.0.1" || h == "localhost" || h == "[::1]" || h == host_;
   }
   // Makes room for a new connection: closes the oldest session that is
-  // waiting for a request. False when every session is writing a response.
-  bool ShedOldestWaiting();
+  // waiting for a request, else the one whose write has been stalled longest
+  // (stalled_write_ms). False when every session is writing and none stalled.
+  bool ShedOne();
 
   HttpServerOptions options_;
   Handler handler_;
@@ -112,6 +113,18 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
   void Start() { Read(); }
   // Waiting for (or reading) a request rather than writing a response.
   bool waiting() const { return !writing_ && !closing_; }
+  // Writing a response since (valid while writing()).
+  bool writing() const { return writing_ && !closing_; }
+  std::chrono::steady_clock::time_point write_started() const { return write_started_; }
+
+  // Closes the connection now, a response being written included (its write
+  // completes with an error and the session ends).
+  void CloseNow() {
+    closing_ = true;
+    beast::error_code ec;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
+    stream_.socket().close(ec);
+  }
 
   // Closes a connection that is waiting for a request; one that is writing a
   // response finishes it and closes afterwards.
@@ -173,6 +186,10 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
     if (hosts == 1 &&
         !server_->HostAllowed(std::string_view(req[http::field::host].data(), req[http::field::host].size())))
       return Send(Plain(421, "this server answers only to localhost (Host header rejected)"), true);
+    // RFC 9112, 6.3: a request whose codings do not end in chunked is a 400;
+    // one that does announces a body, and this server takes none.
+    if (req.count(http::field::transfer_encoding) > 0)
+      return Send(Plain(400, "requests with a body (Transfer-Encoding) are not accepted"), true);
     const bool head = req.method() == http::verb::head;
     std::string_view method(req.method_string().data(), req.method_string().size());
     std::string_view target(req.target().data(), req.target().size());
@@ -207,6 +224,7 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
 
   void Write(std::shared_ptr<http::response<http::string_body>> res) {
     writing_ = true;
+    write_started_ = std::chrono::steady_clock::now();
     stream_.expires_after(std::chrono::seconds(server_->options_.idle_timeout_s));
     http::async_write(stream_, *res, [self = shared_from_this(), res](beast::error_code ec, size_t) {
       self->writing_ = false;
@@ -229,6 +247,7 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
   bool writing_ = false;
   bool closing_ = false;
   bool forgotten_ = false;
+  std::chrono::steady_clock::time_point write_started_;
   friend class Impl;
 };
 
@@ -238,9 +257,10 @@ void HttpServer::Impl::Accept() {
     if (!ec) {
       // Drop expired entries before counting.
       sessions_.remove_if([](const std::weak_ptr<Session>& w) { return w.expired(); });
-      // Full: the oldest connection waiting for a request makes room, so
-      // that slow or idle clients cannot lock new ones out.
-      if (sessions_.size() >= options_.max_connections && !ShedOldestWaiting()) {
+      // Full: the oldest connection waiting for a request, or the longest
+      // stalled writer, makes room, so that slow, idle or non-reading
+      // clients cannot lock new ones out.
+      if (sessions_.size() >= options_.max_connections && !ShedOne()) {
         beast::error_code ignored;
         socket.close(ignored);
       } else {
@@ -254,16 +274,27 @@ void HttpServer::Impl::Accept() {
   });
 }
 
-bool HttpServer::Impl::ShedOldestWaiting() {
+bool HttpServer::Impl::ShedOne() {
   // sessions_ is newest first.
+  std::shared_ptr<Session> stalled;
+  const auto now = std::chrono::steady_clock::now();
+  const auto stall = std::chrono::milliseconds(options_.stalled_write_ms);
   for (auto it = sessions_.rbegin(); it != sessions_.rend(); ++it) {
     auto s = it->lock();
-    if (s == nullptr || !s->waiting()) continue;
-    s->CloseIfIdle();
-    Forget(s.get());  // counted out now; its read completes (aborted) later
-    return true;
+    if (s == nullptr) continue;
+    if (s->waiting()) {
+      s->CloseIfIdle();
+      Forget(s.get());  // counted out now; its read completes (aborted) later
+      return true;
+    }
+    if (s->writing() && now - s->write_started() >= stall &&
+        (stalled == nullptr || s->write_started() < stalled->write_started()))
+      stalled = std::move(s);
   }
-  return false;
+  if (stalled == nullptr) return false;
+  stalled->CloseNow();
+  Forget(stalled.get());  // its write completes (aborted) later
+  return true;
 }
 
 void HttpServer::Impl::Forget(Session* s) {

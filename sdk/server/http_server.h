@@ -11,9 +11,13 @@
 // header_timeout_s (a client trickling its header ties up a connection for
 // seconds, not half a minute); at most max_connections are open, and a new
 // connection beyond them closes the oldest one that is waiting for a
-// request (only when every connection is writing a response is the new one
-// closed). Every HTTP/1.1 request has exactly one Host header (RFC 9112: 400
-// for none or several). When the server listens on a loopback address it
+// request, or, when every one is writing a response, the one whose write has
+// been stalled longest (a client that pipelines requests and never reads its
+// answers stalls its writes for good); only when every connection is writing
+// and none is stalled is the new one closed. Every HTTP/1.1 request has
+// exactly one Host header (RFC 9112: 400 for none or several), and a request
+// with a Transfer-Encoding is a 400 (it announces a body, and RFC 9112 asks
+// a 400 for any coding but a final chunked). When the server listens on a loopback address it
 // also checks the Host header (localhost, 127.0.0.1, [::1], in any case), so
 // a web page elsewhere cannot reach it through DNS rebinding; an HTTP/1.0
 // request without one is served (browsers always send it).
@@ -48,8 +52,12 @@ struct HttpServerOptions {
   int idle_timeout_s = 30;
   // Once a request's first byte has come, its whole header must arrive within this.
   int header_timeout_s = 5;
-  // Open connections at most; a new one beyond closes the oldest that waits for a request.
+  // Open connections at most; a new one beyond closes the oldest that waits
+  // for a request, else the longest-stalled writer.
   size_t max_connections = 128;
+  // A response still being written after this long is stalled: the client
+  // does not read it. Its connection may make room for a new one.
+  int stalled_write_ms = 1000;
   // Stop on SIGINT and SIGTERM (the `kb serve` command); tests leave it off.
   bool handle_signals = false;
 };

@@ -1,7 +1,8 @@
-// HttpServer against raw sockets (issue 15, items 10 and 11): the Host header
-// rules of RFC 9112, a header that trickles in is cut off by the header
-// timeout (not the idle one), and a server full of slow connections still
-// serves a new client by closing the oldest one that waits for a request.
+// HttpServer against raw sockets (issue 15, items 10 and 11; issue 28, rows 7
+// and 15): the Host and Transfer-Encoding rules of RFC 9112, a header that
+// trickles in is cut off by the header timeout (not the idle one), and a
+// server full of slow connections, or of clients that pipeline requests and
+// never read the answers, still serves a new client.
 #include "sdk/server/http_server.h"
 
 #include <arpa/inet.h>
@@ -24,11 +25,11 @@ using Clock = std::chrono::steady_clock;
 // A server on 127.0.0.1 with a port of its own, run on a thread.
 class Served {
  public:
-  explicit Served(HttpServerOptions o) {
+  explicit Served(HttpServerOptions o, std::string body = "hello") {
     o.bind = "127.0.0.1";
     o.port = 0;
-    server_ = HttpServer::Listen(o, [](std::string_view, std::string_view) {
-                return HttpResponse{200, "text/plain", "hello", {}};
+    server_ = HttpServer::Listen(o, [body = std::move(body)](std::string_view, std::string_view) {
+                return HttpResponse{200, "text/plain", body, {}};
               }).value();
     thread_ = std::thread([this] { server_->Run(); });
   }
@@ -98,6 +99,19 @@ TEST(HttpServer, HostHeaderFollowsRfc9112AndIgnoresCase) {
   EXPECT_EQ(status("GET / HTTP/1.1\r\nHost: localhost.evil.example\r\n"), "HTTP/1.1 421");
 }
 
+// RFC 9112, 6.3: a Transfer-Encoding whose last coding is not chunked is a
+// 400; a chunked one announces a body, which this server never takes.
+TEST(HttpServer, TransferEncodingIsRefused) {
+  Served s({});
+  auto status = [&](const std::string& head) { return Ask(s.port(), head + "\r\n").substr(0, 12); };
+  const std::string get = "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
+  EXPECT_EQ(status(get), "HTTP/1.1 200");
+  EXPECT_EQ(status(get + "Transfer-Encoding: gzip\r\n"), "HTTP/1.1 400");
+  EXPECT_EQ(status(get + "Transfer-Encoding: chunked, identity\r\n"), "HTTP/1.1 400");
+  EXPECT_EQ(status(get + "Transfer-Encoding: identity\r\n"), "HTTP/1.1 400");
+  EXPECT_EQ(Ask(s.port(), get + "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n").substr(0, 12), "HTTP/1.1 400");
+}
+
 // A client that sends its header a byte at a time is cut off by the header
 // timeout; one that connects and waits before sending gets the idle timeout.
 TEST(HttpServer, TricklingHeaderIsCutOffByTheHeaderTimeout) {
@@ -149,6 +163,41 @@ TEST(HttpServer, FullServerShedsTheOldestWaitingConnection) {
   (void)Receive(slow.back(), std::chrono::milliseconds(100), &closed);
   EXPECT_FALSE(closed) << "the newest slow connection should still be open";
   for (int fd : slow) ::close(fd);
+}
+
+// Issue 28, row 7: every connection pipelines requests for a large answer
+// and never reads, so every one is stuck writing. A new client is served
+// anyway: the longest-stalled writer makes room (before, new connections
+// were closed at once for as long as the writes' 30 s timeout, renewable
+// by reconnecting).
+TEST(HttpServer, FullServerShedsAStalledWriterForANewClient) {
+  HttpServerOptions o;
+  o.max_connections = 4;
+  o.stalled_write_ms = 200;
+  Served s(o, std::string(size_t{4} << 20, 'x'));  // like /app.js, but larger than any socket buffer
+  std::string pipelined;
+  for (int i = 0; i < 32; ++i) pipelined += "GET /app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  std::vector<int> readers;
+  for (int i = 0; i < 4; ++i) {
+    readers.push_back(Connect(s.port()));
+    Send(readers.back(), pipelined);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // every write stalls
+  for (int round = 0; round < 3; ++round) {  // and again, as a reconnecting client would renew them
+    const auto t0 = Clock::now();
+    int fd = Connect(s.port());
+    Send(fd, "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    std::string r;
+    bool closed = false;
+    while (r.size() < 12 && !closed) r += Receive(fd, std::chrono::milliseconds(3000), &closed);
+    ::close(fd);
+    EXPECT_EQ(r.substr(0, 12), "HTTP/1.1 200") << "round " << round << ": a new client was locked out";
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0);
+    readers.push_back(Connect(s.port()));  // a non-reader takes the slot back
+    Send(readers.back(), pipelined);
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  }
+  for (int fd : readers) ::close(fd);
 }
 
 }  // namespace

@@ -63,4 +63,20 @@ for s in 4 9 14; do
 done
 echo "$out" | grep -q "no committed checkpoint" && fail "bad manifests are not 'no committed checkpoint': $out"
 
+# Issue 28, row 14: a setting the tool cannot honour is one clear error and exit 2, not BAD for
+# every healthy checkpoint; the common spellings of a log level are accepted.
+G="$WORK/good"
+"$MLP" --steps 10 --hidden 16 --quiet --ckpt-dir "$G" --ckpt-every 5 --keep 0 || fail "mlp_train (good)"
+out=$(OOMGUARD_CKPT_READS=fast "$CLI" ckpt verify "$G" 2>&1)
+[ $? -eq 2 ] || fail "verify with OOMGUARD_CKPT_READS=fast must exit 2: $out"
+echo "$out" | grep -q "OOMGUARD_CKPT_READS='fast'" || fail "the setting is named: $out"
+echo "$out" | grep -q "BAD" && fail "healthy checkpoints reported BAD: $out"
+[ "$(echo "$out" | wc -l)" = 1 ] || fail "one line: $out"
+out=$(OOMGUARD_LOG_LEVEL=loud "$CLI" ckpt verify "$G" 2>&1)
+[ $? -eq 2 ] || fail "OOMGUARD_LOG_LEVEL=loud must exit 2: $out"
+echo "$out" | grep -q "OOMGUARD_LOG_LEVEL='loud' is not a level" || fail "the log level is named: $out"
+for level in OFF DEBUG Warning; do
+  OOMGUARD_LOG_LEVEL=$level "$CLI" ckpt verify "$G" > /dev/null 2>&1 || fail "OOMGUARD_LOG_LEVEL=$level is a level"
+done
+
 echo "ok: ckpt list/verify/inspect"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checkpoints edited with h5py by someone else (issue 15, items 1, 2 and 5).
+"""Checkpoints edited with h5py by someone else (issue 15, items 1, 2 and 5; issue 28, rows 2, 4, 8, 11).
 
 Each case edits the shard of the newest checkpoint (step 9) and fixes up the
 manifest's size and hash, as a careless or hostile person would. Then:
@@ -15,6 +15,7 @@ Usage: hostile_ckpt_test.py OOMGUARD MLP_TRAIN HDF5_PLUGIN_DIR
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -114,8 +115,91 @@ def deleted_tensor(f, outside):
     return "model/fc3.bias", "missing"
 
 
+def deep_groups(f, outside):
+    """Issue 28, row 2: groups nested 3,000 deep (HDF5's own walk took about a minute at 2,000 levels
+    and overflowed the stack at 20,000). The digest stays wrong: its helper walks with HDF5 too."""
+    g = f.create_group("model/deep")
+    for _ in range(3000):
+        g = g.create_group("g")
+    return "model/deep", "deeper"
+
+
+deep_groups.hashes = False
+
+
+def rank_past_int(f, outside):
+    """Issue 28, row 11: root attribute rank = 2^32, once narrowed to rank 0."""
+    f.attrs["rank"] = np.int64(1 << 32)
+    return "rank 4294967296", "out of range"
+
+
+def zero_frames(chunk: int) -> bytes:
+    """A zstd frame of `chunk` zero bytes in RLE blocks: 4 bytes per 128 KiB."""
+    out = struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", chunk)
+    done = 0
+    while done < chunk:
+        n = min(chunk - done, 128 << 10)
+        done += n
+        out += struct.pack("<I", (n << 3) | (1 << 1) | (done == chunk))[:3] + b"\0"
+    return out
+
+
+def declared_amplification(f, outside):
+    """Issue 28, row 8: optimizer/state declares 1 GiB in about 32 KiB of zstd RLE frames, within
+    what zstd can expand; the digest stays wrong. Refused before anything of that size is allocated."""
+    del f["optimizer/state"]
+    chunk, chunks = 256 << 20, 4
+    ds = f.create_dataset("optimizer/state", shape=(chunk * chunks,), dtype="u1", chunks=(chunk,),
+                          compression=32015, compression_opts=(1,), shuffle=True, allow_unknown_filter=True)
+    frame = zero_frames(chunk)
+    for i in range(chunks):
+        ds.id.write_direct_chunk((i * chunk,), frame)
+    retag(ds, "uint8", b"")
+    ds.attrs["chunk_xxh3"] = np.ones(chunks, dtype="<u8")
+    inventory = json.loads(f.attrs["tensors"])
+    for t in inventory:
+        if t["path"] == "optimizer/state":
+            t["shape"] = [chunk * chunks]
+    f.attrs["tensors"] = np.bytes_(json.dumps(inventory))
+    return "digest", "differs"
+
+
+declared_amplification.hashes = False
+
 CASES = [external_storage, external_link, virtual_dataset, soft_link, huge_object, overflowing_dims,
-         deleted_tensor]
+         deleted_tensor, deep_groups, rank_past_int, declared_amplification]
+
+
+def non_utf8_json(og, base, tmp):
+    """Issue 28, row 4: `ckpt inspect --json` of a shard with a dataset name and a dtype attribute
+    holding byte 0xFF, and `ckpt list --json` with a manifest error cut inside a UTF-8 character,
+    print JSON (the bytes replaced) instead of aborting."""
+    d = ckpt_edit.copy_checkpoints(base, os.path.join(tmp, "non_utf8"))
+    shard = os.path.join(d, "step-00000009", "rank-00000.h5")
+    with h5py.File(shard, "r+") as f:
+        f.create_dataset(b"model/\xffname", data=np.zeros(3))
+        f["model/fc3.bias"].attrs["dtype"] = np.bytes_(b"float\xff")
+    r = run([og, "ckpt", "inspect", shard, "--json"])
+    check(r.returncode == 0, "inspect --json of names with 0xFF exits 0 (got %d): %s" % (r.returncode, r.stderr))
+    try:
+        paths = {t["path"]: t["dtype"] for t in json.loads(r.stdout)["tensors"]}
+    except ValueError:
+        paths = {}
+    check("/model/\ufffdname" in paths and paths.get("/model/fc3.bias") == "float\ufffd",
+          "inspect --json shows the bytes replaced: %s" % r.stdout[:400])
+    manifest = os.path.join(d, "step-00000004", "MANIFEST.json")
+    with open(manifest) as f:
+        m = json.load(f)
+    m["format"] = "x" * 63 + "\u00e9"  # the error quotes 64 bytes: the cut falls inside the e-acute
+    with open(manifest, "w", encoding="utf-8") as f:
+        json.dump(m, f, ensure_ascii=False)
+    r = run([og, "ckpt", "list", d, "--json"])
+    check(r.returncode == 0, "list --json with a cut message exits 0 (got %d): %s" % (r.returncode, r.stderr))
+    try:
+        problems = {c["step"]: c["problem"] for c in json.loads(r.stdout)}
+    except ValueError:
+        problems = {}
+    check("\ufffd" in problems.get(4, ""), "list --json reports the cut message, replaced: %s" % r.stdout[:400])
 
 
 def main():
@@ -129,7 +213,7 @@ def main():
     if FAILS:
         print("%d failure(s)" % len(FAILS))
         sys.exit(1)
-    print("hostile checkpoints: %d cases refused by verify and resume" % len(CASES))
+    print("hostile checkpoints: %d cases refused by verify and resume; JSON of non-UTF-8 names" % len(CASES))
 
 
 def run_cases(og, mlp, tmp):
@@ -154,7 +238,7 @@ def run_cases(og, mlp, tmp):
         step9 = os.path.join(d, "step-00000009")
         with h5py.File(os.path.join(step9, "rank-00000.h5"), "r+") as f:
             tensor, why = case(f, outside)
-        ckpt_edit.fix_manifest(step9)
+        ckpt_edit.fix_manifest(step9, hashes=getattr(case, "hashes", True))
 
         r = run([og, "ckpt", "verify", d, "--step", "9"])
         out = r.stdout + r.stderr
@@ -180,6 +264,7 @@ def run_cases(og, mlp, tmp):
               "%s: resume skips step 9 and takes step 4: %s" % (name, r.stdout.strip()[-300:]))
         check("skipping checkpoint step 9" in r.stderr and tensor in r.stderr,
               "%s: resume warns, naming %s: %s" % (name, tensor, r.stderr.strip()[-400:]))
+    non_utf8_json(og, base, tmp)
 
 
 if __name__ == "__main__":

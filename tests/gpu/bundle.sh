@@ -4,8 +4,10 @@
 # here, the device-side check programs, and every library they load that is
 # not part of the image (the image has libc, libstdc++, libm, libgcc_s,
 # libcuda, the CUDA 13 runtime and NCCL, but none of Debian's -dev packages:
-# spdlog, fmt, HDF5, SQLite, zstd, xxhash ...), plus the third-party headers
-# the Python extension and libtorch_train are built with there.
+# spdlog, fmt, HDF5, SQLite, zstd, xxhash ...), plus the CLI11 headers that
+# libtorch_train is built with there. No spdlog or fmt headers: nothing built
+# there includes them (oomguard.h leaves logging.h out), and Debian's fmt
+# ahead of torch 2's own bundled fmt on an include path would clash.
 #
 #   tests/gpu/bundle.sh DIR [BUILD]
 #
@@ -15,7 +17,7 @@
 #   DIR/bin/       gpu_checks, nccl_one_rank (stripped)
 #   DIR/lib/       liboomguard.so.0, liboomguard_nccl.so, the libraries above
 #   DIR/lib/hdf5-plugins/   the zstd filter for h5py there
-#   DIR/include/   spdlog, fmt and CLI11 headers
+#   DIR/include/   the CLI11 headers
 #   DIR/BUNDLE.txt what is inside, with versions and sizes
 # Fails when the bundle is over 60 MiB or when an ELF file in it needs a
 # library that is neither in DIR/lib nor in the image's set
@@ -28,9 +30,12 @@ BUILD=${2:-$ROOT/build}
 case $BUILD in /*) ;; *) BUILD=$PWD/$BUILD ;; esac
 LIMIT_MIB=60
 
+# The project's Python (scripts/python: torch 2 from PyPI), unless PYTHON names another.
+PY=${PYTHON:-$("$ROOT/scripts/python" --executable)}
+
 if [[ ! -f $BUILD/CMakeCache.txt ]]; then
   echo "bundle: configuring $BUILD"
-  cmake -S "$ROOT" -B "$BUILD" -DPython_EXECUTABLE=/usr/bin/python3 > /dev/null
+  cmake -S "$ROOT" -B "$BUILD" -DPython_EXECUTABLE="$PY" > /dev/null
 fi
 if ! grep -q '^OOMGUARD_WITH_CUDA:BOOL=ON' "$BUILD/CMakeCache.txt"; then
   echo "bundle: $BUILD is not built with CUDA (OOMGUARD_WITH_CUDA=ON needs the toolkit under /usr/local/cuda)" >&2
@@ -78,9 +83,7 @@ done
 chmod u+w "$DIR"/lib/*.so* 2> /dev/null || true
 strip --strip-unneeded "$DIR"/lib/lib*.so.* 2> /dev/null || true
 
-# Headers the device build needs besides the tree's own include/.
-cp -r /usr/include/spdlog "$DIR/include/"
-cp -r /usr/include/fmt "$DIR/include/"
+# Headers the device build needs besides the tree's own include/ and torch's.
 cp -r /usr/include/CLI "$DIR/include/"  # CLI11, for libtorch_train built there
 
 {
@@ -88,9 +91,9 @@ cp -r /usr/include/CLI "$DIR/include/"  # CLI11, for libtorch_train built there
   echo "commit: $(git -C "$ROOT" describe --always --dirty 2> /dev/null || echo unknown)"
   echo "compiler: $(c++ --version | head -1)"
   echo "CUDA toolkit: $(/usr/local/cuda/bin/nvcc --version 2> /dev/null | tail -1 || echo unknown)"
-  echo "spdlog $(dpkg-query -W -f='${Version}' libspdlog-dev 2> /dev/null), fmt $(dpkg-query -W -f='${Version}' libfmt-dev 2> /dev/null), HDF5 $(dpkg-query -W -f='${Version}' libhdf5-dev 2> /dev/null)"
+  echo "spdlog $(dpkg-query -W -f='${Version}' libspdlog-dev 2> /dev/null), fmt $(dpkg-query -W -f='${Version}' libfmt-dev 2> /dev/null), HDF5 $(dpkg-query -W -f='${Version}' libhdf5-dev 2> /dev/null), CLI11 $(dpkg-query -W -f='${Version}' libcli11-dev 2> /dev/null)"
   echo
   (cd "$DIR" && find . -type f -not -path './include/*' -printf '%s\t%p\n' | sort -k2)
 } > "$DIR/BUNDLE.txt"
 
-/usr/bin/python3 "$ROOT/tests/gpu/check_bundle.py" "$DIR" --limit-mib "$LIMIT_MIB"
+"$PY" "$ROOT/tests/gpu/check_bundle.py" "$DIR" --limit-mib "$LIMIT_MIB"

@@ -13,7 +13,9 @@
 #      fraction: real CUDA OOMs recovered, final float64 parameters equal to
 #      an unconstrained run's within 1e-10;
 #   3. examples/python/train_torch.py's model through oomguard.torch on CUDA
-#      with the device filled for real, the same promise;
+#      with the device filled for real, the same promise; and fit_mlp.py's
+#      through oomguard.torch.fit(), with checkpoints and guarded evaluation
+#      (tests/gpu/fit_cuda.py);
 #   4. checkpoint staging from device memory: the CheckpointerCuda gtests
 #      (pinned staging on a side stream, restore from snapshot and disk) and
 #      libtorch_train on CUDA with --ckpt-dir, resumed to equal parameters;
@@ -249,6 +251,21 @@ else
     fi
   done
   row "$status" "train_torch.py model on CUDA: OOMs, equal params" "$verdict"
+fi
+
+# ---- 3b. the same promise through oomguard.torch.fit(): checkpoints and guarded evaluation on CUDA ----
+if [ -n "$TORCH_WHY" ]; then
+  row SKIP "fit() on CUDA: OOMs, equal params" "$TORCH_WHY"
+elif [ ! -d "$BUILD/python/oomguard" ]; then
+  row FAIL "fit() on CUDA: OOMs, equal params" "the Python package was not built (see $LOG/configure.log)"
+else
+  PYTHONPATH=$BUILD/python timeout 240 "$PY" "$ROOT/tests/gpu/fit_cuda.py" > "$LOG/fit.out" 2> "$LOG/fit.err"
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    row PASS "fit() on CUDA: OOMs, equal params" "$(json "$LOG/fit.out" '"%d CUDA OOMs with %s MiB left, micro-batch %d -> %d, checkpoint at step %d, max rel diff %.1e" % (d["tight"]["ooms"], d["tight"]["headroom_mib"], d["global_batch"], d["tight"]["final_micro_batch"], d["tight"]["checkpoint_step"], d["max_rel_diff"])')"
+  else
+    row FAIL "fit() on CUDA: OOMs, equal params" "exit $rc ($LOG/fit.err): $(tail -n 1 "$LOG/fit.err")"
+  fi
 fi
 
 # ---- 5. the NCCL coordinator with one rank ----

@@ -10,18 +10,21 @@
 #   - the bundle's programs find every library they need here;
 #   - a real cudaMalloc OOM in a guarded step, with the device nearly full,
 #     recovered with the exact result (gpu_checks guard-oom);
-#   - the Python package built here from the bundle (build_python.sh), then a
-#     real torch CUDA OOM: the device filled for real, TrainStep recovers and
-#     its float64 parameters equal an unconstrained run's within 1e-10
-#     (train_torch_cuda.py);
+#   - the Python package built here from the bundle and this machine's
+#     Python, pybind11 and torch (build_python.sh), then real torch CUDA OOMs
+#     with the device filled for real: TrainStep recovers and its float64
+#     parameters equal an unconstrained run's within 1e-10
+#     (train_torch_cuda.py); and oomguard.torch.fit() does the same with
+#     checkpoints and guarded evaluation on the device (fit_cuda.py);
 #   - checkpoint staging of >= 4 GiB of CUDA tensors against one plain
 #     cudaMemcpy device -> pinned host of the same bytes (target <= 1.2x), with
 #     a round trip through memory and disk (gpu_checks staging);
 #   - the NCCL coordinator with one rank, including a deadline that fires
 #     (nccl_one_rank);
-#   - libtorch_train on CUDA, compiled here against this Python's torch: real
-#     CUDA OOMs under a memory fraction, equal parameters. SKIP when it does
-#     not compile against this torch (the reason is printed).
+#   - libtorch_train on CUDA, compiled here against this Python's torch
+#     (build_libtorch_train.sh): real CUDA OOMs under a memory fraction, equal
+#     parameters. SKIP when it does not compile against this torch (the
+#     reason is printed).
 # Ends with "N passed, N failed, N skipped"; exits 1 when any check failed.
 # Writes $OUT/gpu-run.log (everything printed) and $OUT/gpu-results.md (a
 # section for bench/RESULTS.md); detailed logs go to $OUT/gpu-logs. Without
@@ -115,20 +118,8 @@ if "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
   echo "PyTorch $TV at $TPREFIX ($PY)"
   timeout "$(left 240)" "$ROOT/tests/gpu/build_python.sh" "$BUNDLE" "$WORK/py" "$PY" > "$LOG/build_python.log" 2>&1 &
   PY_BUILD=$!
-  # libtorch_train: one translation unit with torch headers, linked to the
-  # bundle's liboomguard and this torch's libraries.
-  CUDA_INC=$(dirname "$(find "$(dirname "$CUDART_DIR")" /usr/local/cuda/include -maxdepth 2 -name cuda_runtime_api.h -print -quit 2> /dev/null)")
-  (
-    cd "$WORK" &&
-    timeout "$(left 300)" "${CXX:-c++}" -std=c++20 -O2 -D_GLIBCXX_USE_CXX11_ABI=1 -DOOMGUARD_EXAMPLE_TORCH_CUDA=1 \
-      -DSPDLOG_COMPILED_LIB -DSPDLOG_FMT_EXTERNAL -I"$ROOT/include" -I"$BUNDLE/include" -I"$ROOT/examples/cpp" \
-      -I"$ROOT" -isystem "$TPREFIX/include" -isystem "$TPREFIX/include/torch/csrc/api/include" \
-      -isystem "$CUDA_INC" \
-      "$ROOT/examples/cpp/libtorch_train.cpp" "$ROOT/examples/cpp/mlp.cc" "$ROOT/sdk/memory/torch_budget_allocator.cc" \
-      -o "$WORK/libtorch_train" -L"$BUNDLE/lib" -loomguard -L"$TPREFIX/lib" \
-      -Wl,--no-as-needed -ltorch -ltorch_cuda -Wl,--as-needed -ltorch_cpu -lc10_cuda -lc10 \
-      -Wl,-rpath,"$BUNDLE/lib:$TPREFIX/lib"
-  ) > "$LOG/build_libtorch_train.log" 2>&1 &
+  timeout "$(left 300)" "$ROOT/tests/gpu/build_libtorch_train.sh" "$BUNDLE" "$WORK" "$PY" \
+    > "$LOG/build_libtorch_train.log" 2>&1 &
   LT_BUILD=$!
 else
   echo "no Python with a CUDA-enabled torch at '$PY' (set PYTHON)"
@@ -182,10 +173,14 @@ fi
 
 # ---- 5. a real torch CUDA OOM, the device filled for real, through TrainStep ----
 P_OOMS=""
+PY_WHY=""  # why the Python checks cannot run ("": they can)
 if [ $HAVE_TORCH -eq 0 ]; then
-  row FAIL "TrainStep: real torch CUDA OOM, equal params" "no Python with a CUDA-enabled torch (set PYTHON)"
+  PY_WHY="no Python with a CUDA-enabled torch (set PYTHON)"
 elif ! wait "$PY_BUILD"; then
-  row FAIL "TrainStep: real torch CUDA OOM, equal params" "the Python package did not build here: $(grep -m 3 -E 'error|Error' "$LOG/build_python.log" | tr '\n' ' ')"
+  PY_WHY="the Python package did not build here: $(grep -m 3 -E 'error|Error|build_python:' "$LOG/build_python.log" | tr '\n' ' ')"
+fi
+if [ -n "$PY_WHY" ]; then
+  row FAIL "TrainStep: real torch CUDA OOM, equal params" "$PY_WHY"
 else
   verdict="no headroom produced a recovered OOM"
   status=FAIL
@@ -218,11 +213,27 @@ else
   fi
 fi
 
-# ---- 6. libtorch_train on CUDA, built here against this torch ----
+# ---- 6. the same promise through oomguard.torch.fit(): checkpoints and guarded evaluation on the device ----
+# fit_cuda.py judges (its exit status); it tries headroom shares in turn itself.
+if [ -n "$PY_WHY" ]; then
+  row FAIL "fit(): real torch CUDA OOM, equal params" "$PY_WHY"
+elif out_of_time; then
+  row FAIL "fit(): real torch CUDA OOM, equal params" "not run: the run's time budget ($BUDGET_S s) was spent"
+else
+  PYTHONPATH=$WORK/py timeout "$(left 240)" "$PY" "$ROOT/tests/gpu/fit_cuda.py" > "$LOG/fit.out" 2> "$LOG/fit.err"
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    row PASS "fit(): real torch CUDA OOM, equal params" "$(field "$LOG/fit.out" '"device filled with %s GiB, %s MiB left (%s of the %s MiB its steps needed): %d CUDA OOMs (%d in evaluation), %d rollbacks, micro-batch %d -> %d, checkpoint at step %d, max rel diff params %.1e, losses %.1e, evals %.1e; %s s" % (d["tight"]["filled_gib"], d["tight"]["headroom_mib"], d["headroom_share"], d["clean"]["need_mib"], d["tight"]["ooms"], d["tight"]["eval_ooms"], d["tight"]["rollbacks"], d["global_batch"], d["tight"]["final_micro_batch"], d["tight"]["checkpoint_step"], d["max_rel_diff"], d["losses_max_rel_diff"], d["evals_max_rel_diff"], d["tight"]["wall_s"])')"
+  else
+    row FAIL "fit(): real torch CUDA OOM, equal params" "exit $rc: $(tail -c 400 "$LOG/fit.err")"
+  fi
+fi
+
+# ---- 7. libtorch_train on CUDA, built here against this torch ----
 if [ $HAVE_TORCH -eq 0 ]; then
   row SKIP "libtorch_train on CUDA" "no Python with a CUDA-enabled torch"
 elif ! wait "$LT_BUILD" || [ ! -x "$WORK/libtorch_train" ]; then
-  row SKIP "libtorch_train on CUDA" "does not compile against torch $TV: $(grep -m 2 'error' "$LOG/build_libtorch_train.log" | cut -c1-240 | tr '\n' ' ')"
+  row SKIP "libtorch_train on CUDA" "does not compile against torch $TV: $(grep -m 2 -E 'error|build_libtorch_train:' "$LOG/build_libtorch_train.log" | cut -c1-240 | tr '\n' ' ')"
 elif out_of_time; then
   row FAIL "libtorch_train on CUDA" "not run: the run's time budget ($BUDGET_S s) was spent"
 else

@@ -95,5 +95,19 @@ grep -q "similar  .*fragmentation (same fingerprint; same pattern" "$T/diag_lib.
 "$OG" kb similar nosuchid --db "$T/lib.db" 2> "$T/err"; [ $? = 1 ] || fail "unknown id should exit 1"
 grep -q "no incident with id 'nosuchid'" "$T/err" || fail "unknown id error: $(cat "$T/err")"
 
+# Issue 28, row 6: the 256 MiB limit holds on what is read, whatever the input reports: an
+# endless pipe (its size is 0) is refused at the limit, with memory bounded by it.
+$PY - "$OG" <<'PYEOF' || fail "an endless pipe was read past the limit"
+import resource, subprocess, sys
+og = sys.argv[1]
+yes = subprocess.Popen(["yes"], stdout=subprocess.PIPE)
+r = subprocess.run([og, "diagnose", "/dev/stdin"], stdin=yes.stdout, capture_output=True, text=True, timeout=120)
+yes.kill()
+yes.wait()
+assert r.returncode == 1 and "more than the 256 MiB a log may have" in r.stderr, (r.returncode, r.stderr)
+peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10
+assert peak_mib < 400, f"peak resident memory {peak_mib} MiB"
+PYEOF
+
 if [ $fails -eq 0 ]; then echo "diagnose/import-log CLI: all checks passed"; fi
 [ $fails -eq 0 ]

@@ -66,6 +66,19 @@ grep -q "bad2.jsonl:2: not valid JSON" "$T/err" || fail "bad JSON error: $(cat "
 $PY -c 'print("{\"message\": \"" + "x" * 2000000 + "\"}")' > "$T/huge.jsonl"
 "$OG" kb classify "$T/huge.jsonl" 2> "$T/err" && fail "huge line accepted"
 grep -q "huge.jsonl:1: line is longer than 1 MiB" "$T/err" || fail "huge error: $(cat "$T/err")"
+# Issue 28, row 6: a 512 MiB line is refused after its first MiB, not read whole (it took 2x its
+# size in memory): import and classify stay far below the line's size.
+$PY - "$OG" "$T" <<'PYEOF' || fail "a huge line was read whole"
+import resource, subprocess, sys
+og, t = sys.argv[1:3]
+with open(t + "/giant.jsonl", "wb") as f:
+    f.truncate(512 << 20)  # sparse: 512 MiB of NUL bytes, no newline
+for args in (["kb", "classify"], ["kb", "import", "--db", t + "/giant.db"]):
+    r = subprocess.run([og, *args, t + "/giant.jsonl"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "giant.jsonl:1: line is longer than 1 MiB" in r.stderr, (args, r.returncode, r.stderr)
+peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10
+assert peak_mib < 64, f"peak resident memory {peak_mib} MiB"
+PYEOF
 
 # 5. missing, corrupt and unmatched databases give clear errors.
 "$OG" kb list --db "$T/none.db" 2> "$T/err" && fail "missing db accepted"

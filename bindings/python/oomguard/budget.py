@@ -6,8 +6,8 @@
 
 The budget counts live bytes of CPU tensors allocated while it is installed
 (tensors that existed before are not counted). Over budget, torch raises its
-own out-of-memory error (torch.cuda.OutOfMemoryError in torch 1.13-2.0,
-torch.OutOfMemoryError later), exactly as a real allocation failure would.
+own out-of-memory error (torch.OutOfMemoryError), exactly as a real
+allocation failure would.
 
 ``limit(n, caching_device=True)`` makes the budget the capacity of a
 simulated caching allocator, as a GPU's is: freed blocks stay reserved, new

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,13 @@ DType DTypeFromName(const std::string& name) {
   auto d = ParseDType(name);
   if (!d) throw StatusError(Status::InvalidArgument("unknown dtype '" + name + "'"));
   return *d;
+}
+
+// Names from a file, as Python strs (Text: bytes that are not UTF-8 as \xNN).
+py::list Texts(const std::vector<std::string>& v) {
+  py::list out;
+  for (const std::string& s : v) out.append(Text(s));
+  return out;
 }
 
 MemoryLocation LocationFromName(const std::string& name) {
@@ -166,9 +174,18 @@ void BindCheckpoint(py::module_& m) {
             PyCallable save_fn(save), load_fn(load);
             auto save_bytes = [save_fn]() -> std::vector<uint8_t> {
               py::gil_scoped_acquire gil;  // the bytes object is released before the GIL
-              py::bytes b = CallGuarded<py::bytes>(save_fn);
-              const std::string_view v = b;
-              return std::vector<uint8_t>(v.begin(), v.end());
+              try {
+                py::bytes b = CallGuarded<py::bytes>(save_fn);
+                const std::string_view v = b;
+                return std::vector<uint8_t>(v.begin(), v.end());
+              } catch (PythonPassthrough& p) {
+                // An Exception costs this checkpoint: the SDK counts and
+                // reports it with its type and message, and training goes
+                // on. A KeyboardInterrupt (any other BaseException) passes
+                // on through the save and the guard's step.
+                if (Survivable(p.error)) throw std::runtime_error(p.type + ": " + p.message);
+                throw;
+              }
             };
             auto load_bytes = [load_fn](std::span<const uint8_t> data) -> Status {
               // Python errors pass through unchanged: a failing load is the
@@ -201,17 +218,17 @@ void BindCheckpoint(py::module_& m) {
       .def_property_readonly("options", [](const Checkpointer& c) { return c.options(); });
 
   py::class_<TensorInfo>(m, "TensorInfo")
-      .def_readonly("path", &TensorInfo::path)
-      .def_readonly("dtype", &TensorInfo::dtype)
+      .def_property_readonly("path", [](const TensorInfo& t) { return Text(t.path); })
+      .def_property_readonly("dtype", [](const TensorInfo& t) { return Text(t.dtype); })
       .def_readonly("shape", &TensorInfo::shape)
       .def_readonly("chunk", &TensorInfo::chunk)
       .def_readonly("bytes", &TensorInfo::bytes)
       .def_readonly("stored_bytes", &TensorInfo::stored_bytes)
-      .def_readonly("xxh3", &TensorInfo::xxh3)
-      .def_readonly("filters", &TensorInfo::filters);
+      .def_property_readonly("xxh3", [](const TensorInfo& t) { return Text(t.xxh3); })
+      .def_property_readonly("filters", [](const TensorInfo& t) { return Texts(t.filters); });
   py::class_<ShardInfo>(m, "ShardInfo")
-      .def_readonly("file", &ShardInfo::file)
-      .def_readonly("format", &ShardInfo::format)
+      .def_property_readonly("file", [](const ShardInfo& i) { return Text(i.file); })
+      .def_property_readonly("format", [](const ShardInfo& i) { return Text(i.format); })
       .def_readonly("step", &ShardInfo::step)
       .def_readonly("rank", &ShardInfo::rank)
       .def_readonly("world_size", &ShardInfo::world_size)
@@ -219,13 +236,13 @@ void BindCheckpoint(py::module_& m) {
       .def_readonly("tensors", &ShardInfo::tensors);
   py::class_<CheckpointInfo>(m, "CheckpointInfo")
       .def_readonly("step", &CheckpointInfo::step)
-      .def_readonly("dir", &CheckpointInfo::dir)
+      .def_property_readonly("dir", [](const CheckpointInfo& i) { return Text(i.dir); })
       .def_readonly("committed", &CheckpointInfo::committed)
       .def_readonly("world_size", &CheckpointInfo::world_size)
       .def_readonly("created_unix", &CheckpointInfo::created_unix)
       .def_readonly("bytes", &CheckpointInfo::bytes)
-      .def_readonly("shards", &CheckpointInfo::shards)
-      .def_readonly("problem", &CheckpointInfo::problem);
+      .def_property_readonly("shards", [](const CheckpointInfo& i) { return Texts(i.shards); })
+      .def_property_readonly("problem", [](const CheckpointInfo& i) { return Text(i.problem); });
 
   m.def("list_checkpoints", [](const std::string& dir) { return ValueOrThrow(ListCheckpoints(dir)); },
         py::arg("dir"));

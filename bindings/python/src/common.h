@@ -25,6 +25,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
@@ -112,6 +113,24 @@ class StatusError : public std::runtime_error {
   Status status_;
   std::optional<StepReport> report_;
 };
+
+// Text from C++ as a Python str. Messages and names may carry bytes from a
+// file (a dataset name with 0xFF, a message cut inside a UTF-8 character):
+// bytes that are not UTF-8 are kept visible as \xNN (backslashreplace), so
+// that converting them never raises UnicodeDecodeError in place of the error
+// being reported.
+inline py::str Text(std::string_view s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+
+// Whether a Python error raised in a callback whose failures the SDK reports
+// and survives (cache releasers, a checkpoint object's save) is one to
+// survive: an Exception. KeyboardInterrupt, SystemExit and the other
+// BaseExceptions stop the program's work, and pass through the SDK unchanged.
+// REQUIRES: the GIL is held.
+inline bool Survivable(py::error_already_set& e) { return e.matches(PyExc_Exception); }
 
 inline void ThrowIfError(const Status& s) {
   if (!s.ok()) throw StatusError(s);

@@ -49,14 +49,18 @@ class PyDevice : public Device {
     py::gil_scoped_acquire gil;
     try {
       py::function f = py::get_override(static_cast<const Device*>(this), "stats");
-      if (f) return f().cast<MemoryStats>();
+      if (!f) return MemoryStats{};
+      py::object r = f();
+      // Checked here: casting None (or another type) throws pybind11's own
+      // cast errors, one of which its dispatcher takes for "try the next
+      // overload" and reports as incompatible arguments of Guard.step.
+      if (py::isinstance<MemoryStats>(r)) return r.cast<MemoryStats>();
+      PyErr_SetString(PyExc_TypeError, ("device.stats() must return oomguard.MemoryStats, not " +
+                                        std::string(py::str(py::type::of(r).attr("__name__"))))
+                                           .c_str());
+      throw py::error_already_set();
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("oomguard device.stats");
-    } catch (const py::cast_error& e) {
-      PyErr_SetString(PyExc_TypeError, (std::string("device.stats() must return oomguard.MemoryStats: ") +
-                                        e.what()).c_str());
-      py::error_already_set wrapped;
-      wrapped.discard_as_unraisable("oomguard device.stats");
     }
     return MemoryStats{};
   }

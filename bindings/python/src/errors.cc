@@ -24,10 +24,10 @@ OomKind KindFromName(const std::string& name) {
 // The exception instance for a status (the installed hook's class, else a RuntimeError).
 py::object StatusException(const Status& status, py::object report) {
   const std::string name(StatusCodeName(status.code()));
+  // Text: a message may carry bytes that are not UTF-8 (a name read from a shard).
   if (!Hooks().status_error.is_none())
-    return Hooks().status_error(static_cast<int>(status.code()), name, status.message(), std::move(report));
-  return py::reinterpret_steal<py::object>(PyObject_CallFunction(
-      PyExc_RuntimeError, "s", (name + ": " + status.message()).c_str()));
+    return Hooks().status_error(static_cast<int>(status.code()), name, Text(status.message()), std::move(report));
+  return py::reinterpret_borrow<py::object>(PyExc_RuntimeError)(Text(name + ": " + status.message()));
 }
 
 }  // namespace

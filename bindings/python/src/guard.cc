@@ -31,14 +31,17 @@
 namespace oomguard::python {
 namespace {
 
-// A cache releaser runs on the recovery path: its own error is reported
-// through sys.unraisablehook and never replaces the OOM being handled.
+// A cache releaser runs on the recovery path: its own Exception is reported
+// through sys.unraisablehook and never replaces the OOM being handled; a
+// KeyboardInterrupt (or another BaseException) passes through, and the guard
+// ends the step with it.
 std::function<void()> Releaser(PyCallable fn, std::string name) {
   return [fn = std::move(fn), name = std::move(name)] {
     py::gil_scoped_acquire gil;
     try {
       fn.get()();
     } catch (py::error_already_set& e) {
+      if (!Survivable(e)) RethrowForGuard(std::move(e));
       e.discard_as_unraisable(("oomguard cache releaser '" + name + "'").c_str());
     }
   };
@@ -86,6 +89,17 @@ std::vector<SumBuffer> SumBuffers(const PyCallable& sync, PyCallable* keep) {
   throw py::error_already_set();
 }
 
+// Runs a guarded call (Step, Evaluate) without the GIL and returns its
+// report; a non-OK status becomes the status's exception with the report,
+// the user's own exception passes through unchanged.
+template <typename F>
+StepReport RunReported(F&& run) {
+  StepReport report;
+  Status status = WithoutGil([&] { return run(&report); });
+  if (!status.ok()) throw StatusError(status, std::move(report));
+  return report;
+}
+
 }  // namespace
 
 void BindGuard(py::module_& m) {
@@ -110,9 +124,9 @@ void BindGuard(py::module_& m) {
   py::class_<Status>(m, "Status")
       .def_property_readonly("ok", &Status::ok)
       .def_property_readonly("code", &Status::code)
-      .def_property_readonly("message", &Status::message)
-      .def("__str__", &Status::ToString)
-      .def("__repr__", [](const Status& s) { return "<oomguard.Status " + s.ToString() + ">"; });
+      .def_property_readonly("message", [](const Status& s) { return Text(s.message()); })
+      .def("__str__", [](const Status& s) { return Text(s.ToString()); })
+      .def("__repr__", [](const Status& s) { return Text("<oomguard.Status " + s.ToString() + ">"); });
 
   py::enum_<Phase>(m, "Phase")
       .value("unknown", Phase::kUnknown)
@@ -312,16 +326,7 @@ void BindGuard(py::module_& m) {
             if (apply_fn) req.apply = [&apply_fn] { CallGuarded(apply_fn); };
             if (reset_fn) req.reset = [&reset_fn] { CallGuarded(reset_fn); };
             if (sync_fn) req.sync = [&sync_fn, &sync_objects] { return SumBuffers(sync_fn, &sync_objects); };
-            StepReport report;
-            Status status;
-            try {
-              py::gil_scoped_release release;
-              status = guard.Step(req, &report);
-            } catch (PythonPassthrough& passthrough) {
-              Reraise(passthrough);  // the user's own exception, unchanged
-            }
-            if (!status.ok()) throw StatusError(status, std::move(report));
-            return report;
+            return RunReported([&](StepReport* report) { return guard.Step(req, report); });
           },
           py::arg("samples"), py::arg("micro"), py::arg("apply") = py::none(), py::arg("reset") = py::none(),
           py::arg("costs") = py::none(), py::arg("units") = py::none(), py::arg("sync") = py::none())
@@ -335,16 +340,7 @@ void BindGuard(py::module_& m) {
             if (costs) req.costs = std::span<const int64_t>(*costs);
             if (units) req.units = std::span<const int64_t>(*units);
             req.micro = [&micro_fn](const MicroBatch& mb) { CallGuarded(micro_fn, mb); };
-            StepReport report;
-            Status status;
-            try {
-              py::gil_scoped_release release;
-              status = guard.Evaluate(req, &report);
-            } catch (PythonPassthrough& passthrough) {
-              Reraise(passthrough);
-            }
-            if (!status.ok()) throw StatusError(status, std::move(report));
-            return report;
+            return RunReported([&](StepReport* report) { return guard.Evaluate(req, report); });
           },
           py::arg("samples"), py::arg("micro"), py::arg("costs") = py::none(), py::arg("units") = py::none(),
           "One batch of evaluation on this rank, split so that it fits (Guard::Evaluate); not collective.")
@@ -374,7 +370,8 @@ void BindGuard(py::module_& m) {
             g.AddCacheReleaser(name, Releaser(PyCallable(fn), name));
           },
           py::arg("name"), py::arg("release"))
-      .def_property("next_step", &Guard::step, &Guard::SetStep)
+      .def_property("next_step", &Guard::step,
+                    [](Guard& g, int64_t step) { ThrowIfError(g.SetStep(step)); })
       .def_property("micro_limit", &Guard::micro_limit, &Guard::SetMicroLimit)
       .def_property_readonly("eval_micro_limit", &Guard::eval_micro_limit)
       .def_property_readonly("total_ooms", &Guard::total_ooms)

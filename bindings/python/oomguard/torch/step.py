@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,6 +89,26 @@ def split_batch(obj: Any, start: int, stop: int) -> Any:
     if isinstance(obj, list):
         return [split_batch(v, start, stop) for v in obj]
     return obj
+
+
+def _splitter(batch: Sequence[Any], samples: Optional[int],
+              split: Optional[Callable[[Any, int, int], Any]]) -> Tuple[int, Callable[[int, int], list]]:
+    """The batch's sample count (``samples`` when given, checked against the
+    tensors) and ``part(start, stop)``: samples ``[start, stop)`` of every
+    positional batch argument."""
+    n = batch_samples(batch)
+    if samples is not None:
+        if n is not None and n != samples:
+            raise ValueError(f"samples={samples} but the batch tensors hold {n}")
+        n = samples
+    if n is None:
+        raise ValueError("the batch holds no tensor with a dim 0 to split along: give samples= (and split=)")
+    cut = split or split_batch
+
+    def part(start: int, stop: int) -> list:
+        return [cut(b, start, stop) for b in batch]
+
+    return n, part
 
 
 def _units(loss_units: Callable[..., Any], batch: Sequence[Any], n: int, part: Callable[[int, int], list]) -> List[int]:
@@ -281,17 +301,7 @@ class TrainStep:
         if self._uses_loss_fn and len(batch) != 2:
             raise ValueError(f"TrainStep with loss_fn takes (inputs, targets), got {len(batch)} batch arguments; "
                              "give forward=lambda model, *batch: loss for other batches")
-        n = batch_samples(batch)
-        if samples is not None:
-            if n is not None and n != samples:
-                raise ValueError(f"samples={samples} but the batch tensors hold {n}")
-            n = samples
-        if n is None:
-            raise ValueError("the batch holds no tensor with a dim 0 to split along: give samples= (and split=)")
-        split = self._split or split_batch
-
-        def part(start: int, stop: int) -> list:
-            return [split(b, start, stop) for b in batch]
+        n, part = _splitter(batch, samples, self._split)
 
         units = _units(self._loss_units, batch, n, part) if self._loss_units is not None else None
         prefix = None
@@ -454,17 +464,7 @@ def evaluate(model: torch.nn.Module, *batch: Any, forward: Callable[..., Any], g
     """
     if not batch:
         raise ValueError("evaluate needs a batch")
-    n = batch_samples(batch)
-    if samples is not None:
-        if n is not None and n != samples:
-            raise ValueError(f"samples={samples} but the batch tensors hold {n}")
-        n = samples
-    if n is None:
-        raise ValueError("the batch holds no tensor with a dim 0 to split along: give samples= (and split=)")
-    cut = split or split_batch
-
-    def part(start: int, stop: int) -> list:
-        return [cut(b, start, stop) for b in batch]
+    n, part = _splitter(batch, samples, split)
 
     units = _units(loss_units, batch, n, part) if loss_units is not None else None
     if costs is not None and isinstance(costs, torch.Tensor):
