@@ -56,7 +56,7 @@ FLAGS=(-std=c++20 -O2 "${defs[@]}" -I"$ROOT/include" -I"$BUNDLE/include" -I"$ROO
        -isystem "$TPREFIX/include" -isystem "$TPREFIX/include/torch/csrc/api/include" "${incs[@]}")
 source "$ROOT/tests/gpu/compile_units.sh"
 compile_units "$OUT" "$ROOT/examples/cpp/libtorch_train.cpp" "$ROOT/examples/cpp/mlp.cc" \
-  "$ROOT/sdk/torch/budget_allocator.cc" "$ROOT/sdk/torch/state.cc" "$ROOT/sdk/torch/train_step.cc" \
+  "$ROOT/sdk/torch/torch_budget.cc" "$ROOT/sdk/torch/state.cc" "$ROOT/sdk/torch/train_step.cc" \
   "$ROOT/sdk/memory/torch_oom.cc" ||
   die "libtorch_train does not compile against torch $TV (above)"
 "${CXX[@]}" -o "$OUT/libtorch_train" "${OBJS[@]}" -L"$BUNDLE/lib" -loomguard -L"$TPREFIX/lib" "${libs[@]}" \
