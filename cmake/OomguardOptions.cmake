@@ -137,30 +137,50 @@ endif()
 if(OOMGUARD_TORCH_ROOT)
   find_path(C10_INCLUDE_DIR c10/util/Exception.h HINTS ${OOMGUARD_TORCH_ROOT}/include NO_DEFAULT_PATH)
   find_library(C10_LIBRARY c10 HINTS ${OOMGUARD_TORCH_ROOT}/lib NO_DEFAULT_PATH)
+  find_path(TORCH_API_INCLUDE_DIR torch/nn/module.h HINTS ${OOMGUARD_TORCH_ROOT}/include/torch/csrc/api/include
+            NO_DEFAULT_PATH)
+  find_library(TORCH_CPU_LIBRARY torch_cpu HINTS ${OOMGUARD_TORCH_ROOT}/lib NO_DEFAULT_PATH)
   if(NOT DEFINED Torch_DIR AND EXISTS ${OOMGUARD_TORCH_ROOT}/share/cmake/Torch/TorchConfig.cmake)
     set(Torch_DIR ${OOMGUARD_TORCH_ROOT}/share/cmake/Torch CACHE PATH "libtorch's CMake package (torch.utils.cmake_prefix_path)")
   endif()
 else()
   find_path(C10_INCLUDE_DIR c10/util/Exception.h)
   find_library(C10_LIBRARY c10)
+  find_path(TORCH_API_INCLUDE_DIR torch/nn/module.h PATH_SUFFIXES torch/csrc/api/include)
+  find_library(TORCH_CPU_LIBRARY torch_cpu)
 endif()
 if(C10_INCLUDE_DIR AND C10_LIBRARY)
   oomguard_import_library(oomguard_ext::c10 "${C10_LIBRARY}" "${C10_INCLUDE_DIR}")
+endif()
+# libtorch's C++ API (torch_cpu and its headers), for oomguard::torch's
+# TrainStep and state helpers. Imported directly rather than through
+# find_package(Torch), which would enable the CUDA language for the whole
+# build (examples/cpp and the package consumer use find_package(Torch)).
+if(C10_INCLUDE_DIR AND C10_LIBRARY AND TORCH_API_INCLUDE_DIR AND TORCH_CPU_LIBRARY)
+  oomguard_import_library(oomguard_ext::torch_cpu "${TORCH_CPU_LIBRARY}" "${C10_INCLUDE_DIR}")
+  set_property(TARGET oomguard_ext::torch_cpu APPEND PROPERTY INTERFACE_INCLUDE_DIRECTORIES "${TORCH_API_INCLUDE_DIR}")
+  set_property(TARGET oomguard_ext::torch_cpu APPEND PROPERTY INTERFACE_LINK_LIBRARIES oomguard_ext::c10)
   set(_og_torch_default ON)
 else()
   set(_og_torch_default OFF)
 endif()
-option(OOMGUARD_WITH_TORCH "Build oomguard::torch: c10::OutOfMemoryError recognised by type (libtorch)" ${_og_torch_default})
+option(OOMGUARD_WITH_TORCH "Build oomguard::torch: TrainStep and the libtorch state helpers, the budgeted CPU \
+allocator, and c10::OutOfMemoryError recognised by type (libtorch)" ${_og_torch_default})
 if(OOMGUARD_WITH_TORCH)
-  if(NOT (C10_INCLUDE_DIR AND C10_LIBRARY))
-    message(FATAL_ERROR "OOMGUARD_WITH_TORCH=ON but libc10 was not found (pip install torch for the interpreter "
-                        "given as Python_EXECUTABLE, or a libtorch on CMAKE_PREFIX_PATH)")
+  if(NOT _og_torch_default)
+    message(FATAL_ERROR "OOMGUARD_WITH_TORCH=ON but libtorch (libc10, libtorch_cpu and the C++ API headers) was not "
+                        "found (pip install torch for the interpreter given as Python_EXECUTABLE, or a libtorch "
+                        "on CMAKE_PREFIX_PATH)")
   endif()
-  _og_note(OOMGUARD_WITH_TORCH ON "${C10_LIBRARY}")
-elseif(C10_LIBRARY)
+  _og_note(OOMGUARD_WITH_TORCH ON "${TORCH_CPU_LIBRARY}")
+elseif(_og_torch_default)
   _og_note(OOMGUARD_WITH_TORCH OFF "disabled by the user")
 else()
-  _og_note(OOMGUARD_WITH_TORCH OFF "${_og_torch_skipped}")
+  if(_og_torch_skipped)
+    _og_note(OOMGUARD_WITH_TORCH OFF "${_og_torch_skipped}")
+  else()
+    _og_note(OOMGUARD_WITH_TORCH OFF "libtorch (libc10, libtorch_cpu, C++ API headers) not found")
+  endif()
 endif()
 
 # The budgeted CPU allocator (oomguard._budget): real torch OOMs on CPU, for the

@@ -333,8 +333,7 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
   // recovered OOM; rollbacks restore through it). With several ranks each
   // writes its shard and rank 0 commits the manifest through the vote.
   std::unique_ptr<oomguard::Checkpointer> ckpt;
-  int64_t first_step = 0;
-  if (!cfg.ckpt_dir.empty()) {
+  if (!cfg.ckpt_dir.empty() || cfg.ckpt_in_memory) {
     oomguard::CheckpointOptions co;
     co.dir = cfg.ckpt_dir;
     co.every_steps = cfg.ckpt_every;
@@ -363,19 +362,15 @@ TrainResult Train(const Config& cfg, oomguard::Device* device, const TrainHooks&
   auto guard = std::move(guard_or).value();
   if (ckpt != nullptr && cfg.resume) {
     // Every rank resumes from the same step: the newest one all can load.
+    // Resume sets the guard's step too: the loop starts at guard->step().
     auto loaded = guard->Resume();
     if (loaded.ok()) {
       result.resumed_from_step = *loaded;
-      first_step = *loaded + 1;
-      result.steps_done = first_step;
+      result.steps_done = guard->step();
     } else if (loaded.status().code() != oomguard::StatusCode::kNotFound) {
       result.status = loaded.status();
       return result;
     }
-  }
-  if (oomguard::Status s = guard->SetStep(first_step); !s.ok()) {
-    result.status = s;
-    return result;
   }
   result.initial_micro_batch = std::min(guard->micro_limit(), n_local);
   std::vector<int64_t> costs, units;

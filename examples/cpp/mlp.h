@@ -59,8 +59,13 @@ struct Config {
   // With token_weighted: pass the units to the guard (StepRequest::units).
   // Off only to show that the gradient is then wrong when the step is split.
   bool guard_knows_units = true;
-  // Checkpoints (oomguard::Checkpointer); off when ckpt_dir is empty.
+  // Checkpoints (oomguard::Checkpointer); off when ckpt_dir is empty, unless
+  // ckpt_in_memory.
   std::string ckpt_dir;
+  // Without ckpt_dir: a checkpointer that keeps its saves in memory only
+  // (CheckpointOptions::dir empty), so that an OOM in the optimizer step or
+  // at the smallest micro-batch rolls back instead of ending the run.
+  bool ckpt_in_memory = false;
   int64_t ckpt_every = 0;             // save after every N steps (0: only after a recovered OOM)
   int ckpt_keep = 3;                  // complete checkpoints kept (0: all)
   bool resume = false;                // continue from the newest complete checkpoint in ckpt_dir

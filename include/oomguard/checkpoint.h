@@ -6,8 +6,11 @@
 //   auto ckpt = oomguard::Checkpointer::Create(o).value();
 //   ckpt->AddTensor("model/fc1.weight", oomguard::DType::kFloat32, {1024, 512}, w);
 //   ckpt->AddObject("optimizer/adam", save_fn, load_fn);
-//   auto resumed = ckpt->LoadLatest();        // kNotFound on a fresh directory
 //   guard_options.recovery = ckpt.get();       // saves every N steps, rolls back
+//   auto resumed = guard->Resume();            // kNotFound on a fresh directory
+// (libtorch: oomguard/torch.h registers a module, an optimizer and an LR
+// scheduler exactly.) Without a directory (o.dir empty) the checkpointer keeps
+// its saves in memory only, which is enough for the guard's rollbacks.
 //
 // Layout on disk (one directory per step, one shard per rank):
 //   <dir>/step-00000100/rank-00000.h5   tensors at /<state>/<tensor>
@@ -93,6 +96,13 @@ enum class CheckpointCompression {
 
 struct CheckpointOptions {
   // Directory holding step-NNNNNNNN/ subdirectories (created if missing).
+  // Empty: in memory only. A save (SaveAsync, and so the every_steps and
+  // after-recovery triggers) then copies the state into the in-memory
+  // snapshot, replacing the previous one, and writes nothing; the guard rolls
+  // back to it (an OOM in the optimizer step, or at the smallest
+  // micro-batch) exactly as to a checkpoint on disk. LoadLatest and Load
+  // return kNotFound, and nothing survives the process. keep_snapshot must
+  // stay on.
   std::string dir;
   // This process's rank and the number of ranks writing one checkpoint.
   int rank = 0;
@@ -176,6 +186,10 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   ~Checkpointer() override;
 
   // ---- registration (before the first save or load) ----
+  // Both return kFailedPrecondition, naming the path, once a save, snapshot,
+  // load or restore has begun: a path added later would be missing from the
+  // checkpoints already taken (every later load of them would fail), or keep
+  // its fresh value after a load.
   // A tensor at HDF5 path /<path> ("model/fc1.weight"). `data` holds
   // prod(shape) elements, row-major; an empty shape is a scalar. kCuda: device
   // memory, staged into pinned host buffers on a side stream that waits for the
@@ -213,7 +227,11 @@ class OOMGUARD_EXPORT Checkpointer : public RecoveryStore {
   // Loads the newest checkpoint that verifies; corrupt ones are skipped with
   // a warning naming the file and tensor. Returns its step. kNotFound when the
   // directory holds no committed checkpoint, kDataLoss when none verifies.
-  // On error the registered state may be partly overwritten.
+  // On error the registered state may be partly overwritten. kNotFound too
+  // for a checkpointer in memory only (CheckpointOptions::dir empty).
+  // To continue a guarded run, prefer Guard::Resume (it agrees on the step
+  // with every rank and sets the guard's step): LoadLatest is for a
+  // checkpointer used without a guard (evaluation, export, tools).
   virtual StatusOr<int64_t> LoadLatest() = 0;
   // Loads exactly `step` (kDataLoss when it does not verify).
   virtual StatusOr<int64_t> Load(int64_t step) = 0;

@@ -81,6 +81,13 @@ class OOMGUARD_EXPORT Coordinator {
   virtual int size() const = 0;
   // "local", "threads", "mpi", "nccl", "torch.distributed".
   virtual std::string engine() const = 0;
+  // An identifier of the group that is the same on every rank, agreed when
+  // the group was made (the engines that make one collectively: threads,
+  // MPI, NCCL). The guard names its run after it (GuardOptions::run_id
+  // empty), so that the incidents of every rank of one job form one run in
+  // the knowledge base. Empty: the engine has none (one rank; an engine of
+  // the user's): each guard then makes its own unless run_id is set.
+  virtual std::string job_id() const { return {}; }
 
   // Collective: every rank's `mine` (the same length on every rank),
   // concatenated in rank order into `all`, which holds size() * mine.size()

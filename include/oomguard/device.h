@@ -8,6 +8,32 @@
 //   SimulatedDevice  a capacity-limited model of a caching allocator (host memory);
 //                    what the demo and the tests run on.
 //   CudaDevice       the CUDA runtime (compiled when the toolkit is found).
+//   your own         Device is a public extension point: subclass it to give
+//                    the guard your framework's allocator (its figures and its
+//                    cache release), and pass it as GuardOptions::device. The
+//                    Python binding's TorchDevice is one such subclass.
+//
+// Writing your own. What the guard calls, and when:
+//   Stats()          at the start of each step, before and after each
+//                    micro-batch, and at an OOM. Fill what you know; 0 means
+//                    unknown. total > 0 turns on the predictive size controller
+//                    (it needs allocated, reserved, free and peak_allocated
+//                    too; num_alloc_retries, when the allocator counts its
+//                    flush-and-retry, tells it about fragmentation). With total
+//                    0 the guard sizes by search, from OOMs alone.
+//   ResetPeak()      before each micro-batch: peak_allocated from then on is
+//                    that micro-batch's peak.
+//   ReleaseCaches()  after an OOM, before the retry (after the user's cache
+//                    releasers): give cached, unused memory back.
+//   Name()           in log lines and incidents.
+//   Allocate/Free    only through DeviceBuffer (the demo's own buffers); the
+//                    guard never allocates. A device whose framework allocates
+//                    by itself may throw std::logic_error from Allocate.
+// Methods must not throw, but Allocate with DeviceOomError when full. The
+// out-of-memory errors of your framework reach the guard from your micro
+// callback: std::bad_alloc, DeviceOomError/HostOomError, c10 errors (with
+// oomguard::torch) and messages that say "out of memory" are recognised;
+// another exception type can be taught with RegisterOomTranslator (oom.h).
 //
 // Thread-safety: every Device method may be called from any thread.
 #ifndef OOMGUARD_DEVICE_H_

@@ -1,7 +1,10 @@
 // Guard: runs one optimizer step so that out-of-memory errors inside it are
-// survived without changing the result, on one rank or on many.
+// survived without changing the result, on one rank or on many. (libtorch:
+// oomguard/torch.h's TrainStep drives a Guard for you.)
 //
-//   auto guard = oomguard::Guard::Create(options).value();
+//   auto created = oomguard::Guard::Create(options);
+//   if (!created.ok()) { std::cerr << created.status() << "\n"; return 1; }  // names the bad field
+//   std::unique_ptr<oomguard::Guard> guard = std::move(created).value();
 //   oomguard::StepRequest req;
 //   req.samples = batch.size();
 //   req.micro = [&](const oomguard::MicroBatch& mb) {
@@ -78,14 +81,16 @@ struct StepRequest {
   // passed the guard sums them in place over ranks, each rank's contribution
   // scaled by its share of the global batch, so they then hold the global
   // batch's mean. Every rank returns the same shapes. Not set: nothing but
-  // the status words is summed (one rank, or gradients synchronised elsewhere).
+  // the status words is summed (one rank, or gradients synchronised
+  // elsewhere). With one rank there is nothing to sum: leave it unset.
   std::function<std::vector<SumBuffer>()> sync;
   // The optimizer step. Runs once per step, after every rank's sync
   // succeeded; an OOM inside rolls every rank back to the same step.
   std::function<void()> apply;
-  // Zeroes accumulated gradients (and whatever `sync` sums). Needed to redo a
-  // step after an OOM in backward, or after another rank failed before its
-  // apply. Required when the step trains (`apply` or `sync` set) or runs on
+  // Zeroes accumulated gradients (and whatever `sync` sums). Called only to
+  // redo a step (after an OOM in backward, or after another rank failed
+  // before its apply), not at the start of every step: zero your own
+  // per-step accumulators (the loss sum) where the step begins, too. Required when the step trains (`apply` or `sync` set) or runs on
   // more than one rank: without it Step returns kFailedPrecondition on entry,
   // before any micro-batch runs, instead of at the first OOM in backward.
   std::function<void()> reset;
@@ -190,7 +195,8 @@ class OOMGUARD_EXPORT Guard {
 
   // The number of the next step (starts at 0; Step advances it on success).
   virtual int64_t step() const = 0;
-  // Sets the next step number (after resuming from a checkpoint).
+  // Sets the next step number. Not needed to resume: Resume() sets it (the
+  // one resume idiom); this is for a run that numbers its steps itself.
   // kInvalidArgument unless 0 <= step <= kMaxStep (a checkpoint of a step
   // outside could never be loaded); kFailedPrecondition inside a step.
   [[nodiscard]] virtual Status SetStep(int64_t step) = 0;

@@ -8,9 +8,10 @@
 //   oomguard::GuardOptions o;
 //   o.workload = "mlp-h256-fp64";
 //   o.incidents = kb->sink();
-//   if (auto prior = kb->PriorMicroBatch(o.workload)) o.initial_micro_batch = *prior;
-//   ... after each OK step: (void)kb->RecordCleanMicroBatch(o.workload, report.largest_micro);
+//   o.priors = kb.get();   // the guard starts from the learned size and records clean steps itself
 //   ... at the end: (void)kb->Flush();
+// (PriorMicroBatch and RecordCleanMicroBatch are what the guard calls through
+// GuardOptions::priors; call them yourself only without a guard.)
 //
 // Writes from sink() and RecordCleanMicroBatch go through one bounded queue
 // drained by a background writer thread: the training thread copies the
@@ -202,9 +203,12 @@ class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
   std::optional<int64_t> PriorMicroBatch(const std::string& workload) override = 0;
 
   // Notes that a micro-batch of `size` ran clean for `workload`. Queued like
-  // Record (never blocks). The stored prior only grows from clean steps, except
-  // that once this session recorded an OOM for the workload, the session's own
-  // largest clean size after that OOM replaces it (memory conditions changed).
+  // Record (never blocks). Once this session recorded a real OOM for the
+  // workload, the session's own largest clean size after that OOM replaces
+  // the stored prior (memory conditions changed) or creates it. Before that
+  // (no OOM, or only injected ones, which say nothing about memory) clean
+  // sizes only raise an existing prior: a session that met no limit has
+  // learned none, and must not make the next run start lower.
   // kInvalidArgument when workload is empty or size < 1.
   Status RecordCleanMicroBatch(const std::string& workload, int64_t size) override = 0;
 

@@ -55,7 +55,8 @@ struct GuardOptions {
   bool uniform_micro_batch = false;
   // Deadline for each coordinator call, in milliseconds.
   int64_t vote_deadline_ms = 60000;
-  // Run identifier stored on incidents ("" : generated).
+  // Run identifier stored on incidents. "": the coordinator's job_id() (the
+  // same on every rank of a job), else a random one per guard.
   std::string run_id;
   // Workload signature (model, sequence length, dtype, ...): groups incidents
   // and keys learned micro-batch priors.

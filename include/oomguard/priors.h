@@ -32,6 +32,15 @@ struct SizeModel {
   double noise_bytes = 0;         // what the fit does not explain; the headroom follows it
 };
 
+// The key under which the guard of rank `rank` of `world_size` keeps the
+// priors of `workload`: the workload itself on one rank, "<workload> [rank
+// r/n]" on several. Ranks may differ in memory (rank imbalance, pipeline
+// stages), so one rank's OOM must not set another rank's starting size; and
+// a knowledge base shared by the ranks of a job keeps each rank's lesson
+// apart. The guard asks and records under this key; the knowledge base
+// matches an incident (workload, rank, world_size) to it.
+OOMGUARD_EXPORT std::string PriorKey(const std::string& workload, int rank, int world_size);
+
 class OOMGUARD_EXPORT MicroBatchPriors {
  public:
   virtual ~MicroBatchPriors();

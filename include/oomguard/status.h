@@ -14,6 +14,7 @@
 #define OOMGUARD_STATUS_H_
 
 #include <cassert>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -81,8 +82,29 @@ class [[nodiscard, gnu::visibility("default")]] Status {
 
 OOMGUARD_EXPORT std::ostream& operator<<(std::ostream& os, const Status& s);
 
-// A value or a non-OK Status. Accessing value() of a non-OK StatusOr is a
-// programming error (asserts in debug builds).
+// Thrown by StatusOr<T>::value() (and *, ->) on a StatusOr that holds an
+// error, in every build type: reading a value that is not there is a bug in
+// the caller, and it must stop the program with the reason rather than run
+// on garbage. Uncaught, the C++ runtime prints what(), which holds the
+// status ("StatusOr::value() on an error: INVALID_ARGUMENT: ...").
+class OOMGUARD_EXPORT BadStatusOrAccess : public std::exception {
+ public:
+  explicit BadStatusOrAccess(Status status);
+  const char* what() const noexcept override;
+  const Status& status() const { return status_; }
+
+ private:
+  Status status_;
+  std::string what_;
+};
+
+namespace internal {
+[[noreturn]] OOMGUARD_EXPORT void ThrowBadStatusOrAccess(const Status& status);
+}  // namespace internal
+
+// A value or a non-OK Status. Test ok() (or status()) before reading the
+// value: value(), operator* and operator-> of an error throw
+// BadStatusOrAccess naming the status, whatever the build type.
 template <typename T>
 class [[nodiscard]] StatusOr {
  public:
@@ -94,12 +116,21 @@ class [[nodiscard]] StatusOr {
 
   bool ok() const { return status_.ok(); }
   const Status& status() const { return status_; }
-  const T& value() const& { assert(ok()); return *value_; }
-  T& value() & { assert(ok()); return *value_; }
+  const T& value() const& {
+    if (!ok()) internal::ThrowBadStatusOrAccess(status_);
+    return *value_;
+  }
+  T& value() & {
+    if (!ok()) internal::ThrowBadStatusOrAccess(status_);
+    return *value_;
+  }
   // By value from an rvalue, so that `for (auto& x : F().value())` and
   // `auto&& v = *F();` hold the value itself, not a reference into the
   // temporary StatusOr that dies at the end of the full expression.
-  T value() && { assert(ok()); return std::move(*value_); }
+  T value() && {
+    if (!ok()) internal::ThrowBadStatusOrAccess(status_);
+    return std::move(*value_);
+  }
   const T& operator*() const& { return value(); }
   T& operator*() & { return value(); }
   T operator*() && { return std::move(*this).value(); }

@@ -9,7 +9,10 @@ namespace oomguard {
 
 StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument("CheckpointOptions." + m); };
-  if (o.dir.empty()) return bad("dir must be set");
+  // Without a directory the checkpointer keeps its saves in host memory
+  // only: the snapshot is then all it has, so it must be kept.
+  if (o.dir.empty() && !o.keep_snapshot)
+    return bad("keep_snapshot must be on when dir is empty (in memory only, the snapshot is all a save keeps)");
   if (o.world_size < 1) return bad("world_size must be >= 1 (got " + std::to_string(o.world_size) + ")");
   if (o.rank < 0 || o.rank >= o.world_size)
     return bad("rank must be in [0, world_size) (got " + std::to_string(o.rank) + ")");
@@ -33,6 +36,13 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
     return bad("stage_threads must be in [0, " + std::to_string(kMaxCheckpointThreads) + "] (got " +
                std::to_string(o.stage_threads) + ")");
   OOMGUARD_RETURN_IF_ERROR(ckpt::CheckReadsSetting());
+  if (o.dir.empty()) {
+    try {
+      return std::unique_ptr<Checkpointer>(std::make_unique<ckpt_internal::CheckpointerImpl>(o));
+    } catch (const std::system_error& e) {
+      return Status::ResourceExhausted(std::string("cannot start the checkpointer's threads: ") + e.what());
+    }
+  }
   std::error_code ec;
   std::filesystem::create_directories(o.dir, ec);
   if (ec)

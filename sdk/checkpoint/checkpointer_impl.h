@@ -205,6 +205,7 @@ class CheckpointerImpl final : public Checkpointer {
                             ? o.stage_threads
                             : std::min(4, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
     if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
+    if (in_memory()) return;  // nothing on disk to find, nothing to write
     for (int64_t step : CommittedSteps(o_.dir))
       if (fs::exists(ShardPath(step))) durable_.insert(step);
     RemoveLeftovers();
@@ -217,12 +218,13 @@ class CheckpointerImpl final : public Checkpointer {
       stop_ = true;
     }
     cv_.notify_all();
-    writer_.join();
+    if (writer_.joinable()) writer_.join();
   }
 
   Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
                    MemoryLocation location) override {
     OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+    OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddTensor", path));
     int64_t elems = 1;
     for (int64_t d : shape) {
       if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
@@ -244,6 +246,7 @@ class CheckpointerImpl final : public Checkpointer {
   Status AddObject(std::string path, std::function<std::vector<uint8_t>()> save,
                    std::function<Status(std::span<const uint8_t>)> load) override {
     OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+    OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddObject", path));
     if (!save || !load) return Status::InvalidArgument("AddObject(" + path + "): save and load must be set");
     Entry e;
     e.path = std::move(path);
@@ -264,6 +267,7 @@ class CheckpointerImpl final : public Checkpointer {
 
   StatusOr<int64_t> LoadLatest() override;
   StatusOr<int64_t> Load(int64_t step) override {
+    if (in_memory()) return NothingOnDisk();
     (void)Wait();
     Status s = LoadStep(step);
     if (!s.ok()) return s;
@@ -337,6 +341,22 @@ class CheckpointerImpl final : public Checkpointer {
   }
 
  private:
+  // CheckpointOptions::dir is empty: saves are kept in host memory only.
+  bool in_memory() const { return o_.dir.empty(); }
+  Status NothingOnDisk() const {
+    return Status::NotFound("this checkpointer keeps its saves in memory only (CheckpointOptions.dir is empty): "
+                            "there is no checkpoint on disk to load");
+  }
+  // The registered state is fixed from the first save, snapshot or load on:
+  // a path added later would be missing from the checkpoints already taken,
+  // and every load of them would fail (or, after a load, it would silently
+  // keep its fresh value).
+  Status CheckRegistrationOpen(std::string_view call, const std::string& path) const {
+    if (!state_used_) return Status::Ok();
+    return Status::FailedPrecondition(std::string(call) + ": /" + ckpt::PrintableName(path) +
+                                      " registered after the checkpointer was first used (a save, snapshot, load "
+                                      "or restore): register all state before, or checkpoints would not hold it");
+  }
   // A state path is a dataset's name in the shard: groups separated by '/'.
   // HDF5 would cut a name at a NUL byte and resolve "." and ".." components,
   // so a checkpoint with such a path could never be loaded; a path deeper
@@ -432,6 +452,9 @@ class CheckpointerImpl final : public Checkpointer {
   std::shared_ptr<ckpt::DirLock> dir_lock_;
   const CheckpointOptions o_;
   std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
+  // Training thread only: a save was staged, a snapshot taken, or a load or
+  // restore began (it may have written into the registered state).
+  bool state_used_ = false;
   std::unique_ptr<ckpt::ThreadPool> pool_;
   std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
   ckpt::FramePool frames_;                        // compressed-frame buffers, reused by every save

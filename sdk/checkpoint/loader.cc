@@ -7,6 +7,8 @@
 namespace oomguard::ckpt_internal {
 
 Status CheckpointerImpl::LoadStep(int64_t step) {
+  if (in_memory()) return NothingOnDisk();
+  state_used_ = true;
   const std::string dir = StepDir(step);
   auto m = ckpt::ReadStepManifest(dir, step);
   if (!m.ok()) return m.status();
@@ -104,6 +106,7 @@ void CheckpointerImpl::RecordCorrupt(int64_t step, const Status& why) {
 }
 
 StatusOr<int64_t> CheckpointerImpl::LoadLatest() {
+  if (in_memory()) return NothingOnDisk();
   (void)Wait();
   std::vector<int64_t> steps = CommittedSteps(o_.dir, /*include_linked=*/true);
   if (steps.empty()) return Status::NotFound("no committed checkpoint in " + o_.dir);
@@ -124,6 +127,7 @@ Status CheckpointerImpl::Restore(int64_t step) {
     if (retained_ && retained_->step == step) snap = retained_;
   }
   if (snap) {
+    state_used_ = true;
     // The writer only reads a snapshot, so copying out of it is safe while it is written.
     if (copier_ != nullptr) OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
     for (size_t i = 0; i < entries_.size(); ++i) {
@@ -146,6 +150,9 @@ Status CheckpointerImpl::Restore(int64_t step) {
     ++stats_.restores_from_memory;
     return Status::Ok();
   }
+  if (in_memory())
+    return Status::NotFound("cannot restore step " + std::to_string(step) +
+                            ": it is not the snapshot held in memory, and this checkpointer has no directory");
   (void)Wait();
   // Exactly this step: a rollback that quietly landed on an older one would
   // leave this rank out of step with the others.

@@ -139,6 +139,8 @@ Status CheckpointerImpl::Snapshot(int64_t step) {
   std::shared_ptr<StagedState> old = std::move(retained_);
   retained_ = *snap;
   if (old && !old->writing && !spare_) spare_ = std::move(old);
+  stats_.state_bytes = need;
+  state_used_ = true;  // a step of the registered state is held
   return Status::Ok();
 }
 
@@ -200,6 +202,13 @@ Status CheckpointerImpl::Stage(int64_t step, bool* queued) {
     std::lock_guard<std::mutex> lk(mu_);
     ++stats_.saves_started;
   }
+  if (in_memory()) {
+    // No directory: the save is the in-memory snapshot (rollback without disk).
+    OOMGUARD_RETURN_IF_ERROR(Snapshot(step));
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.stall_ms.push_back(MsSince(t0));
+    return Status::Ok();
+  }
   // Objects serialise first: their size is part of the state's size.
   std::vector<std::vector<uint8_t>> object_bytes(entries_.size());
   int64_t need = 0;
@@ -232,6 +241,7 @@ Status CheckpointerImpl::Stage(int64_t step, bool* queued) {
       stats_.stall_ms.push_back(MsSince(t0));
       queue_.push_back(std::move(job));
       *queued = true;
+      state_used_ = true;  // a step of the registered state is on its way to disk
     }
     cv_.notify_all();
   } else {
@@ -262,6 +272,7 @@ Status CheckpointerImpl::Stage(int64_t step, bool* queued) {
       stats_.state_bytes = need;
       queue_.push_back(std::move(job));
       *queued = true;  // from here the writer reports what goes wrong
+      state_used_ = true;
     }
     cv_.notify_all();
     // From here the writer waits for pieces: any way out of this function

@@ -41,4 +41,13 @@ std::string Status::ToString() const {
 
 std::ostream& operator<<(std::ostream& os, const Status& s) { return os << s.ToString(); }
 
+BadStatusOrAccess::BadStatusOrAccess(Status status)
+    : status_(std::move(status)), what_("StatusOr::value() on an error: " + status_.ToString()) {}
+
+const char* BadStatusOrAccess::what() const noexcept { return what_.c_str(); }
+
+namespace internal {
+void ThrowBadStatusOrAccess(const Status& status) { throw BadStatusOrAccess(status); }
+}  // namespace internal
+
 }  // namespace oomguard

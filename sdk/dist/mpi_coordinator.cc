@@ -16,6 +16,7 @@
 #include <cstring>
 #include <thread>
 
+#include "sdk/core/ids.h"
 #include "sdk/dist/host_buffers.h"
 
 namespace oomguard {
@@ -52,11 +53,13 @@ class WorldErrorsReturn {
 
 class MpiCoordinator final : public Coordinator {
  public:
-  MpiCoordinator(MPI_Comm comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
+  MpiCoordinator(MPI_Comm comm, int rank, int size, std::string job_id)
+      : comm_(comm), rank_(rank), size_(size), job_id_(std::move(job_id)) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string engine() const override { return "mpi"; }
+  std::string job_id() const override { return job_id_; }
 
   Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all,
                    std::chrono::milliseconds deadline) override {
@@ -146,6 +149,7 @@ class MpiCoordinator final : public Coordinator {
 
   MPI_Comm comm_;
   int rank_, size_;
+  std::string job_id_;
   std::atomic<bool> broken_{false};
 };
 
@@ -177,7 +181,17 @@ StatusOr<std::unique_ptr<Coordinator>> MakeMpiCoordinator() {
   int rank = 0, size = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
-  return std::unique_ptr<Coordinator>(new MpiCoordinator(comm, rank, size));
+  // The job's id, rank 0's, on every rank: every rank is here (MPI_Comm_dup
+  // is collective), so one broadcast at creation costs the steps nothing.
+  char id[16];
+  const std::string mine = internal::RandomHex16();
+  std::memcpy(id, mine.data(), sizeof(id));
+  rc = MPI_Bcast(id, sizeof(id), MPI_CHAR, 0, comm);
+  if (rc != MPI_SUCCESS) {
+    MPI_Comm_free(&comm);
+    return Status::Unavailable("MPI_Bcast of the job id failed: " + MpiError(rc));
+  }
+  return std::unique_ptr<Coordinator>(new MpiCoordinator(comm, rank, size, std::string(id, sizeof(id))));
 }
 
 }  // namespace oomguard

@@ -22,6 +22,8 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -113,6 +115,8 @@ class NcclCoordinator final : public Coordinator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string engine() const override { return "nccl"; }
+  std::string job_id() const override { return job_id_; }
+  void set_job_id(std::string id) { job_id_ = std::move(id); }
 
   Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all,
                    std::chrono::milliseconds deadline) override {
@@ -314,6 +318,7 @@ class NcclCoordinator final : public Coordinator {
   cudaStream_t stream_;
   cudaEvent_t done_;
   int rank_, size_, device_;
+  std::string job_id_;
   void* records_ = nullptr;  // device: size * kRecordWordsPerRank int64
   void* stage_ = nullptr;    // device: host buffers of a sum
   void* host_ = nullptr;     // pinned host staging
@@ -372,6 +377,13 @@ StatusOr<std::unique_ptr<Coordinator>> MakeNcclCoordinator(int rank, int size, c
     return NcclStatus("ncclCommInitRank", r);
   }
   auto coord = std::make_unique<NcclCoordinator>(comm, stream, done, rank, size, cuda_device);
+  // The job's id from the communicator's unique id, which every rank holds:
+  // 64-bit FNV-1a, the same on every rank and different for every job.
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : id) h = (h ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  coord->set_job_id(hex);
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
   OOMGUARD_RETURN_IF_ERROR(coord->Prepare(std::max(left, std::chrono::milliseconds(1))));
   return std::unique_ptr<Coordinator>(std::move(coord));

@@ -16,6 +16,7 @@
 #include <mutex>
 
 #include "oomguard/coordinator.h"
+#include "sdk/core/ids.h"
 #include "sdk/dist/host_buffers.h"
 
 namespace oomguard {
@@ -143,11 +144,13 @@ void SumInt64(const std::vector<Slot>& all, size_t offset, int64_t count, int64_
 
 class ThreadGroupCoordinator final : public Coordinator {
  public:
-  ThreadGroupCoordinator(std::shared_ptr<Group> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  ThreadGroupCoordinator(std::shared_ptr<Group> group, int rank, std::string job_id)
+      : group_(std::move(group)), rank_(rank), job_id_(std::move(job_id)) {}
 
   int rank() const override { return rank_; }
   int size() const override { return group_->size(); }
   std::string engine() const override { return "threads"; }
+  std::string job_id() const override { return job_id_; }
 
   Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all,
                    std::chrono::milliseconds deadline) override {
@@ -203,6 +206,7 @@ class ThreadGroupCoordinator final : public Coordinator {
  private:
   std::shared_ptr<Group> group_;
   int rank_;
+  std::string job_id_;
 };
 
 }  // namespace
@@ -211,7 +215,8 @@ StatusOr<std::vector<std::unique_ptr<Coordinator>>> MakeThreadGroup(int size) {
   if (size < 1) return Status::InvalidArgument("MakeThreadGroup: size must be >= 1 (got " + std::to_string(size) + ")");
   auto group = std::make_shared<Group>(size);
   std::vector<std::unique_ptr<Coordinator>> out;
-  for (int r = 0; r < size; ++r) out.push_back(std::make_unique<ThreadGroupCoordinator>(group, r));
+  const std::string job_id = internal::RandomHex16();
+  for (int r = 0; r < size; ++r) out.push_back(std::make_unique<ThreadGroupCoordinator>(group, r, job_id));
   return out;
 }
 

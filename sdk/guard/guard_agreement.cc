@@ -170,10 +170,10 @@ void GuardImpl::CommitStep(Run& run) {
   }
   ++steps_ok_since_oom_;
   if (options_.priors != nullptr && !options_.workload.empty() && run.largest > 0) {
-    Status p = options_.priors->RecordCleanMicroBatch(options_.workload, run.largest);
+    Status p = options_.priors->RecordCleanMicroBatch(prior_key_, run.largest);
     if (!p.ok()) Logger()->debug("recording the clean micro-batch failed: {}", p.ToString());
     if (auto model = controller_.model()) {
-      p = options_.priors->RecordModel(options_.workload, *model);
+      p = options_.priors->RecordModel(prior_key_, *model);
       if (!p.ok()) Logger()->debug("recording the memory model failed: {}", p.ToString());
     }
   }

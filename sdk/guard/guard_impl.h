@@ -131,26 +131,30 @@ class GuardImpl final : public Guard {
   explicit GuardImpl(const GuardOptions& o)
       : options_(o),
         controller_(ControllerOptions(o)),
-        run_id_(o.run_id.empty() ? internal::RandomHex16() : o.run_id),
+        run_id_(o.run_id),
         own_coordinator_(o.coordinator == nullptr ? MakeLocalCoordinator() : nullptr),
         coordinator_(o.coordinator != nullptr ? o.coordinator : own_coordinator_.get()),
         channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)) {
+    // One job, one run: every rank takes the group's id when nobody named the run.
+    if (run_id_.empty()) run_id_ = coordinator_->job_id();
+    if (run_id_.empty()) run_id_ = internal::RandomHex16();
+    prior_key_ = PriorKey(options_.workload, coordinator_->rank(), coordinator_->size());
     if (options_.priors != nullptr && !options_.workload.empty()) {
       // A learned model gives the size that fits on this device at the first
       // step's figures; without one (or a device), the learned size.
       std::optional<SizeModel> model;
       if (controller_.options().policy == SizePolicy::kPredictive && options_.device != nullptr)
-        model = options_.priors->PriorModel(options_.workload);
+        model = options_.priors->PriorModel(prior_key_);
       if (model && model->unit_bytes > 0) {
         controller_.AdoptPrior(*model);
         // Until the first step's figures give the size for this device, the
         // learned size is the best guess (what micro_limit() reports).
-        if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+        if (auto prior = options_.priors->PriorMicroBatch(prior_key_);
             prior && *prior >= 1 && *prior < controller_.limit())
           controller_.SetLimit(*prior);
         Logger()->info("workload '{}': starting from the learned memory model ({} per unit)",
                        options_.workload, FormatBytes(model->unit_bytes));
-      } else if (auto prior = options_.priors->PriorMicroBatch(options_.workload);
+      } else if (auto prior = options_.priors->PriorMicroBatch(prior_key_);
                  prior && *prior >= 1 && *prior < controller_.limit()) {
         controller_.AdoptPrior(*prior);
         Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
@@ -446,6 +450,7 @@ class GuardImpl final : public Guard {
   // Evaluate's own limit (kSearch from the training limit), made on first use.
   std::optional<SizeController> eval_controller_;
   std::string run_id_;
+  std::string prior_key_;  // PriorKey(workload, rank, world size): this rank's priors
   std::unique_ptr<Coordinator> own_coordinator_;
   Coordinator* coordinator_ = nullptr;
   internal::StepChannel channel_;

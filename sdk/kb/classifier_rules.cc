@@ -364,7 +364,10 @@ std::optional<Candidate> ActivationSpike(const Facts& f) {
 }
 
 std::optional<Candidate> OptimizerState(const Facts& f) {
-  const bool opt_phase = f.phase == "optimizer" || f.phase == "commit";
+  // Only the optimizer phase: "commit" is the guard's end of the local work
+  // (the sync buffers, the vote and the gradient sum), which holds gradients
+  // and communication buffers, not optimizer state.
+  const bool opt_phase = f.phase == "optimizer";
   const std::string ctx = text::Lower(f.inc.context);
   if (opt_phase && (f.AtFirstStep() || f.cues.said_first || Contains(ctx, "initialize(")))
     return Make("optimizer_state", 0.85,
@@ -424,7 +427,7 @@ std::optional<Candidate> GradualGrowth(const Facts& f) {
 }
 
 std::optional<Candidate> StartupCapacity(const Facts& f) {
-  if (f.kind == "host" || f.phase == "optimizer" || f.phase == "commit") return std::nullopt;
+  if (f.kind == "host" || f.phase == "optimizer") return std::nullopt;
   if (f.RanBefore()) return std::nullopt;
   std::string figures;
   if (f.total && f.requested)

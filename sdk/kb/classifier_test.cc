@@ -72,6 +72,23 @@ TEST(ClassifierTest, FirstStepIsStartupCapacity) {
   EXPECT_EQ(ClassifyIncident(i).pattern, "optimizer_state");
 }
 
+// The guard records an OOM in the sync buffers, at the vote or in the
+// gradient sum as phase "commit": gradients and communication buffers, not
+// the optimizer's state, whatever the step.
+TEST(ClassifierTest, SyncAndVoteOomsAreNotOptimizerState) {
+  Incident i = Base();
+  i.phase = Phase::kCommit;
+  for (int64_t step : {0, 1, 100}) {
+    i.step = step;
+    i.steps_ok_before = step == 0 ? 0 : step;
+    Classification c = ClassifyIncident(i);
+    EXPECT_NE(c.pattern, "optimizer_state") << "step " << step << ": " << c.evidence;
+  }
+  i.step = 0;
+  i.steps_ok_before = 0;
+  EXPECT_EQ(ClassifyIncident(i).pattern, "startup_capacity") << "the step's own buffers do not fit from the start";
+}
+
 TEST(ClassifierTest, OomRightAfterTheFirstOptimizerStepIsOptimizerState) {
   // Adam creates its moments in the first optimizer step, so the second
   // iteration's forward is the first to run beside them.

@@ -78,7 +78,7 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
       std::unique_lock<std::mutex> lock(mu_);
       if (is_record && !incident.injected && !incident.workload.empty()) {
         // An OOM invalidates clean sizes seen so far in this session (see RecordCleanMicroBatch).
-        SessionPrior& sp = session_priors_[incident.workload];
+        SessionPrior& sp = session_priors_[PriorKey(incident.workload, incident.rank, incident.world_size)];
         sp.saw_oom = true;
         sp.best = 0;
       }

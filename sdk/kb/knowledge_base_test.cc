@@ -121,13 +121,26 @@ TEST_F(KnowledgeBaseTest, QueryFiltersAndGroups) {
   EXPECT_EQ((*groups)[0].last_id, "id4");
 }
 
-TEST_F(KnowledgeBaseTest, PriorsGrowFromCleanStepsAndResetAfterAnOom) {
+TEST_F(KnowledgeBaseTest, PriorsComeFromRealOomsAndGrowFromCleanSteps) {
   {
+    // A session whose only OOM was injected met no limit: it learned
+    // nothing, and the next run must not start at the halved size.
     auto kb = KnowledgeBase::Open(path_);
     ASSERT_TRUE(kb.ok());
     EXPECT_FALSE((*kb)->PriorMicroBatch("w").has_value());
     EXPECT_EQ((*kb)->RecordCleanMicroBatch("", 4).code(), StatusCode::kInvalidArgument);
     EXPECT_EQ((*kb)->RecordCleanMicroBatch("w", 0).code(), StatusCode::kInvalidArgument);
+    Incident injected = Make("injected", 0);
+    injected.injected = true;
+    (*kb)->sink()->Record(injected);
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 32).ok());
+    ASSERT_TRUE((*kb)->Flush().ok());
+    EXPECT_FALSE((*kb)->PriorMicroBatch("w").has_value()) << "an injected OOM taught a prior";
+  }
+  {
+    // A real OOM: the session's clean size after it is the prior.
+    auto kb = KnowledgeBase::Open(path_);
+    (*kb)->sink()->Record(Make("oom1", 3));
     ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 64).ok());
     ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 32).ok());
     ASSERT_TRUE((*kb)->Flush().ok());
@@ -139,11 +152,14 @@ TEST_F(KnowledgeBaseTest, PriorsGrowFromCleanStepsAndResetAfterAnOom) {
     ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 16).ok());
     ASSERT_TRUE((*kb)->Flush().ok());
     EXPECT_EQ((*kb)->PriorMicroBatch("w"), 64);
+    ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 96).ok());
+    ASSERT_TRUE((*kb)->Flush().ok());
+    EXPECT_EQ((*kb)->PriorMicroBatch("w"), 96);
   }
   {
     // After an OOM for the workload, the session's clean size replaces it.
     auto kb = KnowledgeBase::Open(path_);
-    (*kb)->sink()->Record(Make("oom", 3));
+    (*kb)->sink()->Record(Make("oom2", 3));
     ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 24).ok());
     ASSERT_TRUE((*kb)->Flush().ok());
     EXPECT_EQ((*kb)->PriorMicroBatch("w"), 24);
@@ -167,6 +183,7 @@ TEST_F(KnowledgeBaseTest, PriorModelsRoundTripAndTheLatestReplacesThem) {
     SizeModel flat = m;
     flat.unit_bytes = 0;
     EXPECT_EQ((*kb)->RecordModel("w", flat).code(), StatusCode::kInvalidArgument);
+    (*kb)->sink()->Record(Make("oom", 3));  // a size prior comes from a session that met a real OOM
     ASSERT_TRUE((*kb)->RecordCleanMicroBatch("w", 3900).ok());
     ASSERT_TRUE((*kb)->RecordModel("w", m).ok());
     const int64_t queued = (*kb)->sink_stats().enqueued;

@@ -275,11 +275,12 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
   if (!priors.empty()) {
     Stmt up(db_,
             "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES(?1, ?2, ?3)"
-            " ON CONFLICT(workload) DO UPDATE SET"
-            " micro_batch = CASE WHEN ?4 THEN excluded.micro_batch"
-            "                    ELSE max(micro_batch, excluded.micro_batch) END,"
+            " ON CONFLICT(workload) DO UPDATE SET micro_batch = excluded.micro_batch,"
             " updated_unix_ms = excluded.updated_unix_ms");
     if (up.prepare_rc() != SQLITE_OK) return fail(Error(up.prepare_rc(), "prepare prior"));
+    Stmt raise(db_,
+               "UPDATE priors SET micro_batch = ?2, updated_unix_ms = ?3 WHERE workload = ?1 AND micro_batch < ?2");
+    if (raise.prepare_rc() != SQLITE_OK) return fail(Error(raise.prepare_rc(), "prepare prior raise"));
     Stmt model(db_,
                "INSERT INTO prior_models(workload, model, updated_unix_ms) VALUES(?1, ?2, ?3)"
                " ON CONFLICT(workload) DO UPDATE SET model = excluded.model,"
@@ -287,12 +288,12 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
     if (model.prepare_rc() != SQLITE_OK) return fail(Error(model.prepare_rc(), "prepare prior model"));
     for (const PriorUpdate& p : priors) {
       if (p.micro_batch > 0) {
-        sqlite3_reset(up.get());
-        up.Bind(1, p.workload);
-        up.Bind(2, p.micro_batch);
-        up.Bind(3, internal::NowUnixMs());
-        up.Bind(4, static_cast<int64_t>(p.replace ? 1 : 0));
-        int rc = up.Step();
+        Stmt& st = p.replace ? up : raise;
+        sqlite3_reset(st.get());
+        st.Bind(1, p.workload);
+        st.Bind(2, p.micro_batch);
+        st.Bind(3, internal::NowUnixMs());
+        int rc = st.Step();
         if (rc != SQLITE_DONE) return fail(Error(rc, "update prior"));
       }
       if (p.model) {

@@ -55,7 +55,10 @@ inline constexpr int kSchemaVersion = 3;
 struct PriorUpdate {
   std::string workload;
   int64_t micro_batch = 0;         // 0: no size to update
-  bool replace = false;            // true: overwrite; false: keep the larger
+  // true: overwrite (or create) the prior; false: raise an existing prior
+  // only. A session that met no real OOM has learned no limit: its clean
+  // sizes say what ran, not what does not fit, so they never create one.
+  bool replace = false;
   std::optional<SizeModel> model;  // replaces the stored model when set
 };
 

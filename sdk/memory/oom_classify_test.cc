@@ -319,7 +319,7 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"mmap failed: Cannot allocate memory", OomKind::kHost, 0},
       // Shared memory exhausted (tahoebio/tahoe-x1#63).
       {"DataLoader crashed with Bus error / No space left on device due to the 64 MB /dev/shm", OomKind::kHost, 0},
-      // The torch budget's caching device (sdk/memory/torch_budget_allocator.cc).
+      // The torch budget's caching device (sdk/torch/torch_budget.cc).
       {"Budget device out of memory. Tried to allocate 2.00 MiB. Device budget:0 has a total capacity of 8.00 MiB "
        "of which 1.00 MiB is free.",
        OomKind::kDevice, 2 * kMiB},

@@ -145,6 +145,36 @@ TEST(MpiGuard, OomOnEveryRank) {
   EXPECT_EQ(o.applies, 2);
 }
 
+// Issue 30: an OOM on rank 1 leaves every other rank's micro-batch where it
+// was (each rank learns its own size unless uniform_micro_batch), and an
+// injected OOM teaches rank 1 nothing: it grows back.
+TEST(MpiGuard, AnOomOnOneRankLeavesTheOtherRanksSize) {
+  GuardOptions opt;
+  opt.grow_after = 2;
+  Outcome o = RunSteps("oom@step=1,rank=1,site=forward", 8, opt);
+  ASSERT_EQ(o.statuses.size(), 8u);
+  for (const Status& s : o.statuses) EXPECT_TRUE(s.ok()) << s;
+  for (size_t s = 0; s < o.reports.size(); ++s)
+    if (g_coord->rank() != 1) EXPECT_GE(o.reports[s].limit_after, 16) << "rank " << g_coord->rank() << " step " << s;
+  if (g_coord->rank() == 1) EXPECT_EQ(o.reports[1].limit_after, 8);
+  EXPECT_GE(o.reports.back().limit_after, 16) << "rank " << g_coord->rank() << " grows back to (or past) its size";
+}
+
+// Issue 30: the ranks of one job record one run: each guard takes the job id
+// the MPI coordinator agreed on when it was made.
+TEST(MpiGuard, EveryRankNamesItsRunAfterTheJob) {
+  GuardOptions o;
+  o.coordinator = g_coord;
+  auto guard = Guard::Create(o).value();
+  const std::string id = guard->run_id();
+  EXPECT_EQ(id.size(), 16u) << id;
+  EXPECT_EQ(id, g_coord->job_id());
+  int64_t mine = static_cast<int64_t>(std::strtoull(id.c_str(), nullptr, 16));
+  std::vector<int64_t> all(static_cast<size_t>(g_coord->size()));
+  ASSERT_TRUE(g_coord->Allgather({&mine, 1}, all, milliseconds(10000)).ok());
+  for (size_t r = 0; r < all.size(); ++r) EXPECT_EQ(all[r], mine) << "rank " << r << "'s run id";
+}
+
 TEST(MpiGuard, OomInApplyOnOneRankRollsEveryRankBackInThatStep) {
   for (int step : {2, 3}) {  // 3 is the last step: nothing after it would carry the rollback
     Outcome o = RunSteps("oom@step=" + std::to_string(step) + ",rank=3,site=optimizer", 4);

@@ -6,16 +6,17 @@
 #
 #   tests/gpu/build_libtorch_train.sh BUNDLE OUT PYTHON
 #
-# Writes OUT/libtorch_train (rpath: BUNDLE/lib and torch's lib/). Four
+# Writes OUT/libtorch_train (rpath: BUNDLE/lib and torch's lib/). Six
 # translation units, compiled side by side with the machine's compiler (CXX,
 # a launcher such as ccache first if wanted): the example, its MLP helpers,
-# the budgeted CPU allocator, and sdk/memory/torch_oom.cc, the c10 OOM
-# translator of liboomguard_torch. That one is compiled in rather than carried
-# as the bundle's liboomguard_torch.so: a library built here would be linked to
-# this machine's libc10, while compiled there it sees the c10 types of the very
-# torch the example runs with; its static initialiser registers the translator
-# through the bundle's liboomguard (RegisterOomTranslator), the same registry
-# the guard asks. With CUDA (-DOOMGUARD_EXAMPLE_TORCH_CUDA) when that torch has
+# and the sources of liboomguard_torch (sdk/torch: the budgeted CPU
+# allocator, TrainStep and the state helpers; sdk/memory/torch_oom.cc, the
+# c10 OOM translator). Those are compiled in rather than carried as the
+# bundle's liboomguard_torch.so: a library built here would be linked to this
+# machine's libtorch, while compiled there they see the types of the very
+# torch the example runs with; the translator's static initialiser registers
+# it through the bundle's liboomguard (RegisterOomTranslator), the same
+# registry the guard asks. With CUDA (-DOOMGUARD_EXAMPLE_TORCH_CUDA) when that torch has
 # libc10_cuda. Exits non-zero, with the compiler's output, when it does not build.
 set -euo pipefail
 
@@ -55,7 +56,8 @@ FLAGS=(-std=c++20 -O2 "${defs[@]}" -I"$ROOT/include" -I"$BUNDLE/include" -I"$ROO
        -isystem "$TPREFIX/include" -isystem "$TPREFIX/include/torch/csrc/api/include" "${incs[@]}")
 source "$ROOT/tests/gpu/compile_units.sh"
 compile_units "$OUT" "$ROOT/examples/cpp/libtorch_train.cpp" "$ROOT/examples/cpp/mlp.cc" \
-  "$ROOT/sdk/memory/torch_budget_allocator.cc" "$ROOT/sdk/memory/torch_oom.cc" ||
+  "$ROOT/sdk/torch/torch_budget.cc" "$ROOT/sdk/torch/state.cc" "$ROOT/sdk/torch/train_step.cc" \
+  "$ROOT/sdk/memory/torch_oom.cc" ||
   die "libtorch_train does not compile against torch $TV (above)"
 "${CXX[@]}" -o "$OUT/libtorch_train" "${OBJS[@]}" -L"$BUNDLE/lib" -loomguard -L"$TPREFIX/lib" "${libs[@]}" \
   -Wl,-rpath,"$BUNDLE/lib:$TPREFIX/lib"

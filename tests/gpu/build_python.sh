@@ -74,7 +74,7 @@ elif [[ $TABI != 1 ]]; then
   echo "build_python: oomguard._budget not built (torch $TV uses the pre-C++11 ABI)"
 else
   FLAGS+=(-I"$ROOT" -isystem "$TINC")
-  if compile_units "$OUT" "$SRC/budget_allocator.cc" "$ROOT/sdk/memory/torch_budget_allocator.cc" &&
+  if compile_units "$OUT" "$SRC/budget_allocator.cc" "$ROOT/sdk/torch/torch_budget.cc" &&
       "${CXX[@]}" -shared -o "$PKG/_budget$SUFFIX" "${OBJS[@]}" -L"$TLIB" -lc10 -Wl,-rpath,"$TLIB"; then
     echo "build_python: $PKG/_budget$SUFFIX (torch $TV at $(dirname "$TINC"))"
   else

@@ -80,4 +80,32 @@ TEST(GuardScenarios, LazyOptimizerStateOomsInTheFirstOptimizerStep) {
   EXPECT_FALSE(r.status.ok()) << "without a checkpoint an OOM in the optimizer step cannot be undone";
 }
 
+// Without a directory, a checkpointer in memory only is enough to undo an
+// OOM in the optimizer step: the run rolls back to the in-memory snapshot
+// (the state before the first step, then the saves every 3 steps) and ends
+// with the parameters of a run without OOMs.
+TEST(GuardScenarios, OptimizerOomsRollBackFromMemoryWithoutACheckpointDirectory) {
+  for (const char* optimizer : {"adam", "sgd"}) {
+    mlp::Config cfg;
+    cfg.steps = 10;
+    cfg.global_batch = 64;
+    cfg.hidden = 32;
+    cfg.optimizer = optimizer;
+    auto ref_dev = Device(0);
+    auto ref = mlp::Train(cfg, ref_dev.get());
+    ASSERT_TRUE(ref.status.ok()) << ref.status;
+
+    cfg.ckpt_in_memory = true;
+    cfg.ckpt_every = 3;
+    ASSERT_TRUE(oomguard::SetFaultRules("oom@step=0,site=apply;oom@step=7,site=apply").ok());
+    auto dev = Device(0);
+    auto r = mlp::Train(cfg, dev.get());
+    oomguard::ClearFaultRules();
+    ASSERT_TRUE(r.status.ok()) << optimizer << ": " << r.status;
+    EXPECT_EQ(r.rollbacks, 2) << optimizer;
+    EXPECT_EQ(r.checkpoints_written, 0) << "nothing goes to disk";
+    EXPECT_LE(mlp::MaxRelativeDifference(r.params, ref.params), 1e-10) << optimizer;
+  }
+}
+
 }  // namespace

@@ -2,11 +2,15 @@
 # libtorch_train on the CPU under the budgeted allocator: real torch OOMs
 # (c10::OutOfMemoryError from tensor allocations) are recovered and the final
 # float64 parameters equal an unconstrained run's within 1e-10; a run cut in
-# two by a checkpoint and --resume ends where the uninterrupted run ends.
-#   libtorch_train_test.sh <path to libtorch_train>
+# two by a checkpoint and --resume ends where the uninterrupted run ends; a
+# squeezed step rolls back from memory and ends where the plain libtorch loop
+# ends. With libtorch_quickstart too: docs/getting-started.md shows its two
+# loops as they are, with their line counts, and they end equal.
+#   libtorch_train_test.sh <path to libtorch_train> [<path to libtorch_quickstart>]
 set -uo pipefail
-BIN=$1
-PY=${OOMGUARD_PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/scripts/python}  # the project's interpreter
+BIN=$1 QUICKSTART=${2:-}
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+PY=${OOMGUARD_PYTHON:-$SRC/scripts/python}  # the project's interpreter
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 export OOMGUARD_LOG_LEVEL=error
@@ -17,6 +21,7 @@ check() {  # check NAME COMMAND...
   if "$@"; then pass=$((pass + 1)); else echo "FAIL: $name"; fails=$((fails + 1)); fi
 }
 contains() { grep -q -- "$2" "$1"; }
+json_field() { "$PY" -c 'import json, sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])[sys.argv[2]])' "$1" "$2"; }
 # json_check FILE PYTHON-EXPRESSION...: each expression over `d`, the last line's JSON, must hold.
 json_check() {
   local file=$1; shift
@@ -72,6 +77,23 @@ check "resumed from the newest checkpoint and ends equal" json_check "$T/part2.o
   'd["max_rel_diff"] is not None and d["max_rel_diff"] <= 1e-10'
 check "resume is announced" contains "$T/part2.err" "resumed from the checkpoint of step"
 
+# A rollback from memory (no --ckpt-dir), for each optimizer: the plain
+# libtorch loop is the reference. During step 3 a neighbour holds 1 MiB more,
+# and the optimizer step (Adam's temporaries) or, for SGD with 2 MiB, even one
+# sample no longer fits: the run rolls back and ends where the plain loop ends.
+for spec in adamw:1 sgd:2; do
+  opt=${spec%:*} squeeze=${spec#*:}
+  "$BIN" "${ARGS[@]}" --steps 8 --optimizer "$opt" --plain --dump-params "$T/plain-$opt.f64" > "$T/plain-$opt.out" \
+    2> "$T/plain-$opt.err"
+  check "$opt: the plain loop runs" test $? -eq 0
+  "$BIN" "${ARGS[@]}" --steps 8 --optimizer "$opt" --grow-after 1 "${BUDGET[@]}" --squeeze-mib "$squeeze" \
+    --squeeze-step 3 --check-against "$T/plain-$opt.f64" > "$T/squeeze-$opt.out" 2> "$T/squeeze-$opt.err"; rc=$?
+  check "$opt: a squeezed step rolls back from memory and ends equal to the plain loop" test $rc -eq 0
+  check "$opt: rolled back, nothing written, same learning rate" json_check "$T/squeeze-$opt.out" \
+    'd["rollbacks"] >= 1' 'd["checkpoints_written"] == 0' 'd["max_rel_diff"] <= 1e-10' \
+    "d[\"lr\"] == $(json_field "$T/plain-$opt.out" lr)"
+done
+
 # Failures say what went wrong, with the documented exit codes.
 "$BIN" "${ARGS[@]}" --steps 2 --check-against "$T/ref.f64" > "$T/mismatch.out" 2>&1; rc=$?
 check "a different run fails --check-against with exit 3" test $rc -eq 3
@@ -85,8 +107,36 @@ check "bad arguments exit 2" test $rc -eq 2
 check "--resume without --ckpt-dir exits 2" test $rc -eq 2
 check "and names the flag" contains "$T/bad2.out" "--ckpt-dir"
 
+# ---- libtorch_quickstart: the two loops of docs/getting-started.md ----
+if [ -n "$QUICKSTART" ]; then
+  check "the page shows the quickstart's loops, with their line counts" "$PY" - "$SRC" <<'PY'
+import re, sys
+root = sys.argv[1]
+code = open(f"{root}/examples/cpp/libtorch_quickstart.cpp").read()
+page = open(f"{root}/docs/getting-started.md").read()
+blocks = re.findall(r"```cpp\n(.*?)```", page, re.S)
+for name in ("plain", "guarded"):
+    region = code.split(f"// [{name}]\n")[1]
+    if region not in blocks:
+        sys.exit(f"docs/getting-started.md does not show the {name} loop of libtorch_quickstart.cpp as it is")
+    n = sum(1 for line in region.splitlines() if line.strip())
+    if f"| {name} | {n} |" not in page:
+        sys.exit(f"docs/getting-started.md does not state the {name} loop's {n} lines as '| {name} | {n} |'")
+PY
+  "$QUICKSTART" > "$T/qs-free.out" 2>&1
+  check "quickstart: without a budget the guarded loop equals the plain one" test $? -eq 0
+  # 0.45 MiB: the whole batch's activations do not fit beside the model (real
+  # c10 OOMs split the step); an OOM injected in step 4's optimizer step
+  # rolls back to the state kept in memory.
+  OOMGUARD_FAULTS="oom@step=4,site=apply" "$QUICKSTART" --budget-mib 0.45 > "$T/qs-tight.out" 2>&1
+  check "quickstart: through real OOMs and a rollback it still equals the plain loop" test $? -eq 0
+  check "quickstart: the budget caused real torch OOMs" grep -qE "[1-9][0-9]* torch OOMs" "$T/qs-tight.out"
+  "$QUICKSTART" --budget-mib 0.45 --ckpt-dir "$T/qs-ck" > "$T/qs-dir.out" 2>&1
+  check "quickstart: with a checkpoint directory too" test $? -eq 0
+fi
+
 echo "libtorch_train: $pass passed, $fails failed"
 if [ $fails -ne 0 ]; then
-  for f in "$T"/*.err; do echo "---- $f"; tail -n 20 "$f"; done
+  for f in "$T"/*.err "$T"/qs-*.out; do [ -f "$f" ] && { echo "---- $f"; tail -n 20 "$f"; }; done
   exit 1
 fi

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "mlp.h"
+#include "mlp_ranks.h"
 #include "oomguard/oomguard.h"
 #include "sim_device.h"
 
@@ -23,23 +24,7 @@ mlp::Config Config() {
 }
 
 constexpr auto Device = oomguard::testing::SmallSimDevice;
-
-std::vector<mlp::TrainResult> RunRanks(const mlp::Config& cfg, const std::vector<double>& budgets) {
-  const int n = static_cast<int>(budgets.size());
-  auto group = oomguard::MakeThreadGroup(n).value();
-  std::vector<mlp::TrainResult> out(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      auto dev = Device(budgets[static_cast<size_t>(r)]);
-      mlp::TrainHooks h;
-      h.coordinator = group[static_cast<size_t>(r)].get();
-      out[static_cast<size_t>(r)] = mlp::Train(cfg, dev.get(), h);
-    });
-  }
-  for (auto& t : threads) t.join();
-  return out;
-}
+using oomguard::testing::RunRanks;
 
 class MlpRanks : public ::testing::Test {
  protected:

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "oomguard/knowledge_base.h"
 
@@ -41,6 +42,22 @@ int WriteIncidents(const std::string& path, int proc) {
   return st.dropped == 0 && st.write_errors == 0 ? 0 : 13;
 }
 
+// A session that met a real OOM for "clean" and then ran it at 5: the prior
+// the four processes raise (a clean session only raises an existing prior).
+int SeedPrior(const std::string& path) {
+  auto kb = KnowledgeBase::Open(path);
+  if (!kb.ok()) return 10;
+  Incident i;
+  i.id = "seed";
+  i.run_id = "seed";
+  i.kind = IncidentKind::kDevice;
+  i.phase = Phase::kForward;
+  i.workload = "clean";
+  (*kb)->sink()->Record(i);
+  if (!(*kb)->RecordCleanMicroBatch("clean", 5).ok()) return 11;
+  return (*kb)->Flush().ok() ? 0 : 12;
+}
+
 TEST(KbMultiprocessTest, FourProcessesWritingOneFileLoseNothing) {
   namespace fs = std::filesystem;
   fs::path dir = fs::temp_directory_path() / ("oomguard-kb-mp-" + std::to_string(::getpid()));
@@ -49,6 +66,15 @@ TEST(KbMultiprocessTest, FourProcessesWritingOneFileLoseNothing) {
   const std::string path = (dir / "shared.db").string();
 
   // Fork before this process starts any thread: the children start their own.
+  {
+    pid_t seeder = ::fork();
+    ASSERT_GE(seeder, 0);
+    if (seeder == 0) ::_exit(SeedPrior(path));
+    int status = 0;
+    ASSERT_EQ(::waitpid(seeder, &status, 0), seeder);
+    ASSERT_TRUE(WIFEXITED(status));
+    ASSERT_EQ(WEXITSTATUS(status), 0) << "the seeding process";
+  }
   std::vector<pid_t> kids;
   for (int p = 0; p < kProcesses; ++p) {
     pid_t pid = ::fork();
@@ -67,18 +93,22 @@ TEST(KbMultiprocessTest, FourProcessesWritingOneFileLoseNothing) {
   ASSERT_TRUE(kb.ok()) << kb.status();
   auto all = (*kb)->Query({});
   ASSERT_TRUE(all.ok()) << all.status();
-  ASSERT_EQ(all->size(), static_cast<size_t>(kProcesses * kPerProcess));
+  ASSERT_EQ(all->size(), static_cast<size_t>(kProcesses * kPerProcess) + 1);  // and the seed's
   std::set<std::string> ids;
   for (const auto& i : *all) {
+    if (i.id == "seed") continue;
     ids.insert(i.id);
     EXPECT_EQ(i.outcome, IncidentOutcome::kRecovered) << i.id;
   }
   EXPECT_EQ(ids.size(), static_cast<size_t>(kProcesses * kPerProcess));
-  EXPECT_EQ((*kb)->PriorMicroBatch("clean"), 10 + kProcesses - 1);  // no OOM for it: the largest wins
+  EXPECT_EQ((*kb)->PriorMicroBatch("clean"), 10 + kProcesses - 1);  // clean sessions raise it: the largest wins
   auto groups = (*kb)->Groups();
   ASSERT_TRUE(groups.ok());
-  ASSERT_EQ(groups->size(), 1u);
-  EXPECT_EQ((*groups)[0].runs, kProcesses);
+  std::vector<IncidentGroup> multi;
+  for (const auto& g : *groups)
+    if (g.workload == "multi") multi.push_back(g);
+  ASSERT_EQ(multi.size(), 1u);
+  EXPECT_EQ(multi[0].runs, kProcesses);
   kb->reset();
   fs::remove_all(dir);
 }

@@ -1,5 +1,5 @@
 // oomguard._budget: the Python face of BudgetCpuAllocator
-// (sdk/memory/torch_budget_allocator.h): a byte budget on torch's CPU allocator, so that
+// (oomguard/torch_budget.h): a byte budget on torch's CPU allocator, so that
 // real tensor allocations fail with torch's own out-of-memory error
 // (c10::OutOfMemoryError, raised in Python as torch.cuda.OutOfMemoryError in
 // torch 1.13 and torch.OutOfMemoryError in later versions). The tests and
@@ -14,10 +14,10 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "sdk/memory/torch_budget_allocator.h"
+#include "oomguard/torch_budget.h"
 
 namespace py = pybind11;
-using oomguard::internal::BudgetCpuAllocator;
+using oomguard::torch::BudgetCpuAllocator;
 
 PYBIND11_MODULE(_budget, m) {
   m.doc() = "A byte budget on torch's CPU allocator (real torch OOMs without a GPU).";

@@ -1,11 +1,13 @@
 // BudgetCpuAllocator: torch's CPU allocator with a byte budget, so that real
 // tensor allocations fail with torch's own out-of-memory error
-// (c10::OutOfMemoryError) on machines without a GPU. Built as its own
-// static library (oomguard_torch_budget, when libtorch is found), linked by
-// the Python module oomguard._budget (bindings/python/src/budget_allocator.cc)
-// and by examples/cpp/libtorch_train.cpp. Not part of liboomguard: replacing
-// torch's allocator is for tests and examples, not for users' training. It
-// depends on libc10 only (no pybind11, no torch/torch.h).
+// (c10::OutOfMemoryError) on machines without a GPU: a real memory limit for
+// libtorch programs in C++, for tests of a training loop under OOMs and for
+// examples. Part of oomguard::torch (liboomguard_torch, CMake component
+// `torch`); the Python module oomguard._budget has its own copy. Depends on
+// libc10 only (no torch/torch.h).
+//
+//   oomguard::torch::BudgetCpuAllocator::Instance().Install(64 << 20);  // before the model is built
+//   ... allocations beyond 64 MiB of live CPU tensors throw c10::OutOfMemoryError
 //
 // The budget counts the live bytes allocated through this allocator since it
 // was installed; tensors that existed before keep their own deleters and are
@@ -39,8 +41,8 @@
 // workers, intra-op pools); the table is sharded under mutexes and the
 // counters are atomics. Install and Uninstall swap the process-wide allocator
 // and must not race each other.
-#ifndef OOMGUARD_SDK_MEMORY_TORCH_BUDGET_ALLOCATOR_H_
-#define OOMGUARD_SDK_MEMORY_TORCH_BUDGET_ALLOCATOR_H_
+#ifndef OOMGUARD_TORCH_BUDGET_H_
+#define OOMGUARD_TORCH_BUDGET_H_
 
 #include <c10/core/Allocator.h>
 
@@ -54,9 +56,11 @@
 
 #include "oomguard/device.h"
 
-namespace oomguard::internal {
+#include "oomguard/export.h"
 
-class BudgetCpuAllocator final : public c10::Allocator {
+namespace oomguard::torch {
+
+class OOMGUARD_EXPORT BudgetCpuAllocator final : public c10::Allocator {
  public:
   // The process-wide instance. Leaked on purpose: tensors freed during
   // interpreter or static shutdown still call its deleter.
@@ -170,6 +174,6 @@ class BudgetCpuAllocator final : public c10::Allocator {
   int64_t next_handle_ = 1;
 };
 
-}  // namespace oomguard::internal
+}  // namespace oomguard::torch
 
-#endif  // OOMGUARD_SDK_MEMORY_TORCH_BUDGET_ALLOCATOR_H_
+#endif  // OOMGUARD_TORCH_BUDGET_H_

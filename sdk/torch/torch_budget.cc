@@ -1,6 +1,6 @@
-// BudgetCpuAllocator (torch_budget_allocator.h): the budget check, the
+// BudgetCpuAllocator (oomguard/torch_budget.h): the budget check, the
 // pointer table and the swap of torch's process-wide CPU allocator.
-#include "sdk/memory/torch_budget_allocator.h"
+#include "oomguard/torch_budget.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
@@ -13,7 +13,7 @@
 #include <string>
 #include <utility>
 
-namespace oomguard::internal {
+namespace oomguard::torch {
 namespace {
 
 std::string Mib(int64_t bytes) {
@@ -268,4 +268,4 @@ void BudgetCpuAllocator::Release(int64_t handle) {
 
 int64_t BudgetCpuAllocator::held() const { return held_bytes_.load(std::memory_order_relaxed); }
 
-}  // namespace oomguard::internal
+}  // namespace oomguard::torch
