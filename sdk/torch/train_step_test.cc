@@ -102,7 +102,7 @@ double Lr(::torch::optim::Optimizer& o) { return o.param_groups()[0].options().g
 
 // The mean squared error of `model` on micro-batch mb of the batch (x, y).
 TrainStep::LossFn MseOf(::torch::nn::Sequential model, const Tensor& x, const Tensor& y) {
-  return [model, x, y](const MicroBatch& mb) {
+  return [model, x, y](const MicroBatch& mb) mutable {
     return F::mse_loss(model->forward(x.narrow(0, mb.offset, mb.size)), y.narrow(0, mb.offset, mb.size));
   };
 }
