@@ -60,7 +60,8 @@ echo "build_python: $PKG/_oomguard$SUFFIX (pybind11 $("$PY" -c 'import pybind11;
   done
 
 # oomguard._budget, against the torch this Python imports: its own c10
-# headers and libc10, so that the allocator it installs is that torch's.
+# headers and libc10, so that the allocator it installs is that torch's; and
+# the bundle's liboomguard (its caching-device mode is a SimulatedDevice).
 read -r TINC TLIB TABI TV < <("$PY" -c '
 import os, torch
 d = os.path.dirname(torch.__file__)
@@ -75,7 +76,8 @@ elif [[ $TABI != 1 ]]; then
 else
   FLAGS+=(-I"$ROOT" -isystem "$TINC")
   if compile_units "$OUT" "$SRC/budget_allocator.cc" "$ROOT/sdk/torch/torch_budget.cc" &&
-      "${CXX[@]}" -shared -o "$PKG/_budget$SUFFIX" "${OBJS[@]}" -L"$TLIB" -lc10 -Wl,-rpath,"$TLIB"; then
+      "${CXX[@]}" -shared -o "$PKG/_budget$SUFFIX" "${OBJS[@]}" -L"$TLIB" -lc10 -Wl,-rpath,"$TLIB" \
+        -L"$BUNDLE/lib" -loomguard -Wl,-rpath,"$BUNDLE/lib"; then
     echo "build_python: $PKG/_budget$SUFFIX (torch $TV at $(dirname "$TINC"))"
   else
     echo "build_python: oomguard._budget not built (it does not build against torch $TV: above)"
@@ -85,3 +87,9 @@ fi
 
 LD_LIBRARY_PATH=$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$OUT \
   "$PY" -c 'import oomguard, oomguard.budget, sys; print("build_python: import oomguard", oomguard.__version__, "on Python", sys.version.split()[0], "budget", oomguard.budget.available())'
+# A _budget that was built but does not import (a symbol left undefined) is
+# an error here, not a silent "budget False" on the device.
+if [[ -f $PKG/_budget$SUFFIX ]]; then
+  LD_LIBRARY_PATH=$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$OUT "$PY" -c 'import torch, oomguard._budget' ||
+    die "oomguard._budget was built but does not import (above)"
+fi
