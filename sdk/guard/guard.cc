@@ -149,7 +149,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
   rep = StepReport{};
   rep.step = step_;
-  rep.checkpoint_step = committed_step_;
+  rep.checkpoint_step = commits_.committed();
   Run run(req, rep);
   run.reset = req.reset;
   if (Device* device = options_.device; device != nullptr) {
