@@ -469,28 +469,15 @@ TEST_F(FaultsCleared, InjectedOomAtTheVoteIsRecoveredBeforeVoting) {
   EXPECT_TRUE(g->Step(Request(g.get(), &acc, 8)).ok()) << "the next step runs normally";
 }
 
-class FixedPriors : public MicroBatchPriors {
- public:
-  std::optional<int64_t> PriorMicroBatch(const std::string& w) override {
-    asked = w;
-    return 24;
-  }
-  Status RecordCleanMicroBatch(const std::string& w, int64_t size) override {
-    recorded.emplace_back(w, size);
-    return Status::Ok();
-  }
-  std::string asked;
-  std::vector<std::pair<std::string, int64_t>> recorded;
-};
-
 TEST_F(FaultsCleared, LearnedPriorSetsTheStartingSizeAndCleanStepsAreReported) {
-  FixedPriors priors;
+  testing::RecordingPriors priors;
+  priors.sizes["mlp-h64"] = 24;
   GuardOptions o;
   o.initial_micro_batch = 128;
   o.workload = "mlp-h64";
   o.priors = &priors;
   auto g = MakeGuard(o);
-  EXPECT_EQ(priors.asked, "mlp-h64");
+  EXPECT_EQ(priors.asked, std::vector<std::string>{"mlp-h64"});
   EXPECT_EQ(g->micro_limit(), 24);
   Accumulator acc;
   StepReport rep;
@@ -498,13 +485,14 @@ TEST_F(FaultsCleared, LearnedPriorSetsTheStartingSizeAndCleanStepsAreReported) {
   ASSERT_EQ(priors.recorded.size(), 1u);
   EXPECT_EQ(priors.recorded[0].second, rep.largest_micro);
   // Without a workload signature, priors are neither read nor written.
-  FixedPriors unused;
+  testing::RecordingPriors unused;
   o.workload = "";
   o.priors = &unused;
   auto g2 = MakeGuard(o);
   EXPECT_EQ(g2->micro_limit(), 128);
   ASSERT_TRUE(g2->Step(Request(g2.get(), &acc, 96)).ok());
   EXPECT_TRUE(unused.recorded.empty());
+  EXPECT_TRUE(unused.asked.empty());
 }
 
 }  // namespace

@@ -1,13 +1,15 @@
 // For the guard's tests (sdk/guard, tests/dist): a fixture that clears fault
-// rules around each test, a guard made or the test failed, an IncidentSink
-// that records what it was given, and a RecoveryStore that records what was
-// done to it.
+// rules around each test, a guard made or the test failed, and fakes of the
+// guard's seams that record what was done to them: an IncidentSink, a
+// RecoveryStore and a MicroBatchPriors.
 #ifndef OOMGUARD_SDK_GUARD_GUARD_TESTING_H_
 #define OOMGUARD_SDK_GUARD_GUARD_TESTING_H_
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -19,6 +21,7 @@
 #include "oomguard/faults.h"
 #include "oomguard/guard.h"
 #include "oomguard/incident.h"
+#include "oomguard/priors.h"
 #include "oomguard/recovery.h"
 
 namespace oomguard::testing {
@@ -116,6 +119,39 @@ class RecordingRecovery : public RecoveryStore {
     if (fail_commit.count(step) != 0)
       return Status::Internal("commit of step " + std::to_string(step) + " failed");
     commits.push_back(step);
+    return Status::Ok();
+  }
+};
+
+// MicroBatchPriors in memory: what a test puts in `sizes` and `models` is what
+// the guard reads; what the guard records lands there too (a clean size only
+// raises the stored one, as the knowledge base does), and every call is kept.
+class RecordingPriors : public MicroBatchPriors {
+ public:
+  std::map<std::string, int64_t> sizes;     // workload key -> micro-batch
+  std::map<std::string, SizeModel> models;  // workload key -> memory model
+
+  std::vector<std::string> asked;                                  // PriorMicroBatch's keys
+  std::vector<std::pair<std::string, int64_t>> recorded;           // RecordCleanMicroBatch's
+  std::vector<std::pair<std::string, SizeModel>> recorded_models;  // RecordModel's
+
+  std::optional<int64_t> PriorMicroBatch(const std::string& w) override {
+    asked.push_back(w);
+    auto it = sizes.find(w);
+    return it == sizes.end() ? std::nullopt : std::optional<int64_t>(it->second);
+  }
+  Status RecordCleanMicroBatch(const std::string& w, int64_t size) override {
+    recorded.emplace_back(w, size);
+    sizes[w] = std::max(sizes[w], size);
+    return Status::Ok();
+  }
+  std::optional<SizeModel> PriorModel(const std::string& w) override {
+    auto it = models.find(w);
+    return it == models.end() ? std::nullopt : std::optional<SizeModel>(it->second);
+  }
+  Status RecordModel(const std::string& w, const SizeModel& m) override {
+    recorded_models.emplace_back(w, m);
+    models[w] = m;
     return Status::Ok();
   }
 };
