@@ -7,7 +7,7 @@ PYTHON ?=
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build demo test test-newest-torch bench clean
+.PHONY: all deps configure build demo test check test-newest-torch bench clean
 
 all: build
 
@@ -30,6 +30,16 @@ demo: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) --timeout 900
+
+# The edit-compile-test loop: the unit, integration, layering, kb and MPI
+# tests, without the ones that take minutes or need what a laptop lacks (the
+# Python suite with its pip install, the installed-package test, TSan, GPU,
+# browser, and the label `slow`: the 40 randomised fault plans under mpirun).
+# About a minute after a one-file edit on 2 cores; `make test` runs everything.
+CHECK_LABELS ?= unit|integration|layering|kb|mpi
+CHECK_EXCLUDE ?= python|package|tsan|gpu|browser|slow
+check: build
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) --timeout 900 -L '$(CHECK_LABELS)' -LE '$(CHECK_EXCLUDE)'
 
 # The Python suite against the newest torch release (an environment and a
 # build of its own: build-torch-<version>/).

@@ -7,6 +7,13 @@
 #   objects do not. Public headers come from include/, private ones from the
 #   source root.
 #
+# oomguard_tool(<name> DEPENDS <component>... SOURCES <file>...)
+#   An executable oomguard_<name> that sits on top of the components (the
+#   `oomguard` tool): built from its sources and the objects of its
+#   dependencies' closure, nothing else, so that its link fails on a call into
+#   a component it does not declare. scripts/check_layering.py holds its
+#   DEPENDS to the same graph as the components'.
+#
 # oomguard_component_closure(<out> <component>...)
 #   The components and every component they depend on, each once.
 #
@@ -45,6 +52,19 @@ function(oomguard_component name)
     OOMGUARD_COMPONENT_DEPENDS "${ARG_DEPENDS}"
     OOMGUARD_COMPONENT_SOURCES "${absolute}")
   set_property(GLOBAL APPEND PROPERTY OOMGUARD_COMPONENTS ${name})
+endfunction()
+
+function(oomguard_tool name)
+  cmake_parse_arguments(PARSE_ARGV 1 ARG "" "" "DEPENDS;SOURCES")
+  set(target oomguard_${name})
+  add_executable(${target} ${ARG_SOURCES})
+  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR})
+  target_compile_options(${target} PRIVATE -Wall -Wextra)
+  oomguard_component_closure(parts ${ARG_DEPENDS})
+  foreach(c IN LISTS parts)
+    # Linked directly, so that the objects are part of the executable.
+    target_link_libraries(${target} PRIVATE oomguard_${c})
+  endforeach()
 endfunction()
 
 function(oomguard_component_closure out)

@@ -7,18 +7,22 @@
 Every file under sdk/<component>/ and every public header under
 include/oomguard/ belongs to a component; each of its #include "..." lines
 must name a header of the same component or of one it may depend on
-(ALLOWED below, the graph sdk/CMakeLists.txt draws). The DEPENDS of the
-oomguard_component() declarations in the CMake files are held to the same
-graph, so that the build and this check cannot drift apart. Unit tests
-(*_test.cc) are held to their component's rules too.
+(ALLOWED below, the graph sdk/CMakeLists.txt draws). The build must declare
+the same graph: every component but torch has an oomguard_component() (or,
+for the cli, oomguard_tool()) declaration whose DEPENDS, with everything they
+depend on, are exactly its ALLOWED set, so that the build and this check
+cannot drift apart in either direction. Unit tests (*_test.cc) are held to
+their component's rules too.
 
 The build holds the same arrows for symbols (oomguard_<name>_alone links each
-component with its dependencies only); this check catches what a linker
+component, server included, with its dependencies only; the cli executable
+links only the components it declares); this check catches what a linker
 cannot see: types, inline functions and templates from a header above.
 
 --self-test copies the tree into a scratch directory, plants an upward
 include of each kind there (a source, a public header, an unmapped header,
-an upward DEPENDS) and expects each to be reported.
+an upward DEPENDS, a DEPENDS short of the graph) and expects each to be
+reported.
 """
 
 from __future__ import annotations
@@ -34,15 +38,18 @@ import tempfile
 ALLOWED = {
     "core": set(),
     "memory": {"core"},
-    "dist": {"core", "memory"},
-    "checkpoint": {"core", "memory"},
+    "dist": {"core"},
+    "checkpoint": {"core"},
     "kb": {"core", "memory"},
     "guard": {"core", "memory", "dist"},
-    "server": {"core", "memory", "dist", "checkpoint", "kb", "guard"},
+    "server": {"core", "memory", "kb"},
     "cli": {"core", "memory", "dist", "checkpoint", "kb", "guard", "server"},
     # liboomguard_torch: libtorch training on the public API below it.
     "torch": {"core", "memory", "dist", "checkpoint", "guard"},
 }
+# Components the build does not declare with oomguard_component(): torch is a
+# shared library of its own on liboomguard's public API (sdk/CMakeLists.txt).
+UNDECLARED = {"torch"}
 
 # Public headers and the component each belongs to. The seams every
 # component meets at (Incident, RecoveryStore, MicroBatchPriors) and the OOM
@@ -79,7 +86,8 @@ PUBLIC_HEADERS = {
 ALLOWED["umbrella"] = set(ALLOWED) - {"server", "cli", "torch"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-COMPONENT_DECL = re.compile(r"oomguard_component\(\s*(\w+)((?:\s+DEPENDS(?:\s+\w+)+)?)\s+SOURCES", re.MULTILINE)
+COMPONENT_DECL = re.compile(r"oomguard_(?:component|tool)\(\s*(\w+)((?:\s+DEPENDS(?:\s+\w+)+)?)\s+SOURCES",
+                            re.MULTILINE)
 
 
 def component_of(root: pathlib.Path, path: pathlib.Path) -> str | None:
@@ -123,20 +131,43 @@ def check(root: pathlib.Path) -> list[str]:
             elif theirs not in ALLOWED[mine]:
                 problems.append(f"{rel}:{line}: {mine} includes \"{m.group(1)}\" of {theirs} "
                                 f"({mine} may include {', '.join(sorted(ALLOWED[mine])) or 'only itself'})")
+    declared: dict[str, tuple[str, list[str]]] = {}  # name -> (where, DEPENDS)
     for cmake in sorted((root / "sdk").rglob("CMakeLists.txt")):
         text = cmake.read_text(encoding="utf-8")
         for m in COMPONENT_DECL.finditer(text):
             name = m.group(1)
             deps = m.group(2).split()[1:]
-            line = text.count("\n", 0, m.start()) + 1
+            where = f"{cmake.relative_to(root)}:{text.count(chr(10), 0, m.start()) + 1}"
             if name not in ALLOWED:
-                problems.append(f"{cmake.relative_to(root)}:{line}: component {name} is not in the graph")
+                problems.append(f"{where}: component {name} is not in the graph")
                 continue
+            declared[name] = (where, deps)
             for dep in deps:
                 if dep not in ALLOWED[name]:
-                    problems.append(f"{cmake.relative_to(root)}:{line}: component {name} DEPENDS on {dep}, "
-                                    f"which is not below it")
+                    problems.append(f"{where}: component {name} DEPENDS on {dep}, which is not below it")
+    for name in sorted(set(ALLOWED) - UNDECLARED - {"umbrella"}):
+        if name not in declared:
+            problems.append(f"component {name} is in the graph but no sdk/ CMakeLists.txt declares it")
+            continue
+        where, deps = declared[name]
+        missing = ALLOWED[name] - closure(deps, declared)
+        if missing:
+            problems.append(f"{where}: component {name} may include {', '.join(sorted(missing))} (ALLOWED in "
+                            f"{pathlib.Path(__file__).name}) but its DEPENDS do not reach it; the graph and the "
+                            f"build must agree")
     return problems
+
+
+def closure(deps: list[str], declared: dict[str, tuple[str, list[str]]]) -> set[str]:
+    """`deps` and everything they depend on, as the build declares it."""
+    seen: set[str] = set()
+    todo = list(deps)
+    while todo:
+        d = todo.pop()
+        if d not in seen:
+            seen.add(d)
+            todo.extend(declared.get(d, ("", []))[1])
+    return seen
 
 
 def self_test(root: pathlib.Path) -> int:
@@ -148,6 +179,7 @@ def self_test(root: pathlib.Path) -> int:
         ("include/oomguard/incident.h", '#include "oomguard/device.h"\n',
          "core includes \"oomguard/device.h\" of memory"),
         ("sdk/kb/store.cc", '#include "oomguard/oomguard.h"\n', "kb includes \"oomguard/oomguard.h\" of umbrella"),
+        ("sdk/server/report.cc", '#include "oomguard/guard.h"\n', "server includes \"oomguard/guard.h\" of guard"),
         ("include/oomguard/new_thing.h", "// a header nobody placed\n", "a public header of no component"),
     ]
     failures = 0
@@ -173,6 +205,20 @@ def self_test(root: pathlib.Path) -> int:
                 target.unlink()
             else:
                 target.write_text(before, encoding="utf-8")
+        # The graph allows an arrow the build does not draw.
+        main_cmake = scratch / "sdk" / "CMakeLists.txt"
+        text = main_cmake.read_text(encoding="utf-8")
+        planted = text.replace("oomguard_component(kb DEPENDS core memory SOURCES",
+                               "oomguard_component(kb DEPENDS core SOURCES")
+        if planted == text:
+            print("self-test: could not drop DEPENDS memory from kb in sdk/CMakeLists.txt")
+            failures += 1
+        else:
+            main_cmake.write_text(planted, encoding="utf-8")
+            found = [p for p in check(scratch) if "component kb may include memory" in p]
+            print(f"self-test: dropped DEPENDS memory from kb: {'reported: ' + found[0] if found else 'NOT reported'}")
+            failures += 0 if found else 1
+            main_cmake.write_text(text, encoding="utf-8")
         # An upward arrow declared in the build.
         cmake = scratch / "sdk" / "checkpoint" / "CMakeLists.txt"
         text = cmake.read_text(encoding="utf-8")

@@ -13,8 +13,12 @@
 //   kApply     the optimizer apply
 //   kAgree     every rank's apply outcome. An OOM on some rank: kRollback
 //              for all; an error: kDone for all; else the step commits
+//              (and rank 0 commits the checkpoints every rank holds:
+//              checkpoint_commit.h)
 //   kRollback  every rank restores the same step, chosen from the steps
 //              every rank holds, confirmed after restoring
+// The states live in guard.cc (kLocal), guard_agreement.cc (kVote to kAgree)
+// and guard_restore.cc (kRollback; Resume and Finish).
 // Every exit goes through Conclude, and a rank leaves Step only at a point
 // where every other rank leaves it too.
 //
@@ -149,7 +153,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
   rep = StepReport{};
   rep.step = step_;
-  rep.checkpoint_step = committed_step_;
+  rep.checkpoint_step = commits_.committed();
   Run run(req, rep);
   run.reset = req.reset;
   if (Device* device = options_.device; device != nullptr) {

@@ -1,7 +1,8 @@
 // The agreement part of a guarded step: what this rank tells the others
 // (the vote), the gradient sync with its status words, the apply, the
-// agreement after it, the commit of a step, and the ways every rank ends a
-// step together when one failed or a peer was lost.
+// agreement after it, the end of a committed step (its checkpoint commit goes
+// through CheckpointCommit), and the ways every rank ends a step together when
+// one failed or a peer was lost.
 #include "sdk/guard/guard_impl.h"
 
 namespace oomguard::guard_internal {
@@ -22,7 +23,7 @@ internal::RankVote GuardImpl::MyVote(const Run& run) {
     v.reserved = m.reserved;
     v.peak_allocated = std::max(run.step_peak, m.peak_allocated);  // the peak restarts per micro-batch
   }
-  v.committed = committed_step_;
+  v.committed = commits_.committed();
   if (RecoveryStore* store = options_.recovery; store != nullptr) {
     v.snapshot = store->SnapshotStep();
     v.durable = store->DurableSteps();
@@ -36,7 +37,7 @@ State GuardImpl::Vote(Run& run) {
   run.vote = std::move(vote).value();
   const internal::VoteOutcome& v = run.vote;
   run.rep.global_units = v.total_units;
-  if (coordinator_->rank() != 0) committed_step_ = std::max(committed_step_, v.committed);
+  if (coordinator_->rank() != 0) commits_.Learn(v.committed);
   // Every rank's memory, so that incidents show rank imbalance.
   if (v.any_oom && coordinator_->size() > 1) {
     std::vector<RankMemory> ranks;
@@ -185,18 +186,12 @@ void GuardImpl::CommitStep(Run& run) {
   // lag behind training, so several may have completed since the last
   // vote; retention keeps the newest of them); the others learn of it from
   // rank 0's next vote.
-  if (coordinator_->rank() == 0) {
-    for (int64_t step : run.vote.common_durable) {
-      if (step <= committed_step_) continue;
-      Status c = Contained([&] { return store->Commit(step, coordinator_->size()); });
-      if (!c.ok()) {
-        Logger()->warn("committing checkpoint of step {} failed (retried at a later step): {}", step, c.ToString());
-        break;
-      }
-      committed_step_ = step;
-    }
-  }
-  rep.checkpoint_step = committed_step_;
+  int64_t failed_step = -1;
+  Status c = commits_.CommitDurable(StepsEveryRankHolds(run.vote.ranks), &failed_step);
+  if (!c.ok())
+    Logger()->warn("committing checkpoint of step {} failed (retried at a later step): {}", failed_step,
+                   c.ToString());
+  rep.checkpoint_step = commits_.committed();
   // Every rank saves after the same steps: the trigger comes from the vote.
   // The step is committed on every rank: an error here (a user's save
   // callback raising) costs this rank's checkpoint of the step, which the

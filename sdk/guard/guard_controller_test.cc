@@ -20,11 +20,8 @@ namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
 
-class GuardController : public ::testing::Test {
+class GuardController : public testing::FaultsCleared {
  protected:
-  void SetUp() override { ClearFaultRules(); }
-  void TearDown() override { ClearFaultRules(); }
-
   // A device of `capacity_mib` (no host memory behind it) with 64 MiB held
   // for parameters and optimizer state.
   void MakeDevice(int64_t capacity_mib) {
@@ -148,31 +145,8 @@ TEST_F(GuardController, ThePolicyIsValidated) {
   EXPECT_NE(s.message().find("got 3"), std::string::npos);
 }
 
-// Keeps what the guard records, in memory.
-class MemoryPriors : public MicroBatchPriors {
- public:
-  std::optional<int64_t> PriorMicroBatch(const std::string& w) override {
-    auto it = sizes.find(w);
-    return it == sizes.end() ? std::nullopt : std::optional<int64_t>(it->second);
-  }
-  Status RecordCleanMicroBatch(const std::string& w, int64_t size) override {
-    sizes[w] = std::max(sizes[w], size);
-    return Status::Ok();
-  }
-  std::optional<SizeModel> PriorModel(const std::string& w) override {
-    auto it = models.find(w);
-    return it == models.end() ? std::nullopt : std::optional<SizeModel>(it->second);
-  }
-  Status RecordModel(const std::string& w, const SizeModel& m) override {
-    models[w] = m;
-    return Status::Ok();
-  }
-  std::map<std::string, int64_t> sizes;
-  std::map<std::string, SizeModel> models;
-};
-
 TEST_F(GuardController, ALearnedModelStartsTheNextRunAtWhatFitsThere) {
-  MemoryPriors priors;
+  testing::RecordingPriors priors;
   {
     MakeDevice(1024);
     GuardOptions o;

@@ -17,7 +17,7 @@ Status GuardImpl::Evaluate(const EvalRequest& req, StepReport* report_out) {
   StepReport& rep = report_out != nullptr ? *report_out : local_report;
   rep = StepReport{};
   rep.step = step_;
-  rep.checkpoint_step = committed_step_;
+  rep.checkpoint_step = commits_.committed();
   const auto started = Clock::now();
   Status bad = req.micro ? ValidatePerSample("EvalRequest", req.samples, req.costs, req.units)
                          : Status::InvalidArgument("EvalRequest.micro must be set");

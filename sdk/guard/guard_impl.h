@@ -5,6 +5,8 @@
 //                       and the ways every rank ends a step together
 //   guard_restore.cc    rollback, Resume and Finish: restoring a step every
 //                       rank holds
+//   checkpoint_commit.h the committed checkpoint: the one caller of
+//                       RecoveryStore::Commit, and the steps every rank holds
 // docs/distributed.md describes the protocol these files implement.
 //
 // Thread-safety: one thread drives a GuardImpl (guard.h).
@@ -35,8 +37,9 @@
 #include "oomguard/size_controller.h"
 #include "sdk/core/format.h"
 #include "sdk/core/ids.h"
-#include "sdk/memory/incident_kind.h"
+#include "sdk/guard/checkpoint_commit.h"
 #include "sdk/guard/step_protocol.h"
+#include "sdk/memory/incident_kind.h"
 
 namespace oomguard::guard_internal {
 
@@ -78,6 +81,22 @@ Status ValidatePerSample(std::string_view what, int64_t samples, std::span<const
 // ProcessGroupNCCL) rather than of the training step's own memory: even when
 // its text says "out of memory", the communicator is unusable afterwards.
 bool IsCommunicatorFailure(std::string_view message);
+
+inline std::string DescribeException(const std::exception_ptr& e) {
+  OomInfo info = ClassifyException(e);
+  return "exception " + info.exception_type + (info.message.empty() ? "" : ": " + info.message);
+}
+
+// Runs a RecoveryStore call between collectives: whatever it throws becomes
+// a status, so that this rank still takes part in the collective that follows.
+template <typename F>
+Status Contained(F&& call) {
+  try {
+    return call();
+  } catch (...) {
+    return Status::Internal(DescribeException(std::current_exception()));
+  }
+}
 
 enum class State { kLocal, kVote, kSync, kApply, kAgree, kRollback, kDone };
 
@@ -134,7 +153,8 @@ class GuardImpl final : public Guard {
         run_id_(o.run_id),
         own_coordinator_(o.coordinator == nullptr ? MakeLocalCoordinator() : nullptr),
         coordinator_(o.coordinator != nullptr ? o.coordinator : own_coordinator_.get()),
-        channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)) {
+        channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)),
+        commits_(o.recovery, coordinator_->rank(), coordinator_->size()) {
     // One job, one run: every rank takes the group's id when nobody named the run.
     if (run_id_.empty()) run_id_ = coordinator_->job_id();
     if (run_id_.empty()) run_id_ = internal::RandomHex16();
@@ -423,22 +443,6 @@ class GuardImpl final : public Guard {
     }
   }
 
-  // Runs a RecoveryStore call between collectives: whatever it throws becomes
-  // a status, so that this rank still takes part in the collective that follows.
-  template <typename F>
-  static Status Contained(F&& call) {
-    try {
-      return call();
-    } catch (...) {
-      return Status::Internal(DescribeException(std::current_exception()));
-    }
-  }
-
-  static std::string DescribeException(const std::exception_ptr& e) {
-    OomInfo info = ClassifyException(e);
-    return "exception " + info.exception_type + (info.message.empty() ? "" : ": " + info.message);
-  }
-
   // What this rank tells the others about its own failure.
   std::string FailureText(const Run& run) const {
     if (run.error) return DescribeException(run.error);
@@ -454,6 +458,7 @@ class GuardImpl final : public Guard {
   std::unique_ptr<Coordinator> own_coordinator_;
   Coordinator* coordinator_ = nullptr;
   internal::StepChannel channel_;
+  CheckpointCommit commits_;  // the committed checkpoint (its only writer)
   std::vector<std::pair<std::string, std::function<void()>>> releasers_;
   int64_t step_ = 0;
   Phase phase_ = Phase::kUnknown;
@@ -462,7 +467,6 @@ class GuardImpl final : public Guard {
   int64_t steps_ok_since_oom_ = 0;
   int64_t total_ooms_ = 0;
   bool snapshot_checked_ = false;
-  int64_t committed_step_ = -1;          // newest checkpoint committed on every rank
   int64_t rollback_target_ = INT64_MIN;  // the last rollback's step
   int rollback_repeats_ = 0;             // rollbacks to it in a row
   int64_t rollback_from_ = -1;           // the step that last asked for a rollback

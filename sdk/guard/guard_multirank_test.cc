@@ -15,6 +15,7 @@
 #include "oomguard/faults.h"
 #include "oomguard/guard.h"
 #include "oomguard/recovery.h"
+#include "sdk/guard/guard_testing.h"
 
 namespace oomguard {
 namespace {
@@ -23,51 +24,12 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Holds "state" = the step number it was last set to; durable steps are a set.
-class FakeRecovery : public RecoveryStore {
- public:
-  std::set<int64_t> durable;
-  std::optional<int64_t> snapshot;
-  int restores = 0;
-  int64_t restored_step = -100;
-  std::set<int64_t> fail_restore;  // steps whose restore fails here
-  std::vector<int64_t> committed_durable;
-  int commits_after_recovery = 0;
-  bool save_on_commit = true;
-  bool can_snapshot = true;
-  std::vector<int64_t> DurableSteps() override { return {durable.begin(), durable.end()}; }
-  std::optional<int64_t> SnapshotStep() override { return snapshot; }
-  Status Snapshot(int64_t step) override {
-    if (!can_snapshot) return RecoveryStore::Snapshot(step);
-    snapshot = step;
-    return Status::Ok();
-  }
-  Status Restore(int64_t step) override {
-    if (fail_restore.count(step)) return Status::DataLoss("step " + std::to_string(step) + " is corrupt here");
-    if (!(snapshot && *snapshot == step) && !durable.count(step))
-      return Status::NotFound("step " + std::to_string(step) + " is not held here");
-    ++restores;
-    restored_step = step;
-    return Status::Ok();
-  }
-  Status OnStepCommitted(int64_t step, bool after) override {
-    if (save_on_commit) {
-      durable.insert(step);
-      snapshot = step;
-    }
-    if (after) ++commits_after_recovery;
-    return Status::Ok();
-  }
-  Status Commit(int64_t step, int) override {
-    committed_durable.push_back(step);
-    return Status::Ok();
-  }
-};
+using testing::RecordingRecovery;
 
 struct Rank {
   std::unique_ptr<Coordinator> coord;
   std::unique_ptr<Guard> guard;
-  FakeRecovery recovery;
+  RecordingRecovery recovery;
   int applies = 0;
   int resets = 0;
   int64_t samples_kept = 0;
@@ -170,7 +132,7 @@ TEST_F(MultiRank, OomOnOneRankOnlyEveryRankCommitsOnceWithTheMeanGradient) {
     EXPECT_EQ(ranks_[1]->reports[0].incidents[0].ranks.size(), 4u);
     EXPECT_EQ(ranks_[1]->reports[0].incidents[0].rank, 1);
     // Every rank saves after a step with an OOM anywhere (agreed by the vote).
-    for (int r = 0; r < 4; ++r) EXPECT_EQ(ranks_[r]->recovery.commits_after_recovery, 1);
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(ranks_[r]->recovery.commits_after_recovery(), 1);
   }
 }
 
@@ -339,9 +301,9 @@ TEST_F(MultiRank, OomAtMinimumRollsEveryRankBackToTheSameStep) {
     EXPECT_EQ(*ranks_[r]->reports[3].rolled_back_to, 2);
     EXPECT_EQ(ranks_[r]->guard->step(), 3);
     EXPECT_EQ(ranks_[r]->applies, 3);
-    EXPECT_EQ(ranks_[r]->recovery.restored_step, 2);
+    EXPECT_EQ(ranks_[r]->recovery.last_restored(), 2);
   }
-  EXPECT_FALSE(ranks_[0]->recovery.committed_durable.empty()) << "rank 0 committed the durable steps";
+  EXPECT_FALSE(ranks_[0]->recovery.commits.empty()) << "rank 0 committed the durable steps";
 }
 
 // Issue 4: an OOM in one rank's apply rolls every rank back in the same Step
@@ -354,6 +316,8 @@ TEST_F(MultiRank, OomInOneRanksApplyRollsEveryRankBackInThatStep) {
     ASSERT_EQ(ranks_[r]->statuses.size(), 3u);
     EXPECT_EQ(ranks_[r]->statuses[2].code(), StatusCode::kAborted) << "rank " << r << " " << ranks_[r]->statuses[2];
     EXPECT_EQ(ranks_[r]->reports[2].rolled_back_to, 1) << "rank " << r;
+    EXPECT_EQ(ranks_[r]->recovery.restored, std::vector<int64_t>{1})
+        << "rank " << r << "'s store restored step 1";
     EXPECT_EQ(ranks_[r]->guard->step(), 2) << "every rank continues from the same step";
   }
   EXPECT_EQ(ranks_[1]->guard->micro_limit(), 16)
@@ -368,6 +332,9 @@ TEST_F(MultiRank, OomInTheFirstApplyRollsBackToTheInitialSnapshot) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(ranks_[r]->statuses[0].code(), StatusCode::kAborted) << ranks_[r]->statuses[0];
     EXPECT_EQ(ranks_[r]->reports[0].rolled_back_to, -1);
+    EXPECT_EQ(ranks_[r]->recovery.snapshots.front(), -1) << "the guard took the initial snapshot";
+    EXPECT_EQ(ranks_[r]->recovery.restored, std::vector<int64_t>{-1})
+        << "rank " << r << "'s store restored it";
     EXPECT_TRUE(ranks_[r]->statuses[1].ok()) << ranks_[r]->statuses[1];
     EXPECT_EQ(ranks_[r]->guard->step(), 1);
   }
@@ -392,9 +359,11 @@ TEST_F(MultiRank, RollbackTargetIsInEveryRanksDurableSet) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(ranks_[r]->statuses[0].code(), StatusCode::kAborted) << ranks_[r]->statuses[0];
     EXPECT_EQ(ranks_[r]->reports[0].rolled_back_to, 9) << "rank " << r;
-    EXPECT_EQ(ranks_[r]->recovery.restored_step, 9);
+    EXPECT_EQ(ranks_[r]->recovery.last_restored(), 9);
+    EXPECT_EQ(ranks_[r]->recovery.restored, std::vector<int64_t>{9})
+        << "rank " << r << " tried no other step";
   }
-  EXPECT_EQ(ranks_[0]->recovery.committed_durable.back(), 9) << "rank 0 committed it before anyone loaded it";
+  EXPECT_EQ(ranks_[0]->recovery.commits.back(), 9) << "rank 0 committed it before anyone loaded it";
 }
 
 // A rank whose restore fails does not leave the others on another step: all
@@ -415,8 +384,13 @@ TEST_F(MultiRank, FailedRestoreOnOneRankMovesEveryRankToTheNextCommonStep) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(ranks_[r]->statuses[0].code(), StatusCode::kAborted) << ranks_[r]->statuses[0];
     EXPECT_EQ(ranks_[r]->reports[0].rolled_back_to, 9) << "rank " << r;
-    EXPECT_EQ(ranks_[r]->recovery.restored_step, 9);
+    EXPECT_EQ(ranks_[r]->recovery.last_restored(), 9);
   }
+  // 14 first (the newest every rank holds): ranks 0 and 1 loaded it, rank 2 could not.
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(ranks_[r]->recovery.restored, (std::vector<int64_t>{14, 9})) << "rank " << r;
+  EXPECT_EQ(ranks_[2]->recovery.restored, std::vector<int64_t>{9});
+  EXPECT_EQ(ranks_[2]->recovery.failed_restores, std::vector<int64_t>{14});
 }
 
 TEST_F(MultiRank, NoStepEveryRankHoldsStopsEveryRank) {
@@ -436,7 +410,7 @@ TEST_F(MultiRank, NoStepEveryRankHoldsStopsEveryRank) {
     EXPECT_EQ(ranks_[r]->statuses[0].code(), StatusCode::kResourceExhausted) << ranks_[r]->statuses[0];
     EXPECT_NE(ranks_[r]->statuses[0].message().find("no checkpoint to roll back to on every rank"),
               std::string::npos);
-    EXPECT_EQ(ranks_[r]->recovery.restores, 0);
+    EXPECT_EQ(ranks_[r]->recovery.restores(), 0);
   }
 }
 
@@ -542,8 +516,8 @@ TEST_F(MultiRank, FinishCommitsWhatEveryRankHoldsAndAgreesOnTheNewest) {
     ASSERT_TRUE(got[r].ok()) << got[r].status();
     EXPECT_EQ(*got[r], 9);
   }
-  EXPECT_EQ(ranks_[0]->recovery.committed_durable, (std::vector<int64_t>{4, 9})) << "oldest first";
-  EXPECT_TRUE(ranks_[1]->recovery.committed_durable.empty()) << "only rank 0 commits";
+  EXPECT_EQ(ranks_[0]->recovery.commits, (std::vector<int64_t>{4, 9})) << "oldest first";
+  EXPECT_TRUE(ranks_[1]->recovery.commits.empty()) << "only rank 0 commits";
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Restoring a step every rank holds: the rollback of a step, Guard::Resume at
 // the start of a run and Guard::Finish at its end. Each rank reports what it
 // can restore; the candidates are the steps every rank holds; rank 0 commits a
-// candidate's manifest before anyone loads it; every rank confirms.
+// candidate's manifest before anyone loads it (CheckpointCommit); every rank
+// confirms.
 #include "sdk/guard/guard_impl.h"
 
 namespace oomguard::guard_internal {
@@ -34,16 +35,14 @@ StatusOr<int64_t> GuardImpl::RestoreAgreed(const std::vector<internal::RankPoint
       return !(p.snapshot && *p.snapshot == target);
     });
     if (from_disk && world > 1) {
-      int64_t code = 0;
-      if (coordinator_->rank() == 0)
-        code = static_cast<int64_t>(Contained([&] { return store->Commit(target, world); }).code());
+      int64_t code = static_cast<int64_t>(commits_.CommitBeforeLoad(target).code());
       auto heard = channel_.Agree({&code, 1});
       if (!heard.ok()) return heard.status();
       if ((*heard)[0][0] != 0) {
         *tried += "; step " + std::to_string(target) + ": rank 0 could not commit its manifest";
         continue;
       }
-      committed_step_ = std::max(committed_step_, target);
+      commits_.Learn(target);
     }
     Status restored = store != nullptr ? Contained([&] { return store->Restore(target); })
                                        : Status::FailedPrecondition("no recovery store");
@@ -68,7 +67,7 @@ State GuardImpl::Rollback(Run& run) {
   const bool reset_ok = !run.reset || Reset(run);
   auto points = channel_.ExchangePoints(reset_ok ? MyPoints() : internal::RankPoints{});
   if (!points.ok()) return EndCoordination(run, points.status());
-  const std::vector<int64_t> candidates = internal::CommonRestorableSteps(*points, step_);
+  const std::vector<int64_t> candidates = RestorableSteps(*points, step_);
   const std::string size = "micro-batch " + std::to_string(run.rollback_size);
   if (candidates.empty())
     return Done(run,
@@ -99,7 +98,7 @@ State GuardImpl::Rollback(Run& run) {
   rollback_from_ = std::max(rollback_from_, step_);
   run.rep.rolled_back_to = target;
   step_ = target + 1;
-  run.rep.checkpoint_step = committed_step_;
+  run.rep.checkpoint_step = commits_.committed();
   Logger()->warn("rolled back to step {} ({}); continuing at {}", target, why, size);
   return Done(run,
               Status::Aborted(why + "; rolled back to step " + std::to_string(target) + ", continue from step " +
@@ -112,7 +111,7 @@ StatusOr<int64_t> GuardImpl::Resume() {
     return Status::FailedPrecondition("Guard::Resume needs GuardOptions.recovery (a checkpointer)");
   auto points = channel_.ExchangePoints(MyPoints());
   if (!points.ok()) return points.status();
-  const std::vector<int64_t> candidates = internal::CommonRestorableSteps(*points, INT64_MAX);
+  const std::vector<int64_t> candidates = RestorableSteps(*points, INT64_MAX);
   if (candidates.empty()) return Status::NotFound("no checkpoint that every rank holds");
   std::string tried;
   auto restored = RestoreAgreed(*points, candidates, &tried);
@@ -121,7 +120,7 @@ StatusOr<int64_t> GuardImpl::Resume() {
     return Status::DataLoss(restored.status().message());
   }
   step_ = *restored + 1;
-  committed_step_ = std::max(committed_step_, *restored);
+  commits_.Learn(*restored);
   snapshot_checked_ = true;  // the resumed step is durable: no initial snapshot needed
   Logger()->info("resumed from the checkpoint of step {} (every rank holds it)", *restored);
   return *restored;
@@ -143,30 +142,17 @@ StatusOr<int64_t> GuardImpl::Finish() {
   }
   auto points = channel_.ExchangePoints(mine);
   if (!points.ok()) return points.status();
-  // The steps durable on every rank not committed yet, oldest first (no
-  // snapshots: only disk outlives the run). Rank 0 commits them.
-  std::vector<int64_t> common;
-  for (int64_t step : (*points)[0].durable)
-    if (step > committed_step_ && std::all_of(points->begin(), points->end(), [&](const internal::RankPoints& p) {
-          return p.has_store && std::binary_search(p.durable.begin(), p.durable.end(), step);
-        }))
-      common.push_back(step);
-  Status commit;
-  if (coordinator_->rank() == 0) {
-    for (int64_t step : common) {
-      commit = Contained([&] { return store->Commit(step, coordinator_->size()); });
-      if (!commit.ok()) break;
-      committed_step_ = step;
-    }
-  }
+  // Rank 0 commits the steps durable on every rank not committed yet, oldest
+  // first (no snapshots: only disk outlives the run).
+  const Status commit = commits_.CommitDurable(StepsEveryRankHolds(*points, /*snapshots=*/false));
   const int64_t words[3] = {static_cast<int64_t>(saved.code()), static_cast<int64_t>(commit.code()),
-                            committed_step_};
+                            commits_.committed()};
   auto agreed = channel_.Agree(words);
   if (!agreed.ok()) return agreed.status();
   bool any_failed = false;
   for (const auto& w : *agreed) any_failed = any_failed || w[0] != 0 || w[1] != 0;
-  committed_step_ = std::max(committed_step_, (*agreed)[0][2]);
-  if (!any_failed) return committed_step_;
+  commits_.Learn((*agreed)[0][2]);
+  if (!any_failed) return commits_.committed();
   internal::StepChannel::Reason reason;
   if (!saved.ok()) {
     reason = {saved.code(), "the newest checkpoint save failed: " + saved.message()};
@@ -178,11 +164,11 @@ StatusOr<int64_t> GuardImpl::Finish() {
   for (size_t r = 0; r < reasons->size(); ++r) {
     const auto& why = (*reasons)[r];
     if (why.code == StatusCode::kOk) continue;
-    return Status(why.code, "rank " + std::to_string(r) + ": " + why.text + "; the newest checkpoint complete on "
-                                                                          "every rank is step " +
-                                std::to_string(committed_step_));
+    return Status(why.code, "rank " + std::to_string(r) + ": " + why.text +
+                                "; the newest checkpoint complete on every rank is step " +
+                                std::to_string(commits_.committed()));
   }
-  return committed_step_;
+  return commits_.committed();
 }
 
 

@@ -20,6 +20,7 @@ namespace {
 
 using testing::FaultsCleared;
 using testing::MakeGuard;
+using testing::RecordingRecovery;
 using testing::RecordingSink;
 
 // Counts how often each sample's contribution was kept (applied and not reset).
@@ -31,28 +32,14 @@ struct Accumulator {
   int commits = 0;
 };
 
-class FakeRecovery : public RecoveryStore {
- public:
-  int64_t durable = -1, snapshot = -1;
-  int restores = 0;
-  std::vector<std::pair<int64_t, bool>> committed;
-  std::vector<int64_t> DurableSteps() override {
-    return durable >= 0 ? std::vector<int64_t>{durable} : std::vector<int64_t>{};
-  }
-  std::optional<int64_t> SnapshotStep() override {
-    return snapshot >= 0 ? std::optional<int64_t>(snapshot) : std::nullopt;
-  }
-  Status Restore(int64_t step) override {
-    ++restores;
-    restored = step;
-    return Status::Ok();
-  }
-  int64_t restored = -100;
-  Status OnStepCommitted(int64_t step, bool after) override {
-    committed.emplace_back(step, after);
-    return Status::Ok();
-  }
-};
+// A store that holds only what a test gives it: no snapshot of its own, no
+// save after a step.
+RecordingRecovery StaticRecovery() {
+  RecordingRecovery rec;
+  rec.can_snapshot = false;
+  rec.save_on_commit = false;
+  return rec;
+}
 
 // A request whose micro-batches mark phases and accumulate per-sample counts.
 StepRequest Request(Guard* g, Accumulator* acc, int64_t n) {
@@ -211,8 +198,8 @@ TEST_F(FaultsCleared, OomAtMinimumRollsBackWithARecoveryStore) {
   ASSERT_TRUE(SetFaultRules("oom@step=5,site=forward,times=0").ok());
   GuardOptions o;
   o.initial_micro_batch = 4;
-  FakeRecovery rec;
-  rec.durable = 3;
+  RecordingRecovery rec = StaticRecovery();
+  rec.durable = {3};
   o.recovery = &rec;
   auto g = MakeGuard(o);
   ASSERT_TRUE(g->SetStep(5).ok());
@@ -223,7 +210,9 @@ TEST_F(FaultsCleared, OomAtMinimumRollsBackWithARecoveryStore) {
   ASSERT_TRUE(rep.rolled_back_to.has_value());
   EXPECT_EQ(*rep.rolled_back_to, 3);
   EXPECT_EQ(g->step(), 4);
-  EXPECT_EQ(rec.restores, 1);
+  EXPECT_EQ(rec.restores(), 1);
+  EXPECT_EQ(rec.restored, std::vector<int64_t>{3}) << "the store itself restored step 3";
+  EXPECT_TRUE(rec.failed_restores.empty());
   EXPECT_EQ(rep.incidents.back().outcome, IncidentOutcome::kRolledBack);
   EXPECT_EQ(g->micro_limit(), 1) << "resume at the reduced size";
 }
@@ -242,7 +231,7 @@ TEST_F(FaultsCleared, OomInCommitRollsBackFromSnapshotOrGivesUp) {
   ASSERT_TRUE(SetFaultRules("oom@step=2,site=optimizer").ok());
   GuardOptions o;
   o.initial_micro_batch = 8;
-  FakeRecovery rec;
+  RecordingRecovery rec = StaticRecovery();
   rec.snapshot = 1;
   o.recovery = &rec;
   auto g = MakeGuard(o);
@@ -254,6 +243,8 @@ TEST_F(FaultsCleared, OomInCommitRollsBackFromSnapshotOrGivesUp) {
   Status s = g->Step(r, &rep);
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s;
   EXPECT_EQ(rep.rolled_back_to, 1);
+  EXPECT_EQ(rec.restored, std::vector<int64_t>{1}) << "the store itself restored the snapshot of step 1";
+  EXPECT_TRUE(rec.steps_committed.empty()) << "the rolled-back step was not committed";
   EXPECT_EQ(g->step(), 2);
   EXPECT_EQ(g->micro_limit(), 8) << "the redo keeps the size: the apply's memory does not depend on the split";
   EXPECT_EQ(rep.incidents.at(0).phase, Phase::kOptimizer);
@@ -478,28 +469,15 @@ TEST_F(FaultsCleared, InjectedOomAtTheVoteIsRecoveredBeforeVoting) {
   EXPECT_TRUE(g->Step(Request(g.get(), &acc, 8)).ok()) << "the next step runs normally";
 }
 
-class FixedPriors : public MicroBatchPriors {
- public:
-  std::optional<int64_t> PriorMicroBatch(const std::string& w) override {
-    asked = w;
-    return 24;
-  }
-  Status RecordCleanMicroBatch(const std::string& w, int64_t size) override {
-    recorded.emplace_back(w, size);
-    return Status::Ok();
-  }
-  std::string asked;
-  std::vector<std::pair<std::string, int64_t>> recorded;
-};
-
 TEST_F(FaultsCleared, LearnedPriorSetsTheStartingSizeAndCleanStepsAreReported) {
-  FixedPriors priors;
+  testing::RecordingPriors priors;
+  priors.sizes["mlp-h64"] = 24;
   GuardOptions o;
   o.initial_micro_batch = 128;
   o.workload = "mlp-h64";
   o.priors = &priors;
   auto g = MakeGuard(o);
-  EXPECT_EQ(priors.asked, "mlp-h64");
+  EXPECT_EQ(priors.asked, std::vector<std::string>{"mlp-h64"});
   EXPECT_EQ(g->micro_limit(), 24);
   Accumulator acc;
   StepReport rep;
@@ -507,13 +485,14 @@ TEST_F(FaultsCleared, LearnedPriorSetsTheStartingSizeAndCleanStepsAreReported) {
   ASSERT_EQ(priors.recorded.size(), 1u);
   EXPECT_EQ(priors.recorded[0].second, rep.largest_micro);
   // Without a workload signature, priors are neither read nor written.
-  FixedPriors unused;
+  testing::RecordingPriors unused;
   o.workload = "";
   o.priors = &unused;
   auto g2 = MakeGuard(o);
   EXPECT_EQ(g2->micro_limit(), 128);
   ASSERT_TRUE(g2->Step(Request(g2.get(), &acc, 96)).ok());
   EXPECT_TRUE(unused.recorded.empty());
+  EXPECT_TRUE(unused.asked.empty());
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
-#include <set>
 
 namespace oomguard::internal {
 namespace {
@@ -18,23 +17,6 @@ int64_t Tag(int64_t kind, uint64_t seq) {
 }
 
 }  // namespace
-
-std::vector<int64_t> CommonRestorableSteps(const std::vector<RankPoints>& ranks, int64_t before) {
-  std::vector<int64_t> out;
-  if (ranks.empty()) return out;
-  auto holds = [](const RankPoints& p, int64_t step) {
-    return p.has_store && ((p.snapshot && *p.snapshot == step) ||
-                           std::binary_search(p.durable.begin(), p.durable.end(), step));
-  };
-  std::set<int64_t> candidates(ranks[0].durable.begin(), ranks[0].durable.end());
-  if (ranks[0].snapshot) candidates.insert(*ranks[0].snapshot);
-  for (auto it = candidates.rbegin(); it != candidates.rend(); ++it) {
-    if (*it >= before) continue;
-    if (std::all_of(ranks.begin(), ranks.end(), [&](const RankPoints& p) { return holds(p, *it); }))
-      out.push_back(*it);
-  }
-  return out;
-}
 
 StepChannel::StepChannel(Coordinator* coordinator, std::chrono::milliseconds deadline)
     : coordinator_(coordinator),
@@ -120,10 +102,6 @@ StatusOr<VoteOutcome> StepChannel::Vote(const RankVote& mine) {
     const int64_t k = std::clamp<int64_t>(v[11], 0, kVoteDurable);
     rv.durable.assign(v + 12, v + 12 + k);
     out.status = std::max(out.status, rv.status);
-    if (rv.status == VoteStatus::kFailed) {
-      if (out.first_failed < 0) out.first_failed = r;
-      ++out.failed_count;
-    }
     if (__builtin_add_overflow(out.total_units, rv.units, &out.total_units)) out.units_overflow = true;
     out.min_micro_limit = std::min(out.min_micro_limit, rv.micro_limit);
     out.any_oom = out.any_oom || rv.had_oom;
@@ -134,13 +112,6 @@ StatusOr<VoteOutcome> StepChannel::Vote(const RankVote& mine) {
       return Diverged("rank 0 votes on step " + std::to_string(out.ranks[0].step) + ", rank " + std::to_string(r) +
                       " on step " + std::to_string(out.ranks[static_cast<size_t>(r)].step));
   }
-  for (int64_t step : out.ranks[0].durable) {
-    if (std::all_of(out.ranks.begin(), out.ranks.end(), [&](const RankVote& rv) {
-          return std::binary_search(rv.durable.begin(), rv.durable.end(), step);
-        }))
-      out.common_durable.push_back(step);
-  }
-  if (!out.common_durable.empty()) out.newest_common_durable = out.common_durable.back();
   return out;
 }
 

@@ -60,15 +60,11 @@ struct RankVote {
 struct VoteOutcome {
   std::vector<RankVote> ranks;  // index = rank
   VoteStatus status = VoteStatus::kOk;
-  int first_failed = -1;  // lowest rank that voted kFailed
-  int failed_count = 0;
   int64_t total_units = 0;
   bool units_overflow = false;        // the ranks' units do not sum within int64
   int64_t min_micro_limit = 0;
   bool any_oom = false;
-  std::optional<int64_t> newest_common_durable;  // in every rank's durable list
-  std::vector<int64_t> common_durable;           // every such step, ascending
-  int64_t committed = -1;                         // rank 0's newest committed checkpoint
+  int64_t committed = -1;  // rank 0's newest committed checkpoint
 };
 
 // The status words a sum carries beside the buffers.
@@ -81,15 +77,13 @@ struct SyncOutcome {
   int error_ranks = 0;
 };
 
-// A step every rank can restore, and how: what each rank reports.
+// What a rank can restore: what each rank reports before a rollback, a
+// resume or Finish (checkpoint_commit.h finds the steps every rank holds).
 struct RankPoints {
   bool has_store = false;
   std::optional<int64_t> snapshot;
   std::vector<int64_t> durable;  // ascending, at most kPointsDurable
 };
-
-// Steps present for every rank (durable or snapshot), below `before`, newest first.
-std::vector<int64_t> CommonRestorableSteps(const std::vector<RankPoints>& ranks, int64_t before);
 
 class StepChannel {
  public:

@@ -10,6 +10,7 @@
 #include "oomguard/guard.h"
 #include "oomguard/mpi_coordinator.h"
 #include "oomguard/recovery.h"
+#include "sdk/guard/guard_testing.h"
 
 namespace oomguard {
 namespace {
@@ -44,27 +45,7 @@ TEST(MpiCoordinator, AllgatherAndScaledSums) {
   EXPECT_EQ(c.Allgather(std::vector<int64_t>{1}, wrong, milliseconds(100)).code(), StatusCode::kInvalidArgument);
 }
 
-class Recovery : public RecoveryStore {
- public:
-  std::vector<int64_t> durable;
-  std::optional<int64_t> snapshot;
-  std::vector<int64_t> DurableSteps() override { return durable; }
-  std::optional<int64_t> SnapshotStep() override { return snapshot; }
-  Status Snapshot(int64_t step) override {
-    snapshot = step;
-    return Status::Ok();
-  }
-  Status Restore(int64_t step) override {
-    restored = step;
-    return Status::Ok();
-  }
-  Status OnStepCommitted(int64_t step, bool) override {
-    durable.push_back(step);
-    snapshot = step;
-    return Status::Ok();
-  }
-  int64_t restored = -100;
-};
+using testing::RecordingRecovery;
 
 struct Outcome {
   std::vector<Status> statuses;
@@ -72,12 +53,13 @@ struct Outcome {
   int applies = 0;
   double synced = 0;
   std::string thrown;
+  std::vector<int64_t> restored;  // the steps this rank's store restored
 };
 
 // Each rank's gradient is 1 + rank per sample; the synced mean is (n+1)/2.
 Outcome RunSteps(const std::string& rules, int steps, GuardOptions o = {}, bool with_recovery = true) {
   EXPECT_TRUE(SetFaultRules(rules).ok()) << rules;
-  Recovery rec;
+  RecordingRecovery rec;
   o.coordinator = g_coord;
   if (with_recovery) o.recovery = &rec;
   o.initial_micro_batch = 16;
@@ -112,6 +94,7 @@ Outcome RunSteps(const std::string& rules, int steps, GuardOptions o = {}, bool 
     if (!out.statuses.back().ok() && out.statuses.back().code() != StatusCode::kAborted) break;
   }
   ClearFaultRules();
+  out.restored = rec.restored;
   return out;
 }
 
@@ -182,6 +165,7 @@ TEST(MpiGuard, OomInApplyOnOneRankRollsEveryRankBackInThatStep) {
     EXPECT_EQ(o.statuses[static_cast<size_t>(step)].code(), StatusCode::kAborted) << o.statuses[step];
     ASSERT_TRUE(o.reports[static_cast<size_t>(step)].rolled_back_to.has_value());
     EXPECT_EQ(*o.reports[static_cast<size_t>(step)].rolled_back_to, step - 1);
+    EXPECT_EQ(o.restored, std::vector<int64_t>{step - 1}) << "this rank's store restored step " << step - 1;
   }
 }
 
