@@ -149,7 +149,50 @@ def confusion_table(confusion):
     return md
 
 
-def diagnosis_section(d, fc):
+def corpus_targets(c, fc, kb):
+    """Issue 25's targets from the figures of this run: the corpus, its test
+    split, the newest batch's first contact (from the corpus README) and,
+    when kb_bench ran, BM_Classify."""
+    md = []
+    w = md.append
+    total = sum(b["total"] for b in c["by_batch"].values())
+    found = sum(b["found"] for b in c["by_batch"].values())
+    test = c["by_split"].get("test", {"right": 0, "total": 0, "confident": 0, "confident_wrong": 0})
+    confident = sum(sc["confident"] for sc in c["by_split"].values())
+
+    def pct(r, t):
+        return 100.0 * r / t if t else 0.0
+
+    def met(ok):
+        return "met" if ok else "not met"
+
+    w("Issue 25's targets, as measured in this run:")
+    w("")
+    w("| target | measured | |")
+    w("|---|---|---|")
+    w(f"| ≥ 400 labelled reports | {total} in {len(c['by_batch'])} batches | {met(total >= 400)} |")
+    tp = pct(test["right"], test["total"])
+    w(f"| test split ≥ 80% | {test['right']}/{test['total']} ({tp:.1f}%) | {met(tp >= 80)} |")
+    if fc:
+        batch, n, first = fc[-1][0], fc[-1][1], fc[-1][2]
+        m = re.match(r"(\d+)", first)
+        fp = pct(int(m.group(1)), int(n)) if m else 0.0
+        got = f"{m.group(1)}/{n} ({fp:.0f}%)" if m else first
+        w(f"| first contact on the newest batch ≥ 75% | {batch}: {got} | {met(fp >= 75)} |")
+    cw = test["confident_wrong"]
+    vacuous = " (no answer reached 0.8)" if confident == 0 else ""
+    w(f"| wrong at confidence ≥ 0.8 ≤ 3% of the test split | {cw} of {test['total']}{vacuous} | "
+      f"{met(cw <= 0.03 * test['total'])} |")
+    w(f"| an OOM found in every corpus report | {found}/{total} | {met(found == total)} |")
+    if kb and "BM_Classify" in kb:
+        b = kb["BM_Classify"]
+        us = b["real_time"] / 1000.0 if b.get("time_unit", "ns") == "ns" else b["real_time"]
+        w(f"| BM_Classify < 100 µs | {us:.1f} µs | {met(us < 100)} |")
+    w("")
+    return md
+
+
+def diagnosis_section(d, fc, kb=None):
     md = []
     w = md.append
     n, right = d["reports"], d["right"]
@@ -195,7 +238,9 @@ def diagnosis_section(d, fc):
             w(f"| [{x['file']}]({x['source']}) | {x['label']} | {x['answer']} | {x['confidence']:.2f} |")
         w("")
     if d.get("corpus"):
-        md.extend(corpus_part(d["corpus"], corpus_first_contact(os.path.join(ROOT, "tests/kb/testdata/corpus/README.md"))))
+        corpus_fc = corpus_first_contact(os.path.join(ROOT, "tests/kb/testdata/corpus/README.md"))
+        md.extend(corpus_part(d["corpus"], corpus_fc))
+        md.extend(corpus_targets(d["corpus"], corpus_fc, kb))
     if d.get("logs"):
         w("Raw logs (tests/kb/testdata/logs), as `oomguard diagnose` reads them:")
         w("")
@@ -306,7 +351,7 @@ def main():
 
     diag = json.load(open(a.diagnosis)) if a.diagnosis and os.path.exists(a.diagnosis) else None
     if diag:
-        md.extend(diagnosis_section(diag, first_contact(a.reports_readme)))
+        md.extend(diagnosis_section(diag, first_contact(a.reports_readme), kb))
     if a.train_step and os.path.exists(a.train_step):
         md.extend(open(a.train_step).read().splitlines())
         w("")
