@@ -1,4 +1,5 @@
-// ShardWriter and ShardReader: one rank's HDF5 file of one checkpoint.
+// WriteShard and ShardReader: one rank's HDF5 file of one checkpoint. WriteShard
+// runs a ShardWriter (shard.cc), a method per phase of the write.
 //
 // Write path: datasets are created with the pipeline shuffle (2) + zstd
 // (32015) so that any HDF5 reader with the plugin decodes them, but the SDK

@@ -95,6 +95,60 @@ std::string ReadFully(int fd, uint8_t* out, size_t n, uint64_t offset) {
   return "";
 }
 
+// What a task of CheckedShard::ReadPass reports for one chunk: why it is
+// bad (empty when good), and the hash of its stored bytes (when the whole
+// file is verified).
+struct ChunkResult {
+  std::string error;
+  uint64_t stored_hash = 0;
+};
+
+// One task of CheckedShard::ReadPass: decodes (or copies) stored chunk
+// `index` from `frame` into `dst` (nullptr: hash it only) and checks its
+// xxh3 against `expect`. `in_place`: the frame was read into `dst` itself.
+ChunkResult VerifyChunk(const uint8_t* frame, const StoredChunk& c, uint8_t* dst, uint64_t expect,
+                        size_t index, bool raw, size_t es, int64_t full, bool verify_file, bool in_place) {
+  thread_local std::vector<uint8_t> scratch;
+  ChunkResult res;
+  uint64_t got = 0;
+  const auto size = static_cast<size_t>(c.size);
+  const auto len = static_cast<size_t>(c.len);
+  if (raw) {
+    if (c.size != static_cast<uint64_t>(full)) {
+      res.error = "chunk " + std::to_string(index) + " stores " + std::to_string(c.size) +
+                  " bytes, a whole chunk is " + std::to_string(full);
+      return res;
+    }
+    got = in_place || dst == nullptr ? XXH3_64bits(frame, len) : CopyHashed(frame, dst, len);
+    if (verify_file) res.stored_hash = len == size ? got : XXH3_64bits(frame, size);
+  } else {
+    // The stored bytes first: they are then in cache for the decoder.
+    if (verify_file) res.stored_hash = XXH3_64bits(frame, size);
+    const std::string err =
+        DecodeChunkHashed(frame, size, es, dst, static_cast<size_t>(full), len, &scratch, &got);
+    if (!err.empty()) {
+      res.error = "chunk " + std::to_string(index) + ": " + err;
+      return res;
+    }
+  }
+  if (got != expect)
+    res.error = "chunk " + std::to_string(index) + ": xxh3 mismatch (stored " + Hex64(expect) +
+                ", computed " + Hex64(got) + ")";
+  return res;
+}
+
+// Opens `path` for pread, refusing a file that is no longer `size` bytes.
+Status OpenToRead(const std::string& path, uint64_t size, FileDescriptor* fd) {
+  fd->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat st {};
+  if (fd->fd < 0 || ::fstat(fd->fd, &st) != 0)
+    return Status::DataLoss(path + ": cannot open: " + std::strerror(errno));
+  if (static_cast<uint64_t>(st.st_size) != size)
+    return Status::DataLoss(path + ": changed size while it was read (" + std::to_string(size) +
+                            " bytes, now " + std::to_string(st.st_size) + ")");
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status CheckReadsSetting() { return ReadsSetting().status(); }
@@ -232,20 +286,10 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
   const Reads reads = setting.ok() ? *setting : Reads::kAuto;
   FileDescriptor fd;
   if (!items.empty() && (reads == Reads::kPread || (reads == Reads::kAuto && MostlyOnDisk(p.file)))) {
-    fd.fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-    struct stat st {};
-    if (fd.fd < 0 || ::fstat(fd.fd, &st) != 0)
-      return Status::DataLoss(path_ + ": cannot open: " + std::strerror(errno));
-    if (static_cast<uint64_t>(st.st_size) != p.file.size())
-      return Status::DataLoss(path_ + ": changed size while it was read (" + std::to_string(p.file.size()) +
-                              " bytes, now " + std::to_string(st.st_size) + ")");
+    OOMGUARD_RETURN_IF_ERROR(OpenToRead(path_, p.file.size(), &fd));
   }
   const bool stream = fd.fd >= 0;
 
-  struct Result {
-    std::string error;
-    uint64_t stored_hash = 0;
-  };
   // Frames read ahead of their tasks: one per task in flight when streaming
   // (none for a chunk read into its tensor), at most kCheckWindowBytes of
   // them (at least one).
@@ -255,8 +299,8 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
   // Check-only zstd chunks decode into recycled buffers, at most
   // kCheckWindowBytes of them in flight (at least one chunk).
   ChunkBuffers checks;
-  std::deque<std::future<Result>> inflight;
-  WaitForAll<Result> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
+  std::deque<std::future<ChunkResult>> inflight;
+  WaitForAll<ChunkResult> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
   const bool verify_file = p.verify_file;
   size_t next = 0, drained = 0;
   auto buffered = [&](const Item& it) { return requests[it.req].out == nullptr && !p.tensors[it.t].raw; };
@@ -313,39 +357,12 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
       const bool raw = T.raw;
       const size_t es = T.elem_size;
       const int64_t full = T.full;
-      inflight.push_back(
-          pool->Submit([frame, c, dst, expect, index, raw, es, full, verify_file, in_place]() -> Result {
-        thread_local std::vector<uint8_t> scratch;
-        Result res;
-        uint64_t got = 0;
-        const auto size = static_cast<size_t>(c.size);
-        const auto len = static_cast<size_t>(c.len);
-        if (raw) {
-          if (c.size != static_cast<uint64_t>(full)) {
-            res.error = "chunk " + std::to_string(index) + " stores " + std::to_string(c.size) +
-                        " bytes, a whole chunk is " + std::to_string(full);
-            return res;
-          }
-          got = in_place || dst == nullptr ? XXH3_64bits(frame, len) : CopyHashed(frame, dst, len);
-          if (verify_file) res.stored_hash = len == size ? got : XXH3_64bits(frame, size);
-        } else {
-          // The stored bytes first: they are then in cache for the decoder.
-          if (verify_file) res.stored_hash = XXH3_64bits(frame, size);
-          const std::string err =
-              DecodeChunkHashed(frame, size, es, dst, static_cast<size_t>(full), len, &scratch, &got);
-          if (!err.empty()) {
-            res.error = "chunk " + std::to_string(index) + ": " + err;
-            return res;
-          }
-        }
-        if (got != expect)
-          res.error = "chunk " + std::to_string(index) + ": xxh3 mismatch (stored " + Hex64(expect) +
-                      ", computed " + Hex64(got) + ")";
-        return res;
+      inflight.push_back(pool->Submit([frame, c, dst, expect, index, raw, es, full, verify_file, in_place] {
+        return VerifyChunk(frame, c, dst, expect, index, raw, es, full, verify_file, in_place);
       }));
     }
     if (inflight.empty()) break;  // stopped submitting on an error
-    Result res = inflight.front().get();
+    ChunkResult res = inflight.front().get();
     inflight.pop_front();
     if (stream) frames.Reuse(frames.Oldest());
     const Item& it = items[drained++];

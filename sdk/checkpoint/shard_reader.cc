@@ -196,6 +196,88 @@ bool FastLayout(hid_t dcpl, const std::vector<int64_t>& shape, size_t es, ChunkL
   return true;
 }
 
+// What the first phase of ShardReader::ReadMany learns, per request: the
+// stored tensor hash, whether HDF5 decoded it (and, for a check alone, the
+// hash of what it decoded), and the file address of every chunk it reads.
+struct ReadIndex {
+  std::vector<std::string> stored_hash;
+  std::vector<bool> done_by_hdf5;
+  std::vector<uint64_t> hdf5_hash;
+  std::vector<ReadChunk> chunks;
+};
+
+// Checks request `r`'s dataset against it (dtype and shape when asked, byte
+// count always) and adds its chunks to `idx`; a dataset in another writer's
+// layout is read through HDF5 here. Caller holds the Hdf5Lock.
+Status IndexRequest(hid_t file, const std::string& path, const ShardReader::ReadRequest& q, size_t r,
+                    ReadIndex* idx) {
+  auto where = [&] { return path + ": tensor " + q.dataset; };
+  H5Handle d(H5Dopen2(file, q.dataset.c_str(), H5P_DEFAULT));
+  if (!d.valid()) return Status::DataLoss(where() + " is missing");
+  auto dt = ReadStringAttr(d.get(), "dtype");
+  idx->stored_hash[r] = ReadStringAttr(d.get(), "xxh3").value_or("");
+  if (idx->stored_hash[r].empty()) return Status::DataLoss(where() + " has no xxh3 attribute");
+  if (q.check && dt.value_or("") != DTypeName(q.dtype))
+    return Status::DataLoss(where() + " has dtype '" + dt.value_or("?") + "', expected '" +
+                            std::string(DTypeName(q.dtype)) + "'");
+  H5Handle space(H5Dget_space(d.get()));
+  int nd = H5Sget_simple_extent_ndims(space.get());
+  if (nd < 0 || nd > H5S_MAX_RANK) return Status::DataLoss(where() + " has an unreadable shape");
+  std::vector<hsize_t> dims(static_cast<size_t>(nd));
+  if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+  std::vector<int64_t> shape(dims.begin(), dims.end());
+  if (q.check && shape != q.shape)
+    return Status::DataLoss(where() + " has shape " + ShapeString(shape) + ", expected " +
+                            ShapeString(q.shape));
+  H5Handle type(H5Dget_type(d.get()));
+  const size_t es = H5Tget_size(type.get());
+  // Overflow-checked: the file's dimensions are not to be trusted.
+  uint64_t total = es;
+  bool overflow = es == 0;
+  for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(total, x, &total);
+  if (overflow || total > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
+      static_cast<int64_t>(total) != q.bytes)
+    return Status::DataLoss(where() + " holds " +
+                            (overflow ? std::string("more than 2^64") : std::to_string(total)) +
+                            " bytes, expected " + std::to_string(q.bytes));
+  H5Handle dcpl(H5Dget_create_plist(d.get()));
+  ChunkLayout L;
+  if (q.bytes == 0) return Status::Ok();
+  if (!FastLayout(dcpl.get(), shape, es, &L)) {
+    // Another writer's layout or filters: let HDF5 decode it (for a check
+    // alone, into a buffer of its own that is hashed and dropped).
+    std::vector<uint8_t> scratch;
+    uint8_t* dst = q.out;
+    if (dst == nullptr) {
+      try {
+        scratch.resize(static_cast<size_t>(q.bytes));
+      } catch (const std::bad_alloc&) {
+        return Status::ResourceExhausted(where() + ": no host memory for the " + std::to_string(q.bytes) +
+                                         " bytes HDF5 needs to decode it");
+      }
+      dst = scratch.data();
+    }
+    if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
+      return Status::DataLoss(where() + ": HDF5 could not read it (corrupt chunk or missing filter)");
+    if (q.out == nullptr) idx->hdf5_hash[r] = XXH3_64bits(dst, static_cast<size_t>(q.bytes));
+    idx->done_by_hdf5[r] = true;
+    return Status::Ok();
+  }
+  std::vector<hsize_t> offset;
+  for (int64_t i = 0; i < L.count; ++i) {
+    ReadChunk c{r, i, 0, 0, L.chunk_bytes, es, HADDR_UNDEF, 0};
+    ChunkPosition(shape, L, i, &offset, &c.begin, &c.len);
+    unsigned mask = 0;
+    if (H5Dget_chunk_info_by_coord(d.get(), offset.data(), &mask, &c.addr, &c.size) < 0 ||
+        c.addr == HADDR_UNDEF || c.size == 0)
+      return Status::DataLoss(where() + ": chunk " + std::to_string(i) + " is missing");
+    if (mask != 0)
+      return Status::DataLoss(where() + ": chunk " + std::to_string(i) + " was stored with filters skipped");
+    idx->chunks.push_back(c);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<std::span<const uint8_t>> ShardReader::Mapped() {
@@ -286,80 +368,18 @@ Status ShardReader::StoredChunks(const std::string& dataset, std::vector<StoredC
 
 Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
   auto where = [&](size_t r) { return path_ + ": tensor " + requests[r].dataset; };
-  std::vector<std::string> stored_hash(requests.size());
-  std::vector<bool> done_by_hdf5(requests.size(), false);
-  std::vector<uint64_t> hdf5_hash(requests.size(), 0);
-  std::vector<ReadChunk> chunks;
+  ReadIndex idx;
+  idx.stored_hash.resize(requests.size());
+  idx.done_by_hdf5.assign(requests.size(), false);
+  idx.hdf5_hash.assign(requests.size(), 0);
+  std::vector<ReadChunk>& chunks = idx.chunks;
+  const std::vector<std::string>& stored_hash = idx.stored_hash;
   // Phase 1, under the lock: check every dataset against its request and
   // collect the file address of every chunk.
   {
     Hdf5Lock lock;
-    for (size_t r = 0; r < requests.size(); ++r) {
-      const ReadRequest& q = requests[r];
-      H5Handle d(H5Dopen2(impl_->file.get(), q.dataset.c_str(), H5P_DEFAULT));
-      if (!d.valid()) return Status::DataLoss(where(r) + " is missing");
-      auto dt = ReadStringAttr(d.get(), "dtype");
-      stored_hash[r] = ReadStringAttr(d.get(), "xxh3").value_or("");
-      if (stored_hash[r].empty()) return Status::DataLoss(where(r) + " has no xxh3 attribute");
-      if (q.check && dt.value_or("") != DTypeName(q.dtype))
-        return Status::DataLoss(where(r) + " has dtype '" + dt.value_or("?") + "', expected '" +
-                                std::string(DTypeName(q.dtype)) + "'");
-      H5Handle space(H5Dget_space(d.get()));
-      int nd = H5Sget_simple_extent_ndims(space.get());
-      if (nd < 0 || nd > H5S_MAX_RANK) return Status::DataLoss(where(r) + " has an unreadable shape");
-      std::vector<hsize_t> dims(static_cast<size_t>(nd));
-      if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-      std::vector<int64_t> shape(dims.begin(), dims.end());
-      if (q.check && shape != q.shape)
-        return Status::DataLoss(where(r) + " has shape " + ShapeString(shape) + ", expected " +
-                                ShapeString(q.shape));
-      H5Handle type(H5Dget_type(d.get()));
-      const size_t es = H5Tget_size(type.get());
-      // Overflow-checked: the file's dimensions are not to be trusted.
-      uint64_t total = es;
-      bool overflow = es == 0;
-      for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(total, x, &total);
-      if (overflow || total > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
-          static_cast<int64_t>(total) != q.bytes)
-        return Status::DataLoss(where(r) + " holds " +
-                                (overflow ? std::string("more than 2^64") : std::to_string(total)) +
-                                " bytes, expected " + std::to_string(q.bytes));
-      H5Handle dcpl(H5Dget_create_plist(d.get()));
-      ChunkLayout L;
-      if (q.bytes == 0) continue;
-      if (!FastLayout(dcpl.get(), shape, es, &L)) {
-        // Another writer's layout or filters: let HDF5 decode it (for a check
-        // alone, into a buffer of its own that is hashed and dropped).
-        std::vector<uint8_t> scratch;
-        uint8_t* dst = q.out;
-        if (dst == nullptr) {
-          try {
-            scratch.resize(static_cast<size_t>(q.bytes));
-          } catch (const std::bad_alloc&) {
-            return Status::ResourceExhausted(where(r) + ": no host memory for the " +
-                                             std::to_string(q.bytes) + " bytes HDF5 needs to decode it");
-          }
-          dst = scratch.data();
-        }
-        if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
-          return Status::DataLoss(where(r) + ": HDF5 could not read it (corrupt chunk or missing filter)");
-        if (q.out == nullptr) hdf5_hash[r] = XXH3_64bits(dst, static_cast<size_t>(q.bytes));
-        done_by_hdf5[r] = true;
-        continue;
-      }
-      std::vector<hsize_t> offset;
-      for (int64_t i = 0; i < L.count; ++i) {
-        ReadChunk c{r, i, 0, 0, L.chunk_bytes, es, HADDR_UNDEF, 0};
-        ChunkPosition(shape, L, i, &offset, &c.begin, &c.len);
-        unsigned mask = 0;
-        if (H5Dget_chunk_info_by_coord(d.get(), offset.data(), &mask, &c.addr, &c.size) < 0 ||
-            c.addr == HADDR_UNDEF || c.size == 0)
-          return Status::DataLoss(where(r) + ": chunk " + std::to_string(i) + " is missing");
-        if (mask != 0)
-          return Status::DataLoss(where(r) + ": chunk " + std::to_string(i) + " was stored with filters skipped");
-        chunks.push_back(c);
-      }
-    }
+    for (size_t r = 0; r < requests.size(); ++r)
+      OOMGUARD_RETURN_IF_ERROR(IndexRequest(impl_->file.get(), path_, requests[r], r, &idx));
   }
 
   // Phase 2: decode out of the mapping in the pool, hash in order here.
@@ -461,9 +481,9 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   for (size_t r = 0; r < requests.size(); ++r) {
     if (requests[r].bytes == 0) {
       check_hash(r, XXH3_64bits(nullptr, 0));
-    } else if (done_by_hdf5[r]) {
+    } else if (idx.done_by_hdf5[r]) {
       const ReadRequest& q = requests[r];
-      check_hash(r, q.out == nullptr ? hdf5_hash[r] : XXH3_64bits(q.out, static_cast<size_t>(q.bytes)));
+      check_hash(r, q.out == nullptr ? idx.hdf5_hash[r] : XXH3_64bits(q.out, static_cast<size_t>(q.bytes)));
     }
   }
   return status;

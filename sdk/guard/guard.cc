@@ -267,6 +267,59 @@ void GuardImpl::AfterMicroBatch(Run& run, const MicroBatch& mb) {
   run.mem_retries = st.num_alloc_retries;
 }
 
+namespace {
+
+// What HandleOom knows when it picks the rung of the ladder. The two
+// questions that ask someone else (the size controller, which learns from
+// being asked, and the recovery store) are asked only on the branches that
+// need them, in the order the ladder reaches them.
+struct RungFacts {
+  bool release_made_room = false;   // releasing freed the request and the once-per-step retry is unused
+  bool over_budget = false;         // more OOMs this step than max_ooms_per_step
+  bool in_micro = false;            // the OOM is inside a micro-batch
+  bool outside_retry_used = false;  // a step that failed outside its micro-batches was redone once
+  bool splittable = false;          // the failed micro-batch holds more than one sample
+  std::function<bool()> controller_shrinks;  // the size controller takes the OOM and shrinks
+  std::function<bool()> can_roll_back;       // the recovery store holds a snapshot or a durable step
+};
+
+// The ladder after the release: retry at the same size, give up over
+// budget, redo a step that failed outside the micro-batches once, halve,
+// roll back, give up.
+LadderAction ChooseRung(const RungFacts& f) {
+  if (f.release_made_room) return LadderAction::kRelease;  // retry at the same size once
+  if (f.over_budget) return LadderAction::kGiveUp;
+  if (!f.in_micro) {
+    // Released caches are all this rung has: the step is redone as it was,
+    // once; then a rollback, or the end.
+    if (!f.outside_retry_used) return LadderAction::kRelease;
+    return f.can_roll_back() ? LadderAction::kRollback : LadderAction::kGiveUp;
+  }
+  // (A lone sample cannot be split, whatever its cost: it escalates.)
+  if (f.controller_shrinks() && f.splittable) return LadderAction::kHalve;
+  // Whether every rank holds a common step is decided together, in Rollback.
+  return f.can_roll_back() ? LadderAction::kRollback : LadderAction::kGiveUp;
+}
+
+// The give-up message of an OOM that no rung recovers from.
+std::string GiveUpText(int64_t step, const Incident& inc, const OomInfo& info, bool bounded, int64_t ooms,
+                       bool in_micro, const MicroBatch& failed, int64_t min_micro_batch) {
+  return "out of memory at step " + std::to_string(step) + " in phase '" + std::string(PhaseName(inc.phase)) +
+         "' (" + std::string(IncidentKindName(inc.kind)) + ", requested " +
+         FormatBytes(info.requested_bytes) + ") " +
+         (bounded     ? "after " + std::to_string(ooms - 1) + " OOMs in one step (max_ooms_per_step)"
+          : !in_micro ? "outside the micro-batches, where a smaller micro-batch does not help, again after "
+                        "releasing caches, with no checkpoint to roll back to"
+          : failed.size == 1 && failed.cost > min_micro_batch
+              ? "in a micro-batch of one sample (cost " + std::to_string(failed.cost) +
+                    ") that cannot be split, with no checkpoint to roll back to"
+              : "at the minimum micro-batch (" + std::to_string(min_micro_batch) +
+                    ") with no checkpoint to roll back to") +
+         "; incident " + inc.id + "; remedies: " + kGenericRemedies;
+}
+
+}  // namespace
+
 bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   const auto t_oom = Clock::now();
   OomInfo info = ClassifyException(error);
@@ -321,14 +374,8 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   error = nullptr;
   Incident inc = NewIncident(info, before, failed, run.req);
   StepReport& rep = run.rep;
-  ++rep.ooms;
-  ++total_ooms_;
-  steps_ok_since_oom_ = 0;
-
   const int64_t free_before = device != nullptr ? device->Stats().free : 0;
-  const double user_ms = ReleaseCaches(run);
-  ++rep.cache_releases;
-  inc.actions.push_back(LadderAction::kRelease);
+  const double user_ms = CountOomAndRelease(run, inc);
   if (run.local == Local::kFailed) {  // a releaser's own exception stops this rank
     inc.action = LadderAction::kGiveUp;
     inc.micro_after = EffectiveLimit(run.req);
@@ -352,7 +399,6 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     return false;
   }
 
-  LadderAction action;
   const int64_t free_after = device != nullptr ? device->Stats().free : 0;
   const int64_t need = std::max<int64_t>(1, info.requested_bytes);
   RecoveryStore* store = options_.recovery;
@@ -360,39 +406,32 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   // a same-size retry after a release fits from the emptied cache and runs
   // out again a step later, where fragmentation is what does not fit.
   const bool model_sizes = figures && controller_.options().policy == SizePolicy::kPredictive;
-  if (options_.retry_after_release && !run.release_retry_used && device != nullptr &&
-      free_after - free_before >= need && !model_sizes) {
-    // Releasing made room for the request: retry at the same size once.
-    run.release_retry_used = true;
-    action = LadderAction::kRelease;
-  } else if (rep.ooms > options_.max_ooms_per_step) {
-    action = LadderAction::kGiveUp;
-  } else if (!in_micro) {
-    // Released caches are all this rung has: the step is redone as it was,
-    // once; then a rollback, or the end.
-    if (!run.outside_retry_used) {
-      run.outside_retry_used = true;
-      action = LadderAction::kRelease;
-    } else if (store != nullptr && (store->SnapshotStep() || !store->DurableSteps().empty())) {
-      action = LadderAction::kRollback;
-      inc.actions.push_back(action);
+  RungFacts facts;
+  // Releasing made room for the request: retry at the same size once.
+  facts.release_made_room = options_.retry_after_release && !run.release_retry_used && device != nullptr &&
+                            free_after - free_before >= need && !model_sizes;
+  facts.over_budget = rep.ooms > options_.max_ooms_per_step;
+  facts.in_micro = in_micro;
+  facts.outside_retry_used = run.outside_retry_used;
+  facts.splittable = failed.size > 1;
+  facts.controller_shrinks = [&] {
+    return info.injected ? controller_.OnInjectedOom(failed.cost)
+           : figures     ? controller_.OnOom(failed.cost, *figures)
+                         : controller_.OnOom(failed.cost);
+  };
+  facts.can_roll_back = [store] {
+    return store != nullptr && (store->SnapshotStep() || !store->DurableSteps().empty());
+  };
+  const LadderAction action = ChooseRung(facts);
+  if (action == LadderAction::kRelease) {
+    // Each same-size retry is spent once.
+    if (facts.release_made_room) {
+      run.release_retry_used = true;
     } else {
-      action = LadderAction::kGiveUp;
+      run.outside_retry_used = true;
     }
-  } else if ((info.injected ? controller_.OnInjectedOom(failed.cost)
-              : figures     ? controller_.OnOom(failed.cost, *figures)
-                            : controller_.OnOom(failed.cost)) &&
-             failed.size > 1) {
-    // (A lone sample cannot be split, whatever its cost: it escalates.)
-    action = LadderAction::kHalve;
-    inc.actions.push_back(action);
-  } else if (store != nullptr && (store->SnapshotStep() || !store->DurableSteps().empty())) {
-    // Whether every rank holds a common step is decided together, in Rollback.
-    action = LadderAction::kRollback;
-    inc.actions.push_back(action);
-  } else {
-    action = LadderAction::kGiveUp;
   }
+  if (action == LadderAction::kHalve || action == LadderAction::kRollback) inc.actions.push_back(action);
   inc.action = action;
   inc.micro_after = EffectiveLimit(run.req);
 
@@ -407,18 +446,7 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     if (action == LadderAction::kGiveUp) {
       const bool bounded = rep.ooms > options_.max_ooms_per_step;
       run.failure = Status::ResourceExhausted(
-          "out of memory at step " + std::to_string(step_) + " in phase '" + std::string(PhaseName(inc.phase)) + "' (" +
-          std::string(IncidentKindName(inc.kind)) +
-          ", requested " + FormatBytes(info.requested_bytes) + ") " +
-          (bounded ? "after " + std::to_string(rep.ooms - 1) + " OOMs in one step (max_ooms_per_step)"
-           : !in_micro ? "outside the micro-batches, where a smaller micro-batch does not help, again after "
-                         "releasing caches, with no checkpoint to roll back to"
-           : failed.size == 1 && failed.cost > options_.min_micro_batch
-               ? "in a micro-batch of one sample (cost " + std::to_string(failed.cost) +
-                     ") that cannot be split, with no checkpoint to roll back to"
-               : "at the minimum micro-batch (" + std::to_string(options_.min_micro_batch) +
-                     ") with no checkpoint to roll back to") +
-          "; incident " + inc.id + "; remedies: " + kGenericRemedies);
+          GiveUpText(step_, inc, info, bounded, rep.ooms, in_micro, failed, options_.min_micro_batch));
       run.local = Local::kFailed;
     } else {
       run.local = Local::kRollback;
@@ -427,7 +455,24 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     return false;
   }
 
-  // Re-plan: from the failed micro-batch when earlier work is kept, else from
+  if (!Replan(run, keep, failed, where)) return false;
+  ++rep.replans;
+  RecordIncident(run, std::move(inc));
+  return true;
+}
+
+double GuardImpl::CountOomAndRelease(Run& run, Incident& inc) {
+  ++run.rep.ooms;
+  ++total_ooms_;
+  steps_ok_since_oom_ = 0;
+  const double user_ms = ReleaseCaches(run);
+  ++run.rep.cache_releases;
+  inc.actions.push_back(LadderAction::kRelease);
+  return user_ms;
+}
+
+bool GuardImpl::Replan(Run& run, bool keep, const MicroBatch& failed, Where where) {
+  // From the failed micro-batch when earlier work is kept, else from
   // scratch. After the vote every rank resets together (Sync), not here.
   if (keep) {
     auto replan = MakePlan(run, failed.offset, failed.index);
@@ -439,11 +484,8 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
     if (where == Where::kLocal && !Reset(run)) return false;
     PlanAnew(run);
   }
-  ++rep.replans;
-  RecordIncident(run, std::move(inc));
   return true;
 }
-
 
 void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   const auto t_oom = Clock::now();
@@ -462,12 +504,7 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   whole.cost = run.largest;
   whole.index = -1;
   Incident inc = NewIncident(info, mem, whole, run.req);
-  ++run.rep.ooms;
-  ++total_ooms_;
-  steps_ok_since_oom_ = 0;
-  const double user_ms = ReleaseCaches(run);
-  ++run.rep.cache_releases;
-  inc.actions.push_back(LadderAction::kRelease);
+  const double user_ms = CountOomAndRelease(run, inc);
   if (run.local == Local::kFailed) {  // a releaser's own exception: every rank ends the step
     run.applied = kApplyError;
     inc.action = LadderAction::kGiveUp;

@@ -261,6 +261,15 @@ class GuardImpl final : public Guard {
   bool HandleOom(Run& run, std::exception_ptr error, Where where);
   // An exception in the apply: parameters may be half-updated.
   void HandleApplyFailure(Run& run, std::exception_ptr error);
+  // What every OOM costs before a rung is chosen: counts it (in the step,
+  // in total, and against steps_ok_since_oom_), releases the caches and notes
+  // the release in `inc`. Returns the milliseconds the user's releasers took.
+  double CountOomAndRelease(Run& run, Incident& inc);
+  // After a halve or a retry: plans the rest of the step again, from the
+  // failed micro-batch when earlier work is kept (`keep`), else from scratch
+  // after the reset hook (an OOM in a local phase). False when the reset
+  // hook threw (this rank fails; run.local says so).
+  bool Replan(Run& run, bool keep, const MicroBatch& failed, Where where);
   // Calls the reset hook. Its own exception makes this rank fail (kept to be
   // rethrown once the others know); false then.
   bool Reset(Run& run) {
