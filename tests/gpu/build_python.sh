@@ -85,11 +85,14 @@ else
   rm -f "${OBJS[@]}"
 fi
 
-LD_LIBRARY_PATH=$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$OUT \
-  "$PY" -c 'import oomguard, oomguard.budget, sys; print("build_python: import oomguard", oomguard.__version__, "on Python", sys.version.split()[0], "budget", oomguard.budget.available())'
-# A _budget that was built but does not import (a symbol left undefined) is
-# an error here, not a silent "budget False" on the device.
-if [[ -f $PKG/_budget$SUFFIX ]]; then
-  LD_LIBRARY_PATH=$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$OUT "$PY" -c 'import torch, oomguard._budget' ||
-    die "oomguard._budget was built but does not import (above)"
-fi
+# The package imports, and a _budget that was built imports too: a symbol
+# left undefined is an error here, not a silent "budget False" on the device.
+LD_LIBRARY_PATH=$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PYTHONPATH=$OUT "$PY" - "$PKG/_budget$SUFFIX" <<'PY' ||
+import os, sys
+import oomguard, oomguard.budget
+print("build_python: import oomguard", oomguard.__version__, "on Python", sys.version.split()[0],
+      "budget", oomguard.budget.available())
+if os.path.exists(sys.argv[1]) and not oomguard.budget.available():
+    import oomguard._budget  # raises the loader's own error
+PY
+  die "the package built from the bundle does not import (above)"
