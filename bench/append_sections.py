@@ -34,6 +34,11 @@ def json_lines(path):
     return rows
 
 
+def pct(right, total):
+    """right/total in percent; 0 for an empty set."""
+    return 100.0 * right / total if total else 0.0
+
+
 def ms(b):
     unit = b.get("time_unit", "ns")
     scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
@@ -110,8 +115,7 @@ def corpus_part(c, fc):
         sc = c["by_split"].get(name)
         if not sc:
             continue
-        pct = 100.0 * sc["right"] / sc["total"] if sc["total"] else 0
-        w(f"| {name} | {sc['total']} | {sc['right']} ({pct:.1f}%) | {sc['found']} | "
+        w(f"| {name} | {sc['total']} | {sc['right']} ({pct(sc['right'], sc['total']):.1f}%) | {sc['found']} | "
           f"{sc['confident_wrong']} of {sc['confident']} |")
     w("")
     if fc:
@@ -160,9 +164,6 @@ def corpus_targets(c, fc, kb):
     test = c["by_split"].get("test", {"right": 0, "total": 0, "confident": 0, "confident_wrong": 0})
     confident = sum(sc["confident"] for sc in c["by_split"].values())
 
-    def pct(r, t):
-        return 100.0 * r / t if t else 0.0
-
     def met(ok):
         return "met" if ok else "not met"
 
@@ -186,7 +187,7 @@ def corpus_targets(c, fc, kb):
     w(f"| an OOM found in every corpus report | {found}/{total} | {met(found == total)} |")
     if kb and "BM_Classify" in kb:
         b = kb["BM_Classify"]
-        us = b["real_time"] / 1000.0 if b.get("time_unit", "ns") == "ns" else b["real_time"]
+        us = ms(b) * 1000.0
         w(f"| BM_Classify < 100 µs | {us:.1f} µs | {met(us < 100)} |")
     w("")
     return md
