@@ -133,16 +133,52 @@ struct Run {
   int64_t step_peak = 0;
   bool release_retry_used = false;
   bool outside_retry_used = false;     // the redo after an OOM outside the micro-batches
-  Local local = Local::kOk;
-  Status failure;                      // why this rank failed (local == kFailed)
-  std::exception_ptr error;            // a non-OOM exception: rethrown once the others know
   std::vector<SumBuffer> buffers;      // what req.sync returned
   internal::VoteOutcome vote;
   ApplyOutcome applied = kApplied;
-  std::string rollback_why;            // the same text on every rank
-  int64_t rollback_size = 0;           // the micro-batch limit of the rank that asked
   Status status;                       // what Step returns
   IncidentOutcome outcome = IncidentOutcome::kRecovered;
+
+  // This rank's own verdict on the step (what it votes), and the agreed
+  // rollback. Each is written only through the methods below.
+  Local local() const { return local_; }
+  const Status& failure() const { return failure_; }          // why (local() == kFailed)
+  const std::exception_ptr& error() const { return error_; }  // rethrown once the others know
+  // What this rank tells the others about its own failure.
+  std::string FailureText() const { return error_ ? DescribeException(error_) : failure_.ToString(); }
+  // This rank cannot finish the step; `why` travels to the others.
+  void Fail(Status why) {
+    local_ = Local::kFailed;
+    failure_ = std::move(why);
+  }
+  // An exception that is not the SDK's to swallow (not an OOM, or the host
+  // language's own): this rank fails with it, `context` first.
+  void FailWith(std::exception_ptr e, const std::string& context = {}) {
+    error_ = std::move(e);
+    Fail(Status::Cancelled(context + DescribeException(error_)));
+  }
+  // Such an exception after the step committed (a save callback's): the
+  // step stands, and Step rethrows it at the end.
+  void RaiseAfterCommit(std::exception_ptr e) { error_ = std::move(e); }
+  // An OOM that a smaller micro-batch cannot fix: this rank votes rollback.
+  void AskRollback() {
+    if (local_ == Local::kOk) local_ = Local::kRollback;
+  }
+  // The ranks agreed to roll back: why (the same text on every rank) and the
+  // micro-batch limit of the rank that asked.
+  void AgreeRollback(std::string why, int64_t size) {
+    rollback_why_ = std::move(why);
+    rollback_size_ = size;
+  }
+  const std::string& rollback_why() const { return rollback_why_; }
+  int64_t rollback_size() const { return rollback_size_; }
+
+ private:
+  Local local_ = Local::kOk;
+  Status failure_;
+  std::exception_ptr error_;
+  std::string rollback_why_;
+  int64_t rollback_size_ = 0;
 };
 
 class GuardImpl final : public Guard {
@@ -257,7 +293,7 @@ class GuardImpl final : public Guard {
   void AfterMicroBatch(Run& run, const MicroBatch& mb);
   // The one OOM handler before the apply: records the incident, releases
   // caches and walks the ladder. True when the work was re-planned and can be
-  // retried; false when this rank stops (run.local says how).
+  // retried; false when this rank stops (run.local() says how).
   bool HandleOom(Run& run, std::exception_ptr error, Where where);
   // An exception in the apply: parameters may be half-updated.
   void HandleApplyFailure(Run& run, std::exception_ptr error);
@@ -268,7 +304,7 @@ class GuardImpl final : public Guard {
   // After a halve or a retry: plans the rest of the step again, from the
   // failed micro-batch when earlier work is kept (`keep`), else from scratch
   // after the reset hook (an OOM in a local phase). False when the reset
-  // hook threw (this rank fails; run.local says so).
+  // hook threw (this rank fails; run.local() says so).
   bool Replan(Run& run, bool keep, const MicroBatch& failed, Where where);
   // Calls the reset hook. Its own exception makes this rank fail (kept to be
   // rethrown once the others know); false then.
@@ -277,9 +313,7 @@ class GuardImpl final : public Guard {
       run.reset();
       return true;
     } catch (...) {
-      run.error = std::current_exception();
-      run.local = Local::kFailed;
-      run.failure = Status::Cancelled("the reset hook raised: " + FailureText(run));
+      run.FailWith(std::current_exception(), "the reset hook raised: ");
       return false;
     }
   }
@@ -353,15 +387,13 @@ class GuardImpl final : public Guard {
   // user releasers, which recovery time excludes.
   // A releaser's std::exception is logged and the next releaser runs; any
   // other exception (the host language's own: a Python KeyboardInterrupt) is
-  // not the SDK's to swallow: this rank fails the step with it (run.error),
+  // not the SDK's to swallow: this rank fails the step with it (run.error()),
   // rethrown once the others know, and no further releaser runs.
   double ReleaseCaches(Run& run) {
     std::string name;
-    const double user_ms = ReleaseCaches(&run.error, &name);
-    if (run.error) {
-      run.local = Local::kFailed;
-      run.failure = Status::Cancelled("cache releaser '" + name + "' raised: " + FailureText(run));
-    }
+    std::exception_ptr foreign;
+    const double user_ms = ReleaseCaches(&foreign, &name);
+    if (foreign) run.FailWith(std::move(foreign), "cache releaser '" + name + "' raised: ");
     return user_ms;
   }
   // The same outside a step: *foreign receives the exception a releaser
@@ -450,12 +482,6 @@ class GuardImpl final : public Guard {
         }
       }
     }
-  }
-
-  // What this rank tells the others about its own failure.
-  std::string FailureText(const Run& run) const {
-    if (run.error) return DescribeException(run.error);
-    return run.failure.ToString();
   }
 
   GuardOptions options_;
