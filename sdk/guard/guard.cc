@@ -512,7 +512,6 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   RecordIncident(run, std::move(inc));
 }
 
-
 Status GuardImpl::Conclude(Run& run) {
   StepReport& rep = run.rep;
   FinishIncidents(rep.incidents, run.outcome);
