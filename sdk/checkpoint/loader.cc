@@ -30,7 +30,7 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
   // host buffer of its own size, one at a time. Objects' load() runs last,
   // only when every byte of the shard has verified.
   std::vector<std::vector<uint8_t>> objects(entries_.size());
-  std::vector<ckpt::ShardReader::ReadRequest> batch;
+  std::vector<ckpt::ReadRequest> batch;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     const std::string ds = "/" + e.path;
