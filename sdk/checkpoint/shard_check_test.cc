@@ -21,6 +21,7 @@
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/checkpoint_testing.h"
 #include "sdk/checkpoint/hostile_shard_testutil.h"
 #include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
@@ -51,15 +52,8 @@ class ShardCheckTest : public ::testing::Test {
  protected:
   ckpt::ScratchDir scratch_{"oomguard-shardcheck"};
 
-  // Scratch checkpoints in `dir`: small chunks, no fsync.
-  static CheckpointOptions Options(const std::string& dir) {
-    CheckpointOptions o;
-    o.dir = dir;
-    o.fsync = false;
-    o.chunk_bytes = 4096;
-    o.threads = 2;
-    return o;
-  }
+  // Scratch checkpoints in `dir`: small chunks, no fsync (checkpoint_testing.h).
+  static CheckpointOptions Options(const std::string& dir) { return ckpt_testing::ScratchOptions(dir); }
   // A checkpointer with `tensors` float32 tensors of 300 elements, named
   // <prefix>0, <prefix>1, ..., and one object.
   std::unique_ptr<Checkpointer> Make(int tensors = 2, const std::string& prefix = "model/t") {
