@@ -124,7 +124,7 @@ Status CheckpointerImpl::Restore(int64_t step) {
   std::shared_ptr<StagedState> snap;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (retained_ && retained_->step == step) snap = retained_;
+    if (buffers_.retained() && buffers_.retained()->step == step) snap = buffers_.retained();
   }
   if (snap) {
     state_used_ = true;
