@@ -377,64 +377,15 @@ std::vector<int64_t> CommittedSteps(const std::string& dir, bool include_linked 
 
 class CheckpointerImpl final : public Checkpointer {
  public:
-  explicit CheckpointerImpl(const CheckpointOptions& o) : o_(o) {
-    int threads =
-        o.threads > 0 ? o.threads : std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
-    pool_ = std::make_unique<ckpt::ThreadPool>(std::max(1, threads));
-    const int stagers = o.stage_threads > 0
-                            ? o.stage_threads
-                            : std::min(4, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
-    if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
-    if (in_memory()) return;  // nothing on disk to find, nothing to write
-    for (int64_t step : CommittedSteps(o_.dir)) steps_.Committed(step, fs::exists(ShardPath(step)));
-    RemoveLeftovers();
-    writer_ = std::thread([this] { WriterLoop(); });
-  }
-
-  ~CheckpointerImpl() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      saves_.Stop();
-    }
-    cv_.notify_all();
-    if (writer_.joinable()) writer_.join();
-  }
+  // Starts the pools and, with a directory, finds its committed steps and
+  // starts the writer thread (checkpointer.cc, as the rest of registration).
+  explicit CheckpointerImpl(const CheckpointOptions& o);
+  ~CheckpointerImpl() override;
 
   Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
-                   MemoryLocation location) override {
-    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
-    OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddTensor", path));
-    int64_t elems = 1;
-    for (int64_t d : shape) {
-      if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
-      elems *= d;
-    }
-    if (data == nullptr && elems > 0) return Status::InvalidArgument("AddTensor(" + path + "): data is null");
-    if (location == MemoryLocation::kCuda) OOMGUARD_RETURN_IF_ERROR(UseDeviceOf(path, data));
-    Entry e;
-    e.path = std::move(path);
-    e.dtype = dtype;
-    e.shape = std::move(shape);
-    e.data = data;
-    e.on_cuda = location == MemoryLocation::kCuda;
-    e.bytes = elems * static_cast<int64_t>(DTypeSize(dtype));
-    entries_.push_back(std::move(e));
-    return Status::Ok();
-  }
-
+                   MemoryLocation location) override;
   Status AddObject(std::string path, std::function<std::vector<uint8_t>()> save,
-                   std::function<Status(std::span<const uint8_t>)> load) override {
-    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
-    OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddObject", path));
-    if (!save || !load) return Status::InvalidArgument("AddObject(" + path + "): save and load must be set");
-    Entry e;
-    e.path = std::move(path);
-    e.is_object = true;
-    e.save = std::move(save);
-    e.load = std::move(load);
-    entries_.push_back(std::move(e));
-    return Status::Ok();
-  }
+                   std::function<Status(std::span<const uint8_t>)> load) override;
 
   Status SaveAsync(int64_t step) override;
   Status Wait() override {
@@ -454,48 +405,14 @@ class CheckpointerImpl final : public Checkpointer {
   }
 
   // Bytes [begin, begin + len) of a registered tensor, wherever it lives.
-  Status CopyOut(const Entry& e, int64_t begin, int64_t len, std::vector<uint8_t>* out) {
-    out->resize(static_cast<size_t>(len));
-    if (len == 0) return Status::Ok();
-    const auto* src = static_cast<const uint8_t*>(e.data) + begin;
-    if (!e.on_cuda) {
-      std::memcpy(out->data(), src, static_cast<size_t>(len));
-      return Status::Ok();
-    }
-    OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
-    OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(out->data(), src, static_cast<size_t>(len)));
-    return copier_->Sync();
-  }
+  Status CopyOut(const Entry& e, int64_t begin, int64_t len, std::vector<uint8_t>* out);
 
   // The copier for a CUDA tensor's device: every CUDA tensor of one
   // checkpointer lives on one device (a rank's).
-  Status UseDeviceOf(const std::string& path, const void* data) {
-    auto device = ckpt::DeviceOfPointer(data);
-    if (!device.ok()) {
-      // Without a GPU (or a CUDA build) say that, rather than "not device memory".
-      auto probe = ckpt::DeviceCopier::Create(0);
-      const Status& why = probe.ok() ? device.status() : probe.status();
-      return Status(why.code(), "AddTensor(" + path + "): " + why.message());
-    }
-    if (copier_ != nullptr) {
-      if (copier_->device() == *device) return Status::Ok();
-      return Status::InvalidArgument("AddTensor(" + path + "): on CUDA device " + std::to_string(*device) +
-                                     ", other tensors on device " + std::to_string(copier_->device()) +
-                                     " (one checkpointer holds one rank's state, on one device)");
-    }
-    auto c = ckpt::DeviceCopier::Create(*device);
-    if (!c.ok()) return Status(c.status().code(), "AddTensor(" + path + "): " + c.status().message());
-    copier_ = std::move(c).value();
-    return Status::Ok();
-  }
+  Status UseDeviceOf(const std::string& path, const void* data);
 
   // Starts a batch of device copies after the streams that write the tensors.
-  Status BeginDeviceCopies() {
-    std::vector<void*> streams;
-    if (o_.cuda_streams) streams = o_.cuda_streams();
-    return copier_->Begin(streams);
-  }
-
+  Status BeginDeviceCopies();
 
   CheckpointStats Stats() const override {
     std::lock_guard<std::mutex> lk(mu_);
@@ -530,32 +447,12 @@ class CheckpointerImpl final : public Checkpointer {
   // a path added later would be missing from the checkpoints already taken,
   // and every load of them would fail (or, after a load, it would silently
   // keep its fresh value).
-  Status CheckRegistrationOpen(std::string_view call, const std::string& path) const {
-    if (!state_used_) return Status::Ok();
-    return Status::FailedPrecondition(std::string(call) + ": /" + ckpt::PrintableName(path) +
-                                      " registered after the checkpointer was first used (a save, snapshot, load "
-                                      "or restore): register all state before, or checkpoints would not hold it");
-  }
+  Status CheckRegistrationOpen(std::string_view call, const std::string& path) const;
   // A state path is a dataset's name in the shard: groups separated by '/'.
   // HDF5 would cut a name at a NUL byte and resolve "." and ".." components,
   // so a checkpoint with such a path could never be loaded; a path deeper
   // than ckpt::kMaxGroupDepth groups would be refused by every reader.
-  Status CheckNewPath(const std::string& path) const {
-    const std::string shown = ckpt::PrintableName(path);
-    if (path.empty() || path.front() == '/' || path.back() == '/' || path.find("//") != std::string::npos ||
-        path.find('.') == 0)
-      return Status::InvalidArgument("state path '" + shown + "' must look like 'model/fc1.weight'");
-    if (path.find('\0') != std::string::npos)
-      return Status::InvalidArgument("state path '" + shown + "' contains a NUL byte");
-    if (("/" + path + "/").find("/./") != std::string::npos || ("/" + path + "/").find("/../") != std::string::npos)
-      return Status::InvalidArgument("state path '" + shown + "' has a '.' or '..' component");
-    if (std::count(path.begin(), path.end(), '/') > ckpt::kMaxGroupDepth)
-      return Status::InvalidArgument("state path '" + shown + "' nests deeper than " +
-                                     std::to_string(ckpt::kMaxGroupDepth) + " groups");
-    for (const auto& e : entries_)
-      if (e.path == path) return Status::InvalidArgument("state path '" + path + "' is registered twice");
-    return Status::Ok();
-  }
+  Status CheckNewPath(const std::string& path) const;
   std::string StepDir(int64_t step) const { return o_.dir + "/" + ckpt::StepDirName(step); }
   std::string ShardPath(int64_t step) const { return StepDir(step) + "/" + ckpt::ShardFileName(o_.rank); }
   // OK when StepDir(step) is absent or a real directory (ckpt::CheckStepDir);
@@ -573,31 +470,8 @@ class CheckpointerImpl final : public Checkpointer {
   StatusOr<std::shared_ptr<StagedState>> StageWithinBudget(int64_t step, std::vector<std::vector<uint8_t>>& object_bytes,
                                                         int64_t need);
   // StagedState::layout of the registered state.
-  std::vector<int64_t> StagingLayout() const {
-    std::vector<int64_t> out;
-    out.reserve(entries_.size());
-    for (const Entry& e : entries_) out.push_back(e.is_object ? -1 : e.bytes);
-    return out;
-  }
-  std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const {
-    std::vector<ShardTensor> out;
-    for (size_t i = 0; i < entries_.size(); ++i) {
-      const Entry& e = entries_[i];
-      ShardTensor t;
-      t.path = e.path;
-      if (e.is_object) {
-        t.dtype = DType::kUInt8;
-        t.bytes = static_cast<int64_t>((*object_bytes)[i].size());
-        t.shape = {t.bytes};
-      } else {
-        t.dtype = e.dtype;
-        t.shape = e.shape;
-        t.bytes = e.bytes;
-      }
-      out.push_back(std::move(t));
-    }
-    return out;
-  }
+  std::vector<int64_t> StagingLayout() const;
+  std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const;
 
   // This process writes its manifests (one rank, or ManifestCommit::kLocal).
   bool CommitsLocally() const {

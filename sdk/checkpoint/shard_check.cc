@@ -295,8 +295,9 @@ Status CheckedShard::Read(const std::vector<ReadRequest>& requests, ThreadPool* 
   }
   // Each request against its entry (CheckDataset's reading of the file):
   // the one place these are compared, whatever the format.
-  for (const auto& q : requests) {
-    const ShardEntry& e = *Find(q.dataset);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const ReadRequest& q = requests[i];
+    const ShardEntry& e = *reads[i].entry;
     const std::string where = path_ + ": tensor " + q.dataset;
     if (q.check && e.dtype != q.dtype)
       return Status::DataLoss(where + " has dtype '" + std::string(DTypeName(e.dtype)) + "', expected '" +
