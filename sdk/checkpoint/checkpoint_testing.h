@@ -125,7 +125,8 @@ class MixedState {
   void Fill(int64_t step) {
     for (size_t i = 0; i < w_.size(); ++i) w_[i] = static_cast<float>(step) + 0.001f * static_cast<float>(i);
     for (size_t i = 0; i < b_.size(); ++i) b_[i] = static_cast<double>(step) * 1e6 + static_cast<double>(i);
-    for (size_t i = 0; i < h_.size(); ++i) h_[i] = static_cast<uint16_t>(step * 100 + static_cast<int64_t>(i));
+    for (size_t i = 0; i < h_.size(); ++i)
+      h_[i] = static_cast<uint16_t>(step * 100 + static_cast<int64_t>(i));
     scalar_ = step * 7;
     object_.assign(static_cast<size_t>(kObjectBase + step), static_cast<uint8_t>(step));
   }
@@ -149,8 +150,8 @@ class MixedState {
     if (scalar_ != want.scalar_) differ += " /train/scalar";
     if (object_ != want.object_) differ += " /optimizer/state";
     if (differ.empty()) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "the loaded state is not the state of step " << step << ":" << differ
-                                         << " differ";
+    return ::testing::AssertionFailure()
+           << "the loaded state is not the state of step " << step << ":" << differ << " differ";
   }
   // The step of every load of the object, in order (the object of step s
   // has kObjectBase + s bytes). Objects load last, only once every byte of

@@ -164,9 +164,10 @@ Status CheckpointerImpl::BeginDeviceCopies() {
 
 Status CheckpointerImpl::CheckRegistrationOpen(std::string_view call, const std::string& path) const {
   if (!state_used_) return Status::Ok();
-  return Status::FailedPrecondition(std::string(call) + ": /" + ckpt::PrintableName(path) +
-                                    " registered after the checkpointer was first used (a save, snapshot, load "
-                                    "or restore): register all state before, or checkpoints would not hold it");
+  return Status::FailedPrecondition(
+      std::string(call) + ": /" + ckpt::PrintableName(path) +
+      " registered after the checkpointer was first used (a save, snapshot, load "
+      "or restore): register all state before, or checkpoints would not hold it");
 }
 
 Status CheckpointerImpl::CheckNewPath(const std::string& path) const {
@@ -176,7 +177,8 @@ Status CheckpointerImpl::CheckNewPath(const std::string& path) const {
     return Status::InvalidArgument("state path '" + shown + "' must look like 'model/fc1.weight'");
   if (path.find('\0') != std::string::npos)
     return Status::InvalidArgument("state path '" + shown + "' contains a NUL byte");
-  if (("/" + path + "/").find("/./") != std::string::npos || ("/" + path + "/").find("/../") != std::string::npos)
+  if (("/" + path + "/").find("/./") != std::string::npos ||
+      ("/" + path + "/").find("/../") != std::string::npos)
     return Status::InvalidArgument("state path '" + shown + "' has a '.' or '..' component");
   if (std::count(path.begin(), path.end(), '/') > ckpt::kMaxGroupDepth)
     return Status::InvalidArgument("state path '" + shown + "' nests deeper than " +
@@ -193,7 +195,8 @@ std::vector<int64_t> CheckpointerImpl::StagingLayout() const {
   return out;
 }
 
-std::vector<ShardTensor> CheckpointerImpl::Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const {
+std::vector<ShardTensor> CheckpointerImpl::Layout(
+    const std::vector<std::vector<uint8_t>>* object_bytes) const {
   std::vector<ShardTensor> out;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];

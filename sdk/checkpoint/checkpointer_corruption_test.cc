@@ -200,7 +200,11 @@ TEST_F(SavedRun, FlippedMetadataByteNeverLoadsWrongValues) {
     return false;
   };
   int flips = 0, refused_without_file_hash = 0;
-  auto fds = [] { int n = 0; for ([[maybe_unused]] auto& e : fs::directory_iterator("/proc/self/fd")) ++n; return n; };
+  auto fds = [] {
+    int n = 0;
+    for ([[maybe_unused]] auto& e : fs::directory_iterator("/proc/self/fd")) ++n;
+    return n;
+  };
   const int fds_before = fds();
   for (size_t off = 0; off < original.size(); off += 13) {
     if (in_chunk(off)) continue;
@@ -230,8 +234,8 @@ TEST_F(SavedRun, FlippedMetadataByteNeverLoadsWrongValues) {
       c_.reset();
     }
   }
-  std::ofstream(Shard(2), std::ios::binary | std::ios::trunc).write(original.data(),
-                                                                    static_cast<std::streamsize>(original.size()));
+  std::ofstream(Shard(2), std::ios::binary | std::ios::trunc)
+      .write(original.data(), static_cast<std::streamsize>(original.size()));
   EXPECT_EQ(fds(), fds_before) << "a refused shard left a file descriptor open";
   EXPECT_GT(flips, 50);
   // Most metadata is checksummed by HDF5 itself.
@@ -289,7 +293,6 @@ TEST_F(SavedRun, NothingValidIsDataLossAndEmptyIsNotFound) {
   fs::resize_file(Shard(0), 100);
   EXPECT_EQ(c_->LoadLatest().status().code(), StatusCode::kDataLoss);
 }
-
 
 }  // namespace
 }  // namespace oomguard

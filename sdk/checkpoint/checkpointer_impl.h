@@ -53,10 +53,10 @@
 #include <thread>
 
 #include "oomguard/checkpoint.h"
-#include "oomguard/oom_error.h"
 #include "oomguard/faults.h"
 #include "oomguard/incident.h"
 #include "oomguard/logging.h"
+#include "oomguard/oom_error.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/device_copy.h"
@@ -364,7 +364,7 @@ struct AutoMeasurements {
   std::optional<double> write_bytes_per_s;
   // The last sample of compression (piece-wise saves cannot take one).
   std::optional<ckpt::CompressionSample> last_sample;
-  ckpt::AutoCalibration calibration;     // compressed saves against their samples
+  ckpt::AutoCalibration calibration;    // compressed saves against their samples
   double sampled_compress_seconds = 0;  // the save in progress, when auto compressed it
 };
 

@@ -199,7 +199,6 @@ TEST(CheckpointerTest, ParallelStagingCopiesEveryByte) {
   EXPECT_NE(r.status().message().find("stage_threads"), std::string::npos) << r.status();
 }
 
-
 TEST_F(SavedRun, RetentionKeepsTheLastK) {
   auto o = ScratchOptions(d_.path());
   o.keep = 2;
@@ -599,4 +598,3 @@ TEST(OptionsTest, StatePathsThatCouldNeverLoadAreRefused) {
 
 }  // namespace
 }  // namespace oomguard
-

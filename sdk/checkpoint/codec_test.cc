@@ -2,6 +2,8 @@
 // zstd, the fused unshuffle + hash), the chunk layout, the manifest, and
 // compression = auto's choice. The Checkpointer's own tests are in
 // checkpointer_test.cc; the shared helpers in checkpoint_testing.h.
+#include "sdk/checkpoint/codec.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,7 +14,6 @@
 
 #include "oomguard/checkpoint.h"
 #include "sdk/checkpoint/checkpoint_testing.h"
-#include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/manifest.h"
@@ -39,8 +40,8 @@ TEST(CodecTest, ShuffleRoundTripWithTrailingBytes) {
 TEST(CodecTest, ShuffleMatchesDefinitionForEveryElementSizeAndLength) {
   std::mt19937 rng(7);
   for (size_t es : {1u, 2u, 3u, 4u, 5u, 8u, 16u}) {
-    for (size_t bytes : {0u, 1u, 15u, 16u, 31u, 32u, 63u, 64u, 65u, 127u, 128u, 129u, 255u, 256u, 1000u, 4099u,
-                         65536u + 7u}) {
+    for (size_t bytes : {0u, 1u, 15u, 16u, 31u, 32u, 63u, 64u, 65u, 127u, 128u, 129u, 255u, 256u, 1000u,
+                         4099u, 65536u + 7u}) {
       std::vector<uint8_t> in(bytes), mid(bytes, 0xee), out(bytes, 0xdd);
       for (auto& b : in) b = static_cast<uint8_t>(rng());
       ckpt::Shuffle(in.data(), mid.data(), bytes, es);
@@ -267,7 +268,6 @@ TEST(AutoCompressionTest, SampleMeasuresRatioAndThroughput) {
   std::vector<ckpt::SampleSource> tiny = {{{zeros.data(), 1000}, 1, false}};
   EXPECT_EQ(ckpt::SampleCompression(tiny, 1, 64 << 10, &pool).sampled_bytes, 1000);
 }
-
 
 }  // namespace
 }  // namespace oomguard

@@ -269,8 +269,9 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
   return c;
 }
 
-std::unique_ptr<ShardFormatReader> ShardFormatReader::For(const Manifest& manifest, const ManifestShard& shard,
-                                                          const std::string& file, bool hash_file) {
+std::unique_ptr<ShardFormatReader> ShardFormatReader::For(const Manifest& manifest,
+                                                          const ManifestShard& shard, const std::string& file,
+                                                          bool hash_file) {
   if (manifest.format == kCheckpointFormatV1) return MakeFormatV1Reader(shard, file, hash_file);
   return MakeFormatV2Reader(shard, file, hash_file);
 }

@@ -3,6 +3,8 @@
 // with a tensor deleted, and the inventory that lets verify see it. Verify
 // and load share one checker (shard_check.h), so each case asserts that both
 // refuse. Also compiled under ThreadSanitizer: sizes stay small.
+#include "sdk/checkpoint/shard_check.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -16,14 +18,13 @@
 #include <future>
 
 #include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/checkpoint_testing.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/hostile_shard_testutil.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
-#include "sdk/checkpoint/checkpoint_testing.h"
-#include "sdk/checkpoint/hostile_shard_testutil.h"
-#include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
 
 namespace oomguard {

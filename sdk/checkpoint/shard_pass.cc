@@ -21,12 +21,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-
-#include <algorithm>
-#include <atomic>
 #include <deque>
 #include <future>
 #include <limits>
@@ -37,8 +36,8 @@
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/shard_check.h"
-#include "sdk/checkpoint/shard_format.h"
 #include "sdk/checkpoint/shard_digest.h"
+#include "sdk/checkpoint/shard_format.h"
 #include "sdk/checkpoint/xxh.h"
 
 namespace oomguard::ckpt {
@@ -163,7 +162,10 @@ namespace {
 class FormatV2Reader final : public ShardFormatReader {
  public:
   FormatV2Reader(const ManifestShard& shard, std::string path, bool verify_file)
-      : path_(std::move(path)), compression_(shard.compression), digest_(shard.digest), verify_file_(verify_file) {}
+      : path_(std::move(path)),
+        compression_(shard.compression),
+        digest_(shard.digest),
+        verify_file_(verify_file) {}
 
   Status CheckRoot(const ShardReader& r) override {
     if (r.compression() != compression_)
@@ -181,7 +183,9 @@ class FormatV2Reader final : public ShardFormatReader {
     return Status::Ok();
   }
   Status Read(const std::vector<TensorRead>& reads, ThreadPool* pool) override;
-  Status Finish(const Status& read_status) override { return read_status.ok() ? VerifyDigest() : read_status; }
+  Status Finish(const Status& read_status) override {
+    return read_status.ok() ? VerifyDigest() : read_status;
+  }
 
  private:
   struct Tensor {
@@ -374,8 +378,8 @@ Status FormatV2Reader::Read(const std::vector<TensorRead>& reads, ThreadPool* po
         }
         const std::string err = ReadFully(fd.fd, into, static_cast<size_t>(c.size), c.offset);
         if (!err.empty()) {
-          status = Status::DataLoss(where(reads[it.read]) + ": chunk " + std::to_string(it.chunk) +
-                                    ": " + err);
+          status =
+              Status::DataLoss(where(reads[it.read]) + ": chunk " + std::to_string(it.chunk) + ": " + err);
           frames.DropNewest();
           if (own_buffer) checks.DropNewest();
           break;  // not submitted: the drain below stops at the tasks that were
@@ -413,8 +417,7 @@ Status FormatV2Reader::VerifyDigest() {
   if (!verify_file_) return Status::Ok();
   for (size_t i = 0; i < regions_.size(); ++i) {
     if (hashed_[i]) continue;
-    region_hash_[i] =
-        XXH3_64bits(file_.data() + regions_[i].offset, static_cast<size_t>(regions_[i].length));
+    region_hash_[i] = XXH3_64bits(file_.data() + regions_[i].offset, static_cast<size_t>(regions_[i].length));
     hashed_[i] = 1;
   }
   const std::string got = Hex64(CombineDigest(regions_, region_hash_));

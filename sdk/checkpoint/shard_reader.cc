@@ -290,8 +290,8 @@ bool FastLayout(hid_t dcpl, const std::vector<int64_t>& shape, size_t es, ChunkL
 Status CheckTensorHash(const std::string& path, const ShardEntry& e, uint64_t h) {
   const std::string got = Hex64(h);
   if (got == e.xxh3) return Status::Ok();
-  return Status::DataLoss(path + ": tensor " + e.dataset + ": xxh3 mismatch (stored " + e.xxh3 + ", computed " +
-                          got + ")");
+  return Status::DataLoss(path + ": tensor " + e.dataset + ": xxh3 mismatch (stored " + e.xxh3 +
+                          ", computed " + got + ")");
 }
 
 // The format-1 reader (shard_format.h): tensors decoded out of the file's
@@ -407,7 +407,8 @@ Status FormatV1Reader::Read(const std::vector<TensorRead>& reads, ThreadPool* po
     if (e.bytes == 0) {
       h = XXH3_64bits(nullptr, 0);
     } else if (idx.done_by_hdf5[r]) {
-      h = reads[r].out == nullptr ? idx.hdf5_hash[r] : XXH3_64bits(reads[r].out, static_cast<size_t>(e.bytes));
+      h = reads[r].out == nullptr ? idx.hdf5_hash[r]
+                                  : XXH3_64bits(reads[r].out, static_cast<size_t>(e.bytes));
     } else {
       continue;
     }
@@ -416,7 +417,8 @@ Status FormatV1Reader::Read(const std::vector<TensorRead>& reads, ThreadPool* po
   return Status::Ok();
 }
 
-Status FormatV1Reader::DecodeChunks(const std::vector<TensorRead>& reads, const Index& idx, ThreadPool* pool) {
+Status FormatV1Reader::DecodeChunks(const std::vector<TensorRead>& reads, const Index& idx,
+                                    ThreadPool* pool) {
   auto where = [&](size_t r) { return reader_->path() + ": tensor " + reads[r].entry->dataset; };
   const std::vector<ReadChunk>& chunks = idx.chunks;
   std::span<const uint8_t> mapped;

@@ -155,8 +155,8 @@ void CheckpointerImpl::ChooseCompression(const WriteJob& job, ckpt::ShardWriteOp
     sample = ckpt::SampleCompression(state, o_.compression_level, o_.chunk_bytes, pool_.get());
     auto_.last_sample = sample;
   }
-  const ckpt::AutoCompression c =
-      ckpt::ChooseCompression(state_bytes, o_.compression_level, auto_.write_bytes_per_s, sample, auto_.calibration);
+  const ckpt::AutoCompression c = ckpt::ChooseCompression(state_bytes, o_.compression_level,
+                                                          auto_.write_bytes_per_s, sample, auto_.calibration);
   wo->compress = c.compress;
   wo->compression_auto = c.why;
   auto_.sampled_compress_seconds = c.sampled_compress_seconds;
