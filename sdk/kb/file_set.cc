@@ -9,15 +9,24 @@
 #include <map>
 #include <set>
 
+#include "sdk/kb/store.h"
+
 namespace oomguard::kb {
 
-StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& specs) {
+StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& given) {
+  std::vector<std::string> specs = given;
+  if (specs.empty()) {
+    if (const char* url = std::getenv("OOMGUARD_KB_URL"); url != nullptr && *url != '\0') specs.push_back(url);
+  }
   if (specs.empty())
-    return Status::InvalidArgument("--db is required (repeat it, or use a glob, to read several files)");
+    return Status::InvalidArgument(
+        "--db is required (repeat it, or use a glob, to read several files; or set OOMGUARD_KB_URL to a "
+        "postgresql:// URL)");
   std::vector<std::string> out;
   std::set<std::string> seen;
   for (const std::string& spec : specs) {
-    if (spec.find_first_of("*?[") == std::string::npos) {
+    // A server's URL is no glob ('?' starts its parameters).
+    if (spec.find_first_of("*?[") == std::string::npos || IsServerUrl(spec)) {
       if (seen.insert(spec).second) out.push_back(spec);
       continue;
     }
@@ -118,6 +127,7 @@ StatusOr<KnowledgeBaseSet> KnowledgeBaseSet::Open(const std::vector<std::string>
     auto kb = KnowledgeBase::Open(path, o);
     if (!kb.ok()) return kb.status();
     set.files_.push_back(std::move(kb).value());
+    set.specs_.push_back(path);
   }
   return set;
 }

@@ -24,7 +24,8 @@
 namespace oomguard::kb {
 
 // Expands --db specs: a spec with '*', '?' or '[' is a glob (it must match at
-// least one file), any other is a path. Duplicates are dropped, order kept.
+// least one file), a postgresql:// URL is a server, any other is a path.
+// Duplicates are dropped, order kept. No spec: $OOMGUARD_KB_URL when set.
 // kInvalidArgument names the spec that matched nothing, or says none was given.
 StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& specs);
 
@@ -77,11 +78,15 @@ class KnowledgeBaseSet {
   StatusOr<std::vector<IncidentGroup>> Groups(IncidentQuery filters);
   StatusOr<FileSetStats> Stats();
 
+  // What each file is called in messages (a server's URL without its password).
   std::vector<std::string> paths() const;
+  // What opens each again (a server's URL as given, with its password).
+  const std::vector<std::string>& specs() const { return specs_; }
   size_t size() const { return files_.size(); }
 
  private:
   std::vector<std::unique_ptr<KnowledgeBase>> files_;
+  std::vector<std::string> specs_;
 };
 
 }  // namespace oomguard::kb

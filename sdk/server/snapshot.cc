@@ -24,7 +24,7 @@ StatusOr<std::unique_ptr<SnapshotSource>> SnapshotSource::Open(const std::vector
   if (!files.ok()) return files.status();
   auto first = LoadIndex(&*files);
   if (!first.ok()) return first.status();
-  return std::unique_ptr<SnapshotSource>(new SnapshotSource(files->paths(), std::move(first).value(), poll_ms));
+  return std::unique_ptr<SnapshotSource>(new SnapshotSource(files->specs(), std::move(first).value(), poll_ms));
 }
 
 SnapshotSource::SnapshotSource(std::vector<std::string> paths, std::shared_ptr<const IncidentIndex> first,
