@@ -181,6 +181,19 @@ StatusOr<FileSetStats> KnowledgeBaseSet::Stats() {
   return out;
 }
 
+StatusOr<std::map<std::string, GroupNote>> KnowledgeBaseSet::Notes() {
+  std::map<std::string, GroupNote> out;
+  for (auto& kb : files_) {
+    auto notes = kb->Notes();
+    if (!notes.ok()) return notes.status();
+    for (GroupNote& n : *notes) {
+      auto it = out.find(n.fingerprint);
+      if (it == out.end() || it->second.updated_unix_ms < n.updated_unix_ms) out[n.fingerprint] = std::move(n);
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> KnowledgeBaseSet::paths() const {
   std::vector<std::string> out;
   for (const auto& kb : files_) out.push_back(kb->path());

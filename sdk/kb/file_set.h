@@ -12,6 +12,7 @@
 #define OOMGUARD_SDK_KB_FILE_SET_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -77,6 +78,9 @@ class KnowledgeBaseSet {
   // GroupIncidents over Query(filters) with the limit cleared.
   StatusOr<std::vector<IncidentGroup>> Groups(IncidentQuery filters);
   StatusOr<FileSetStats> Stats();
+  // Every file's group notes by fingerprint; where two files note one group,
+  // the newer note wins.
+  StatusOr<std::map<std::string, GroupNote>> Notes();
 
   // What each file is called in messages (a server's URL without its password).
   std::vector<std::string> paths() const;
