@@ -120,6 +120,20 @@ class PgStore final : public Store {
   }
   bool remote() const override { return true; }
 
+  // Rows' xmin (the transaction that wrote the row version) rises with
+  // every insert and update; with the counts, deletes show too. A scan of
+  // the table: about 10 ms per 100,000 incidents, once per poll.
+  StatusOr<std::string> ChangeStamp() override {
+    std::string stamp;
+    OOMGUARD_RETURN_IF_ERROR(Run(
+        std::string("SELECT (SELECT COUNT(*) || ':' || COALESCE(MAX(xmin::text::bigint), 0) FROM incidents)") +
+            (version_ >= 4 ? " || '/' || (SELECT COUNT(*) || ':' || COALESCE(MAX(xmin::text::bigint), 0) FROM notes)"
+                           : "") +
+            " || '/' || (SELECT COALESCE(MAX(xmin::text::bigint), 0) FROM priors)",
+        {}, [&](const Row& r) { stamp = r.Text(0); }, "change stamp"));
+    return stamp;
+  }
+
   // Connects (again) and checks or migrates the schema.
   Status Ready() {
     if (conn_ != nullptr && ready_ && PQstatus(conn_) == CONNECTION_OK) return Status::Ok();

@@ -114,6 +114,10 @@ class Store {
   bool read_only() const { return read_only_; }
   // A server (PostgreSQL): writes may fail for a while and succeed later.
   virtual bool remote() const { return false; }
+  // A server's answer to "did anything change?": differs after any commit
+  // that inserted or updated an incident or a note. A file has none ("": its
+  // readers look at the file itself).
+  virtual StatusOr<std::string> ChangeStamp() { return std::string(); }
 
   using Param = std::variant<std::string, int64_t, double>;
   // One result row of a backend; columns from 0.

@@ -55,6 +55,17 @@ std::string SnapshotSource::last_error() const {
 std::string SnapshotSource::Signature() const {
   std::string sig;
   for (const std::string& p : paths_) {
+    if (kb::IsServerUrl(p)) {
+      auto& store = servers_[p];
+      if (store == nullptr) {
+        auto opened = kb::Store::OpenReadOnly(p, 1000);
+        if (opened.ok()) store = std::move(opened).value();
+      }
+      auto stamp = store != nullptr ? store->ChangeStamp() : StatusOr<std::string>(Status::Unavailable(""));
+      // Unreachable: the same "-" each time, so the snapshot stays until it answers.
+      sig += (stamp.ok() ? *stamp : std::string("-")) + ";";
+      continue;
+    }
     for (const std::string& f : {p, p + "-wal"}) {
       struct stat st {};
       if (::stat(f.c_str(), &st) != 0) {

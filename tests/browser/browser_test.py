@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Headless Chromium loads the knowledge-base browser and the test asserts the rendered DOM.
 
-Usage: browser_test.py --oomguard BIN [--db PATH ...] [--artifacts DIR] [--chromium PATH]
+Usage: browser_test.py --oomguard BIN [--db PATH ...] [--pg-server SCRIPT] [--artifacts DIR] [--chromium PATH]
+
+--pg-server (tests/kb/pg_server.sh) starts a PostgreSQL server for the test and browses the test data
+imported into it (a postgresql:// --db) beside the XSS incident's SQLite file: every view as on SQLite.
 
 --db (repeatable) is the knowledge base to browse, e.g. one that mlp_train wrote; without it the
 test imports tests/kb/testdata/patterns.jsonl and testdata/runs.jsonl. Either way a second file
@@ -82,6 +85,7 @@ def main():
     ap.add_argument("--db", action="append", default=[])
     ap.add_argument("--artifacts", default=None)
     ap.add_argument("--chromium", default=None)
+    ap.add_argument("--pg-server", default=None)
     a = ap.parse_args()
     browser = a.chromium or shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if not browser or not os.access(browser, os.X_OK):
@@ -92,7 +96,15 @@ def main():
     profile = tempfile.mkdtemp()
     artifacts = a.artifacts or os.path.join(tmp, "artifacts")
     os.makedirs(artifacts, exist_ok=True)
+    pg_dir = None
     try:
+        if a.pg_server:
+            pg_dir = tempfile.mkdtemp(prefix="oomguard-pg-browser-", dir="/tmp")
+            os.chmod(pg_dir, 0o711)  # the server runs as nobody when the tests run as root
+            url = subprocess.run([a.pg_server, "start", os.path.join(pg_dir, "pg")], check=True, text=True,
+                                 capture_output=True, timeout=120).stdout.strip()
+            fx.import_jsonl(a.oomguard, url, fx.PATTERNS_JSONL, fx.RUNS_JSONL)
+            a.db = [url]
         dbs = (a.db or fx.default_dbs(a.oomguard, tmp)) + [fx.xss_db(a.oomguard, tmp)]
         with fx.Server(a.oomguard, dbs) as s:
             stats = s.json("/api/stats")
@@ -178,6 +190,9 @@ def main():
         check(dom.text_by_id.get("message") == fx.XSS_MESSAGE, "report detail shows the payload as text")
         check(dom.count("img") == 0 and dom.count("svg", "chart-memory") == 1, "report detail renders safely")
     finally:
+        if pg_dir:
+            subprocess.run([a.pg_server, "stop", os.path.join(pg_dir, "pg")], capture_output=True, timeout=120)
+            shutil.rmtree(pg_dir, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(profile, ignore_errors=True)
     if FAILS:

@@ -72,6 +72,21 @@ assert sum(1 for x in g.values() if x["note"]) == 1
 cmp -s "$T/a.jsonl" "$T/back.jsonl" || fail "the round trip changed incidents"
 "$OG" kb show --db "$T/back.db" "$id" | grep -q "team note.*expandable_segments" || fail "the note did not come back"
 
+# kb serve over the server: a write by anyone shows after the next poll (the server's change stamp).
+"$OG" kb serve --port 0 --poll-ms 100 --db "$URL" > "$T/serve.out" 2>>"$T/all.out" &
+serve_pid=$!
+for _ in $(seq 1 100); do grep -q "^Serving http://" "$T/serve.out" && break; sleep 0.1; done
+base=$(sed -n 's/^Serving \(http:[^ ]*\).*/\1/p' "$T/serve.out" | head -1)
+total() { $PY -c 'import json,sys,urllib.request; print(json.load(urllib.request.urlopen(sys.argv[1] + "api/stats"))["incidents"])' "$base"; }
+[ "$(total)" = 10 ] || fail "kb serve over the server: $(total) incidents, want 10"
+"$OG" kb import --db "$URL" "$DATA/../../browser/testdata/runs.jsonl" >> "$T/all.out" 2>&1 || fail "import runs"
+want=$(( 10 + $(grep -c . "$DATA/../../browser/testdata/runs.jsonl") ))
+n=0
+for _ in $(seq 1 100); do n=$(total); [ "$n" = "$want" ] && break; sleep 0.1; done
+[ "$n" = "$want" ] || fail "kb serve did not reload from the server: $n incidents, want $want"
+$PY -c 'import json,sys,urllib.request; print(json.dumps(json.load(urllib.request.urlopen(sys.argv[1] + "api/stats"))))' "$base" >> "$T/all.out"
+kill "$serve_pid"; wait "$serve_pid" 2>/dev/null
+
 # A server that is not there: a clear error, no password.
 "$OG" kb list --db "postgresql://oomguard:hunter2secret@/oomguard?host=$T/nowhere" > "$T/down.txt" 2>&1 && fail "list on no server succeeded"
 cat "$T/down.txt" >> "$T/all.out"
