@@ -122,7 +122,7 @@ def main():
 
             # Page and headers.
             status, headers, body = s.get("/")
-            check(status == 200 and b'<script src="/app.js">' in body, "the page")
+            check(status == 200 and b'<script type="module" src="/app.js">' in body, "the page")
             csp = headers.get("Content-Security-Policy", "")
             check("script-src 'self'" in csp and "default-src 'none'" in csp, "CSP: %s" % csp)
             check(headers.get("X-Content-Type-Options") == "nosniff", "nosniff")

@@ -161,7 +161,7 @@ def main():
                 dom = Dom(chromium(browser, profile, s.url + view, "--dump-dom"))
                 check(dom.count("img") == 0, view + ": an <img> was injected")
                 scripts = [at for t, at in dom.elements if t == "script"]
-                check(scripts == [{"src": "/app.js"}], view + ": scripts in the DOM: %r" % scripts)
+                check(scripts == [{"type": "module", "src": "/app.js"}], view + ": scripts in the DOM: %r" % scripts)
                 check(dom.count("svg") == sum(1 for t, at in dom.elements if t == "svg" and "chart" in (at.get("class") or "")),
                       view + ": an <svg> not drawn by the page")
                 check(not any(k.startswith("on") for t, at in dom.elements for k in at), view + ": an on* attribute")
