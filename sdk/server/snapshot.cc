@@ -14,8 +14,10 @@ StatusOr<std::shared_ptr<const IncidentIndex>> LoadIndex(kb::KnowledgeBaseSet* f
   if (!stats.ok()) return stats.status();
   auto incidents = files->Query(IncidentQuery{});
   if (!incidents.ok()) return incidents.status();
+  auto notes = files->Notes();
+  if (!notes.ok()) return notes.status();
   return std::shared_ptr<const IncidentIndex>(std::make_shared<IncidentIndex>(
-      std::move(incidents).value(), std::move(stats).value(), internal::NowUnixMs()));
+      std::move(incidents).value(), std::move(stats).value(), internal::NowUnixMs(), std::move(notes).value()));
 }
 
 StatusOr<std::unique_ptr<SnapshotSource>> SnapshotSource::Open(const std::vector<std::string>& db_specs,

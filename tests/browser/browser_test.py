@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_fixture as fx  # noqa: E402
@@ -106,7 +107,11 @@ def main():
             fx.import_jsonl(a.oomguard, url, fx.PATTERNS_JSONL, fx.RUNS_JSONL)
             a.db = [url]
         dbs = (a.db or fx.default_dbs(a.oomguard, tmp)) + [fx.xss_db(a.oomguard, tmp)]
-        with fx.Server(a.oomguard, dbs) as s:
+        token = "browser-test-token-0123456789"
+        token_file = os.path.join(tmp, "notes.token")
+        with open(token_file, "w") as f:
+            f.write(token + "\n")
+        with fx.Server(a.oomguard, dbs, extra=["--notes-token-file", token_file]) as s:
             stats = s.json("/api/stats")
             total = stats["incidents"]
 
@@ -131,7 +136,21 @@ def main():
             items = s.json("/api/incidents?limit=1000")["items"]
             rich = sorted(items, key=lambda i: (len(i.get("ranks", [])) > 0, len(i["history"]["step_peaks"]) > 0,
                                                 bool(i["run_id"]), i["memory"]["total"] > 0), reverse=True)[0]
+            # The team's note on its group: written through the API with the token (as the page's
+            # form does), refused without it, shown on the incident after the next reload.
+            note_path = "/api/notes/%s?text=%s&author=ci" % (rich["fingerprint"], "fixed+by+expandable_segments")
+            status, _, _ = s.get(note_path, method="POST", headers={"Authorization": "Bearer wrong-token-0123456789"})
+            check(status == 401, "a note with a wrong token is 401, got %d" % status)
+            status, _, body = s.get(note_path, method="POST", headers={"Authorization": "Bearer " + token})
+            check(status == 200, "a note with the token is written: %d %r" % (status, body[:200]))
+            for _ in range(100):
+                if s.get("/api/notes/" + rich["fingerprint"])[0] == 200:
+                    break
+                time.sleep(0.1)
             dom = Dom(chromium(browser, profile, s.url + "#/incident/" + rich["id"], "--dump-dom"))
+            check(dom.text_by_id.get("team-note") == "fixed by expandable_segments",
+                  "the team note on the incident: %r" % dom.text_by_id.get("team-note"))
+            check(dom.count("form", "note-form") == 1 and dom.count("input") >= 3, "the note form is there")
             check(dom.count("svg", "chart-memory") == 1, "memory chart present")
             mem = rich["memory"]
             want_segments = sum(1 for v in (mem["allocated"], max(mem["reserved"], mem["allocated"]) - mem["allocated"],
