@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -266,6 +267,56 @@ TEST_F(KbPgTest, AJobStartsWhileTheServerIsDownAndSpools) {
   }
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(Sql(server_.url(), "SELECT COUNT(*) FROM incidents WHERE id LIKE 'of%'"), "5");
+}
+
+// The roles of docs/knowledge_base.md (scripts/kb_postgres_roles.sql): a job
+// records incidents and priors and reads priors, nothing more; the browser
+// reads everything and writes notes, nothing more.
+TEST_F(KbPgTest, RolesGrantWhatEachNeedsAndNoMore) {
+  {
+    auto owner = KnowledgeBase::Open(server_.url(), Options());  // creates the tables
+    ASSERT_TRUE(owner.ok()) << owner.status();
+  }
+  std::ifstream in(std::string(OOMGUARD_SOURCE_DIR) + "/scripts/kb_postgres_roles.sql");
+  std::string roles((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(roles.empty());
+  ASSERT_EQ(Sql(server_.url(), roles), "");
+  ASSERT_EQ(Sql(server_.url(), "CREATE ROLE job1 LOGIN IN ROLE oomguard_job;"
+                               "CREATE ROLE web1 LOGIN IN ROLE oomguard_browser"),
+            "");
+  auto as = [&](const std::string& user) {
+    std::string url = server_.url();
+    url.replace(url.find("oomguard@"), 9, user + "@");
+    return url;
+  };
+  {
+    auto job = KnowledgeBase::Open(as("job1"), Options());
+    ASSERT_TRUE(job.ok()) << job.status();
+    Incident oom = Simple("jb01", 5000, "roles");
+    (*job)->sink()->Record(oom);
+    oom.outcome = IncidentOutcome::kRecovered;
+    (*job)->sink()->UpdateOutcome(oom);
+    ASSERT_TRUE((*job)->RecordCleanMicroBatch("roles", 12).ok());
+    Status s = (*job)->Flush();
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ((*job)->PriorMicroBatch("roles"), 12);
+    Status note = (*job)->SetNote({"fp", "a job writes no notes", "", 0});
+    EXPECT_EQ(note.code(), StatusCode::kFailedPrecondition) << note;
+    EXPECT_NE(note.message().find("privilege"), std::string::npos) << note;
+  }
+  EXPECT_EQ(Sql(server_.url(), "SELECT outcome FROM incidents WHERE id = 'jb01'"), "recovered");
+  {
+    auto web = KnowledgeBase::Open(as("web1"), Options());
+    ASSERT_TRUE(web.ok()) << web.status();
+    auto found = (*web)->Query({.id_prefix = "jb01"});
+    ASSERT_TRUE(found.ok()) << found.status();
+    ASSERT_EQ(found->size(), 1u);
+    EXPECT_TRUE((*web)->Stats().ok());
+    EXPECT_TRUE((*web)->SetNote({(*found)[0].fingerprint, "fixed by halving", "web", 0}).ok());
+    Status ins = (*web)->Insert({Simple("wb01", 1)});
+    EXPECT_EQ(ins.code(), StatusCode::kFailedPrecondition) << ins;
+  }
+  EXPECT_EQ(Sql(server_.url(), "SELECT COUNT(*) FROM incidents WHERE id = 'wb01'"), "0");
 }
 
 TEST(KbPgUrlTest, PasswordsNeverAppear) {
