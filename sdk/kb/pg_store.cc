@@ -43,7 +43,8 @@ const char* const kPgMigrations[] = {
     "CREATE INDEX incidents_time ON incidents(time_unix_ms DESC, id);"
     "CREATE INDEX incidents_fingerprint ON incidents(fingerprint, time_unix_ms DESC);"
     "CREATE INDEX incidents_pattern ON incidents(pattern);"
-    "CREATE INDEX incidents_run ON incidents(run_id);",
+    "CREATE INDEX incidents_run ON incidents(run_id, time_unix_ms DESC);"
+    "CREATE INDEX incidents_workload ON incidents(workload, time_unix_ms DESC);",
     // 1 -> 2: learned priors and the record of dropped incidents.
     "CREATE TABLE priors ("
     "  workload TEXT PRIMARY KEY,"
