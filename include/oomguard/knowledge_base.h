@@ -206,7 +206,10 @@ class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
   //                      not read_only and the file, or its -wal/-shm, is not writable by this user
   //   kUnavailable       another process held the lock past busy_timeout_ms
   //   kInvalidArgument   bad options or path
-  // Every message names the path.
+  // Every message names the path. A postgresql:// URL opens a server instead: kUnavailable
+  // when a reader cannot reach it (a writer opens anyway and spools until it answers),
+  // kFailedPrecondition for a database that holds other tables, a newer schema or a role
+  // without a privilege it needs. Messages show the URL with its password as "***".
   static StatusOr<std::unique_ptr<KnowledgeBase>> Open(const std::string& path,
                                                        const KnowledgeBaseOptions& options = {});
 
