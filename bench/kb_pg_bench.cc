@@ -52,7 +52,7 @@ Incident Sample(int writer, int k) {
 
 // 8 processes, `per` incidents each through the sink, as fast as they come;
 // incidents per second from the first fork to the last exit (Flush included).
-double Writers(const std::string& kb, int writers, int per, int base) {
+double Writers(const std::string& kb, const std::string& spool, int writers, int per, int base) {
   const auto t0 = Clock::now();
   std::vector<pid_t> kids;
   for (int w = 0; w < writers; ++w) {
@@ -60,7 +60,7 @@ double Writers(const std::string& kb, int writers, int per, int base) {
     if (pid == 0) {
       KnowledgeBaseOptions o;
       o.queue_capacity = static_cast<size_t>(per) + 16;
-      o.spool_dir = std::filesystem::temp_directory_path() / ("oomguard-bench-spool-" + std::to_string(::getppid()));
+      o.spool_dir = spool;
       auto k = KnowledgeBase::Open(kb, o);
       if (!k.ok()) ::_exit(3);
       for (int i = 0; i < per; ++i) (*k)->sink()->Record(Sample(base + w, i));
@@ -84,10 +84,10 @@ struct RecordCost {
   double mean_ns, p99_ns;
 };
 
-RecordCost Records(const std::string& kb, int n) {
+RecordCost Records(const std::string& kb, const std::string& spool, int n) {
   KnowledgeBaseOptions o;
   o.queue_capacity = static_cast<size_t>(n) + 16;
-  o.spool_dir = std::filesystem::temp_directory_path() / ("oomguard-bench-spool-" + std::to_string(::getpid()));
+  o.spool_dir = spool;
   auto k = KnowledgeBase::Open(kb, o).value();
   std::vector<Incident> incs;
   for (int i = 0; i < n; ++i) incs.push_back(Sample(90, i));
@@ -128,16 +128,17 @@ int main(int argc, char** argv) {
   constexpr int kWriters = 8, kPer = 2500, kTotal = 100'000;
 
   // Forks first, while this process has no threads.
-  const double pg_rate = Writers(url, kWriters, kPer, 0);
-  const double lite_rate = Writers(file, kWriters, kPer, 0);
+  const std::string spool = std::string(argv[2]) + "/spool";
+  const double pg_rate = Writers(url, spool, kWriters, kPer, 0);
+  const double lite_rate = Writers(file, spool, kWriters, kPer, 0);
 
-  const RecordCost pg_rec = Records(url, 20'000);
-  const RecordCost lite_rec = Records(file, 20'000);
+  const RecordCost pg_rec = Records(url, spool, 20'000);
+  const RecordCost lite_rec = Records(file, spool, 20'000);
 
   // Fill the server to 100,000 incidents (Insert: one transaction per 2,000).
   {
     KnowledgeBaseOptions o;
-    o.spool_dir = std::string(argv[2]) + "/spool";
+    o.spool_dir = spool;
     auto k = KnowledgeBase::Open(url, o).value();
     int have = static_cast<int>(*k->Count(IncidentQuery{}));
     for (int b = 0; have < kTotal; ++b) {
