@@ -62,10 +62,9 @@ Status SendAll(const std::vector<Incident>& all, size_t batch,
 StatusOr<std::unique_ptr<Spool>> Spool::Open(const std::string& dir, int64_t max_bytes) {
   if (dir.empty()) return Status::InvalidArgument("spool directory is empty");
   if (max_bytes < 1) return Status::InvalidArgument("spool size limit must be >= 1 byte");
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return Status::FailedPrecondition("spool directory " + dir + ": " + ec.message());
-  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+  // Made on the first Append: a job whose server never went away leaves no directory behind.
+  // One that exists must be usable now, not when the server is already away.
+  if (::access(dir.c_str(), F_OK) == 0 && ::access(dir.c_str(), W_OK | X_OK) != 0)
     return Status::FailedPrecondition("spool directory " + dir + " is not writable by this user");
   std::unique_ptr<Spool> spool(new Spool(dir, max_bytes));
   spool->orphans_ = spool->ScanOrphans();
@@ -106,6 +105,9 @@ int64_t Spool::DirBytes() const {
 
 Status Spool::EnsureFile() {
   if (fd_ >= 0) return Status::Ok();
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) return Status::Unavailable("spool directory " + dir_ + ": " + ec.message());
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
   for (char* c = host; *c; ++c)

@@ -33,8 +33,8 @@ namespace oomguard::kb {
 
 class Spool {
  public:
-  // Creates `dir` (and its parents) when missing. The file itself is
-  // created on the first Append.
+  // `dir` (and its parents) and this process's file are created on the
+  // first Append; an existing `dir` this user cannot write is refused here.
   static StatusOr<std::unique_ptr<Spool>> Open(const std::string& dir, int64_t max_bytes);
   ~Spool();
   Spool(const Spool&) = delete;
