@@ -38,6 +38,7 @@ struct KbArgs {
   bool clear = false;
   int rank = -1;
   int64_t limit = 50;
+  int64_t offset = 0;
   int64_t similar_limit = 5;
 };
 
@@ -64,6 +65,7 @@ IncidentQuery MakeQuery(const KbArgs& a, bool with_limit) {
   if (!since.ok()) throw Failure{"--since " + since.status().message()};
   q.since_unix_ms = *since;
   q.limit = with_limit ? a.limit : 0;
+  q.offset = with_limit ? a.offset : 0;
   return q;
 }
 
@@ -546,6 +548,8 @@ void AddKbCommands(CLI::App* app, CommandResult* result) {
   common(list, true);
   filters(list);
   list->add_option("--limit", args.limit, "at most this many (0: all)")->check(CLI::NonNegativeNumber);
+  list->add_option("--offset", args.offset, "skip this many of the newest first (paging; a server answers only the page)")
+      ->check(CLI::NonNegativeNumber);
   bind(list, "list", CmdList);
 
   CLI::App* show = kb->add_subcommand("show", "one incident with its evidence and remedies");

@@ -133,9 +133,15 @@ StatusOr<KnowledgeBaseSet> KnowledgeBaseSet::Open(const std::vector<std::string>
 }
 
 StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& query) {
+  // One store pages itself (a server answers only the page); several are
+  // merged first: each gives its first offset + limit, the merge is sliced.
+  if (files_.size() == 1) return files_[0]->Query(query);
+  IncidentQuery each = query;
+  each.offset = 0;
+  if (query.limit > 0) each.limit = query.limit + query.offset;
   std::vector<Incident> all;
   for (auto& kb : files_) {
-    auto r = kb->Query(query);  // each file already limited, so the merge is too
+    auto r = kb->Query(each);  // each file already limited, so the merge is too
     if (!r.ok()) return r.status();
     if (all.empty()) {
       all = std::move(r).value();
@@ -143,7 +149,9 @@ StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& que
       for (auto& inc : *r) all.push_back(std::move(inc));
     }
   }
-  if (files_.size() > 1) std::stable_sort(all.begin(), all.end(), NewerFirst);
+  std::stable_sort(all.begin(), all.end(), NewerFirst);
+  const size_t skip = std::min(all.size(), static_cast<size_t>(query.offset));
+  all.erase(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(skip));
   if (query.limit > 0 && all.size() > static_cast<size_t>(query.limit))
     all.resize(static_cast<size_t>(query.limit));
   return all;

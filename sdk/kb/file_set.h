@@ -73,7 +73,8 @@ class KnowledgeBaseSet {
   // not open, with KnowledgeBase::Open's code and message (naming the path).
   static StatusOr<KnowledgeBaseSet> Open(const std::vector<std::string>& specs);
 
-  // Every file's matches, merged newest first; query.limit applies to the merge.
+  // Every file's matches, merged newest first; query.offset and query.limit
+  // apply to the merge (one server answers just that page).
   StatusOr<std::vector<Incident>> Query(const IncidentQuery& query);
   // GroupIncidents over Query(filters) with the limit cleared.
   StatusOr<std::vector<IncidentGroup>> Groups(IncidentQuery filters);

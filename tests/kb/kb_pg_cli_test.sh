@@ -31,7 +31,7 @@ grep -q "imported 10 incident" "$T/imp.txt" || fail "import said: $(cat "$T/imp.
 "$OG" kb import --db "$URL" --from "$T/a.db" >> "$T/all.out" 2>&1 || fail "second import"
 
 # Every view: the same answer from the file and from the server.
-for view in "list --limit 0" "list --limit 3" "list --pattern fragmentation" "groups" "export" "list --rank 1"; do
+for view in "list --limit 0" "list --limit 3" "list --limit 3 --offset 4" "list --pattern fragmentation" "groups" "export" "list --rank 1"; do
   # shellcheck disable=SC2086
   "$OG" kb $view --json --db "$T/a.db" > "$T/lite.json" 2>&1 || fail "$view on SQLite"
   # shellcheck disable=SC2086
@@ -44,6 +44,14 @@ done
 cat "$T/pgstats.json" >> "$T/all.out"
 $PY -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["files"][0]["schema_version"] == 4, d; d.pop("files"); print(json.dumps(d, sort_keys=True))' "$T/pgstats.json" > "$T/pg.json" || fail "stats json"
 cmp -s "$T/lite.json" "$T/pg.json" || fail "stats differ"
+
+# Paging across a file and the server (merged, then sliced) is the same page as of one file.
+"$OG" kb import --db "$T/b.db" "$DATA/../../browser/testdata/runs.jsonl" > /dev/null || fail "import runs into b.db"
+"$OG" kb import --db "$T/ab.db" --from "$T/a.db" > /dev/null && "$OG" kb import --db "$T/ab.db" --from "$T/b.db" > /dev/null || fail "ab.db"
+"$OG" kb list --json --limit 4 --offset 7 --db "$T/ab.db" > "$T/one.json" || fail "page of one file"
+"$OG" kb list --json --limit 4 --offset 7 --db "$URL" --db "$T/b.db" > "$T/two.json" 2>>"$T/all.out" || fail "page of the server and a file"
+cmp -s "$T/one.json" "$T/two.json" || fail "a merged page differs: $(diff "$T/one.json" "$T/two.json" | head -4)"
+[ "$($PY -c 'import json,sys; print(len(json.load(open(sys.argv[1]))))' "$T/two.json")" = 4 ] || fail "a page of 4"
 
 # OOMGUARD_KB_URL stands in for --db.
 n=$(OOMGUARD_KB_URL="$URL" "$OG" kb list --json --limit 0 2>>"$T/all.out" | $PY -c 'import json,sys; print(len(json.load(sys.stdin)))')
@@ -75,7 +83,7 @@ cmp -s "$T/a.jsonl" "$T/back.jsonl" || fail "the round trip changed incidents"
 # kb serve over the server: a write by anyone shows after the next poll (the server's change stamp).
 "$OG" kb serve --port 0 --poll-ms 100 --db "$URL" > "$T/serve.out" 2>>"$T/all.out" &
 serve_pid=$!
-for _ in $(seq 1 100); do grep -q "^Serving http://" "$T/serve.out" && break; sleep 0.1; done
+for _ in $(seq 1 100); do grep -qs "^Serving http://" "$T/serve.out" && break; sleep 0.1; done
 base=$(sed -n 's/^Serving \(http:[^ ]*\).*/\1/p' "$T/serve.out" | head -1)
 total() { $PY -c 'import json,sys,urllib.request; print(json.load(urllib.request.urlopen(sys.argv[1] + "api/stats"))["incidents"])' "$base"; }
 [ "$(total)" = 10 ] || fail "kb serve over the server: $(total) incidents, want 10"
