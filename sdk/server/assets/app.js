@@ -448,6 +448,8 @@ async function viewIncident(id) {
   const run = i.run_id ? await api('/api/runs/' + enc(i.run_id)).catch(() => null) : null;
   // The case library: nearest past incidents and what resolved them (none in a static report).
   const similar = await api('/api/incidents/' + enc(id) + '/similar').catch(() => null);
+  // The team's note on this incident's group (none yet: a 404).
+  const note = i.fingerprint ? await api('/api/notes/' + enc(i.fingerprint)).catch(() => null) : null;
   const fact = (k, v) => el('div', {class: 'fact'}, el('dt', {text: k}), el('dd', {}, v));
   const rungs = (i.actions && i.actions.length) ? i.actions : (i.action ? [i.action] : []);
   const ladderNames = {release: 'release caches', halve: 'halve the micro-batch', rollback: 'roll back to checkpoint', give_up: 'give up'};
@@ -467,6 +469,7 @@ async function viewIncident(id) {
         fact('fingerprint', i.fingerprint ? link(hashWith({fingerprint: i.fingerprint}), i.fingerprint) : '-'),
         fact('clean steps before', fmtNum(h.steps_ok_before)),
         i.sample_cost && i.sample_cost.median ? fact('sample cost', `${i.sample_cost.this} vs median ${i.sample_cost.median} (×${(i.sample_cost.this / i.sample_cost.median).toFixed(1)})`) : null)),
+    noteCard(i.fingerprint, note),
     el('div', {class: 'row'},
       card('Diagnosis', el('p', {class: 'confidence'}, 'pattern ', el('b', {text: i.pattern || 'unclassified'}),
         ` · confidence ${Math.round((i.confidence || 0) * 100)}%`),
@@ -490,6 +493,43 @@ async function viewIncident(id) {
     run ? card(`Run ${i.run_id}: micro-batch size over steps (${run.points.length} OOM${run.points.length === 1 ? '' : 's'})`,
       timelineChart(run.points, i.id), el('p', {class: 'muted small', text: 'Circles are OOMs (click one to open it); the line is the micro-batch size the guard ran with.'})) : null,
   ];
+}
+
+// The token that lets this page write notes (`kb serve --notes-token-file`):
+// asked for once, kept in this page's memory only.
+let noteToken = '';
+
+// A group's note, shown with each of its incidents; the server writes it
+// only with the token, so anyone may read and the form says what it needs.
+function noteCard(fingerprint, note) {
+  if (!fingerprint) return null;
+  const shown = note
+    ? el('p', {class: 'team-note', id: 'team-note', text: note.text})
+    : el('p', {class: 'muted', id: 'team-note-none', text: 'No team note on this group yet.'});
+  const by = note ? el('p', {class: 'muted small', text: `${note.author || 'someone'} · ${fmtTime(note.updated_unix_ms)} · on every incident of group ${fingerprint}`}) : null;
+  if (REPORT) return card('Team note', shown, by);
+  const text = el('input', {type: 'text', id: 'note-text', maxlength: 256, value: note ? note.text : '', placeholder: 'e.g. fixed by expandable_segments'});
+  const author = el('input', {type: 'text', id: 'note-author', maxlength: 64, placeholder: 'your name'});
+  const token = el('input', {type: 'password', id: 'note-token', placeholder: 'token (kb serve --notes-token-file)', value: noteToken});
+  const status = el('span', {class: 'muted small', id: 'note-status'});
+  const save = async (e) => {
+    e.preventDefault();
+    noteToken = token.value;
+    const qs = new URLSearchParams({text: text.value, author: author.value});
+    status.textContent = 'saving…';
+    try {
+      const r = await fetch('/api/notes/' + enc(fingerprint) + '?' + qs.toString(),
+        {method: 'POST', headers: {Accept: 'application/json', Authorization: 'Bearer ' + noteToken}});
+      const body = await r.json().catch(() => ({error: 'HTTP ' + r.status}));
+      if (!r.ok) throw new ApiError(body.error || ('HTTP ' + r.status));
+      status.textContent = 'saved; it shows with the next reload of the knowledge base';
+      setTimeout(render, 1500);
+    } catch (err) {
+      status.textContent = 'not saved: ' + err.message;
+    }
+  };
+  return card('Team note', shown, by,
+    el('form', {class: 'note-form', on: {submit: save}}, text, author, token, el('button', {type: 'submit', text: note ? 'Update' : 'Add note'}), status));
 }
 
 async function viewRuns() {
