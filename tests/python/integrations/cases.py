@@ -4,11 +4,13 @@ Accelerate loop, each built from a config in the test (no hub), in float64,
 without dropout, so that a guarded run can be compared with the same
 trainer's unguarded run within 1e-10.
 
-    python cases.py TRAINER MODE OUT.json [--budget-frac F] [--faults SPEC] [--steps N]
+    python cases.py hf,lightning,accelerate OUT [--budget-frac F] [--faults SPEC] [--kb PATH]
 
-runs one process of a run (ranks: WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT in the environment, as torchrun sets them) and writes its final
-parameters and summary, for the two-rank tests and the peak calibration.
+runs one process of each trainer's unguarded and guarded runs (ranks:
+WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment, as
+torchrun sets them) and writes their final parameters and summaries to
+OUT.rankN.json: the two-rank tests start two of these, which run the three
+trainers one after the other (one interpreter start, one import of each).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def causal_lm_loss_f64(outputs, labels, num_items_in_batch=None):
 
 
 def hf_run(out_dir: str, guarded: bool, *, steps: int = 6, batch: int = 8, accumulate: int = 2,
-           kb: str = "", logs: list = None, **extra):
+           kb: str = "", logs: list = None, eval_every: int = 0, **extra):
     """A Trainer run; returns (trainer, model)."""
     import transformers
 
@@ -108,6 +110,8 @@ def hf_run(out_dir: str, guarded: bool, *, steps: int = 6, batch: int = 8, accum
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         extra.setdefault("ddp_backend", "gloo")
+    if eval_every:
+        extra.update(eval_strategy="steps", eval_steps=eval_every, per_device_eval_batch_size=8)
     args = transformers.TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
         max_steps=steps, learning_rate=0.05, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
@@ -115,7 +119,8 @@ def hf_run(out_dir: str, guarded: bool, *, steps: int = 6, batch: int = 8, accum
         dataloader_num_workers=0, disable_tqdm=True, **extra)
     model = hf_model()
     kwargs = dict(model=model, args=args, train_dataset=Listed(token_data()), data_collator=pad_collate,
-                  compute_loss_func=causal_lm_loss_f64)
+                  compute_loss_func=causal_lm_loss_f64,
+                  eval_dataset=Listed(token_data(16, seed=9)) if eval_every else None)
     if guarded:
         trainer = OomguardTrainer(**kwargs, knowledge_base=kb or None, workload="hf-test")
     else:
@@ -253,7 +258,7 @@ def accelerate_run(guarded: bool, *, steps: int = 6, batch: int = 16, kb: str = 
                 accelerator.clip_grad_norm_(model.parameters(), 0.5)
                 opt.step()
                 sched.step()
-                losses.append(float(loss))
+                losses.append(loss.item())
             done += 1
             if done == steps:
                 break
@@ -270,65 +275,72 @@ def run(trainer: str, mode: str, **kw):
     if trainer == "hf":
         with tempfile.TemporaryDirectory() as d:
             t, model = hf_run(d, guarded, **kw)
+        summary = {"logs": t.state.log_history}
         if guarded:
-            summary = {"ooms": sum(1 for _ in t.oomguard_incidents), "micro_limit": t.oomguard_step.guard.micro_limit}
+            summary.update(ooms=len(t.oomguard_incidents), micro_limit=t.oomguard_step.guard.micro_limit,
+                           phases=[i.phase for i in t.oomguard_incidents])
     elif trainer == "lightning":
         with tempfile.TemporaryDirectory() as d:
             t, module, cb = lightning_run(guarded, root=d, **kw)
         model = module
         if guarded:
             summary = {"ooms": len(cb.incidents), "micro_limit": cb.train_step.guard.micro_limit,
-                       "losses": cb.losses}
+                       "losses": cb.losses, "phases": [i.phase for i in cb.incidents]}
+        summary["lr"] = t.lr_scheduler_configs[0].scheduler.get_last_lr()
     elif trainer == "accelerate":
         model, losses, step = accelerate_run(guarded, **kw)
         summary = {"losses": losses}
         if guarded:
-            summary.update(ooms=len(step.incidents), micro_limit=step.guard.micro_limit)
+            summary.update(ooms=len(step.incidents), micro_limit=step.guard.micro_limit,
+                           phases=[i.phase for i in step.incidents])
     else:
         raise ValueError(f"unknown trainer {trainer!r}")
     return flat(model), summary
 
 
-def peak(trainer: str, **kw) -> int:
-    """What the unguarded run allocates at most, besides the model and the data."""
+def plain_and_guarded(trainer: str, budget_frac: float = 0.0, faults: str = "", kb: str = "", **kw) -> dict:
+    """The unguarded run (counting its peak allocation), then the guarded run
+    under ``budget_frac`` of that peak (0: no budget) with the fault rules
+    ``faults``; returns both runs' parameters and the guarded run's summary."""
     oomguard.budget.install(0)
     oomguard.budget.reset_peak()
     try:
-        run(trainer, "plain", **kw)
-        return oomguard.budget.peak()
+        plain, plain_summary = run(trainer, "plain", **kw)
+        peak = oomguard.budget.peak()
     finally:
         oomguard.budget.uninstall()
-        gc.collect()
+        gc.collect()  # what that run left in reference cycles would count against the budget
+    oomguard.set_fault_rules(faults)
+    if budget_frac:
+        oomguard.budget.install(int(peak * budget_frac))
+    try:
+        guarded, summary = run(trainer, "guarded", kb=kb, **kw)
+        summary["faults_fired"] = oomguard.faults_fired()
+    finally:
+        if budget_frac:
+            oomguard.budget.uninstall()
+        oomguard.clear_fault_rules()
+    summary.update(peak=peak, plain_losses=plain_summary.get("losses"), plain_logs=plain_summary.get("logs"),
+                   plain_lr=plain_summary.get("lr"))
+    return {"plain": plain, "guarded": guarded, "summary": summary}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("trainer", choices=["hf", "lightning", "accelerate"])
-    p.add_argument("mode", choices=["plain", "guarded", "peak"])
-    p.add_argument("out")
-    p.add_argument("--budget-bytes", type=int, default=0)
-    p.add_argument("--faults", default="")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("trainers", help="comma-separated: hf, lightning, accelerate")
+    p.add_argument("out", help="writes OUT.rankN.json")
+    p.add_argument("--budget-frac", type=float, default=0.0, help="this process's budget, a fraction of its peak")
+    p.add_argument("--faults", default="", help="fault rules of the guarded runs")
+    p.add_argument("--kb", default="", help="the guarded runs' knowledge base")
     a = p.parse_args(argv)
-    kw = {"steps": a.steps}
-    if a.trainer == "lightning":
-        kw["ranks"] = int(os.environ.get("WORLD_SIZE", "1"))
-    if a.mode == "peak":
-        json.dump({"peak": peak(a.trainer, **kw)}, open(a.out, "w"))
-        return 0
-    if a.faults:
-        oomguard.set_fault_rules(a.faults)
-    if a.budget_bytes:
-        oomguard.budget.install(a.budget_bytes)
-    try:
-        params, summary = run(a.trainer, a.mode, **kw)
-    finally:
-        if a.budget_bytes:
-            oomguard.budget.uninstall()
     rank = int(os.environ.get("RANK", "0"))
-    summary["params"] = params.tolist()
-    with open(f"{a.out}.rank{rank}", "w") as f:
-        json.dump(summary, f)
+    out = {}
+    for trainer in a.trainers.split(","):
+        kw = {"ranks": int(os.environ.get("WORLD_SIZE", "1"))} if trainer == "lightning" else {}
+        r = plain_and_guarded(trainer, a.budget_frac, a.faults, kb=f"{a.kb}.{trainer}" if a.kb else "", **kw)
+        out[trainer] = {"plain": r["plain"].tolist(), "guarded": r["guarded"].tolist(), "summary": r["summary"]}
+    with open(f"{a.out}.rank{rank}.json", "w") as f:
+        json.dump(out, f)
     return 0
 
 

@@ -110,3 +110,23 @@ class OptimizerState:
         self.optimizer.load_state_dict(state)
         for group, hyper in zip(self.optimizer.param_groups, current):
             group.update(hyper)
+
+
+def run_unguarded(guard: Any, run: Callable[[], Any], incidents: list) -> Any:
+    """Runs what the guard cannot split (a trainer's evaluation loop or
+    validation step, its checkpoint writer) as an evaluation of one unit
+    (``Guard.evaluate``): an OOM in it is an incident in the knowledge base
+    (phase ``eval``) and the guard releases the caches; it is then run once
+    more, and a second OOM is raised (``oomguard.OutOfMemoryError``)."""
+    for attempt in (1, 2):
+        out: list = []
+        try:
+            report = guard.evaluate(1, lambda mb: out.append(run()))
+        except _errors.OutOfMemoryError as e:
+            if getattr(e, "report", None) is not None:
+                incidents.extend(e.report.incidents)
+            if attempt == 2:
+                raise
+            continue
+        incidents.extend(report.incidents)
+        return out[-1]

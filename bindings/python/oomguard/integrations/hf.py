@@ -39,8 +39,8 @@ evaluation and checkpoints run as before.
 
 Not guarded (the Trainer runs them outside any step the guard can split):
 the evaluation loop and the checkpoint writer. An OOM there is recorded as an
-incident (phase ``eval`` / ``checkpoint_save``: ``Guard.evaluate`` of one
-unit, which releases caches and retries once) and then raised.
+incident (phase ``eval``: each runs as a ``Guard.evaluate`` of one unit), the
+caches are released and it is run once more; a second OOM is raised.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from ..checkpoint import Checkpointer
 from ..torch import TorchDevice, TorchDistributedCoordinator, TrainStep, register_state
 from ..torch import distributed as _distributed
 from ..torch._model import unwrap
-from ._group import Group, OptimizerState, StepThrough, run_step, split_group
+from ._group import Group, OptimizerState, StepThrough, run_step, run_unguarded, split_group
 
 __all__ = ["GuardedTrainerMixin", "OomguardTrainer"]
 
@@ -235,17 +235,11 @@ class GuardedTrainerMixin:
         return total
 
     def _og_unguarded(self, phase: str, run: Any) -> Any:
-        """Runs what the guard cannot split (the Trainer's evaluation loop, its
-        checkpoint writer) as an evaluation of one unit: an OOM is an incident
-        in the knowledge base, caches are released, and it is retried once
-        before it is raised (oomguard.OutOfMemoryError)."""
-        train_step = self.oomguard_step
-        if train_step is None:
+        """The Trainer's evaluation loop or checkpoint writer, which the guard
+        cannot split: an OOM is recorded and retried once (``run_unguarded``)."""
+        if self.oomguard_step is None:
             return run()
-        out = []
-        report = train_step.guard.evaluate(1, lambda mb: out.append(run()))
-        self.oomguard_incidents.extend(report.incidents)
-        return out[-1]
+        return run_unguarded(self.oomguard_step.guard, run, self.oomguard_incidents)
 
 
 def _len(batch: Any) -> int:

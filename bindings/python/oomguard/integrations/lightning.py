@@ -10,7 +10,8 @@ optimizer step guarded.
 What changes: the ``accumulate_grad_batches`` batches of one optimizer step run
 as one ``oomguard.torch.TrainStep`` step, at the step's last batch. The
 callback wraps the module's ``training_step`` (which then only collects the
-batch: Lightning runs no backward of its own) and ``optimizer_step`` (which
+batch and returns a zero that is no function of the model: Lightning's
+backward has nothing to do) and ``optimizer_step`` (which
 runs the guarded step: the collected batches split into micro-batches that
 fit, pieces of Lightning's batches, each through your ``training_step``; then
 your ``optimizer_step``, so that Lightning's gradient clipping,
@@ -35,14 +36,14 @@ released and the batch retried once, then it is raised), and manual
 optimisation (``automatic_optimization = False``: use
 ``oomguard.torch.TrainStep`` inside your ``training_step``; docs/integrations/lightning.md).
 What ``training_step`` logs with ``self.log`` is logged per micro-batch piece;
-the guarded step's loss is in ``callback.losses`` and logged as
-``oomguard_loss``.
+the loss Lightning itself sees (its progress bar's ``loss``, the
+``outputs`` of ``on_train_batch_end``) is that zero: the guarded step's loss
+is in ``callback.losses`` and logged as ``oomguard_loss``.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, List, Optional
 
 import torch
@@ -58,7 +59,7 @@ from .._guard import Guard
 from ..checkpoint import Checkpointer
 from ..torch import TorchDevice, TorchDistributedCoordinator, TrainStep, register_state
 from ..torch import distributed as _distributed
-from ._group import Group, OptimizerState, StepThrough, run_step, split_group
+from ._group import Group, OptimizerState, StepThrough, run_step, run_unguarded, split_group
 
 __all__ = ["GuardedDDPStrategy", "OomguardCallback"]
 
@@ -100,6 +101,7 @@ class OomguardCallback(pl.Callback):
         self.losses: List[float] = []
         self.incidents: list = []
         self._group: List[Any] = []
+        self._no_loss = torch.zeros((), requires_grad=True)
         self._module: Optional[pl.LightningModule] = None
         self._originals: dict = {}
 
@@ -124,8 +126,6 @@ class OomguardCallback(pl.Callback):
         pl_module.optimizer_step = self._optimizer_step
         if self._originals["validation_step"] is not None:
             pl_module.validation_step = self._validation_step
-        # Lightning warns once per run that training_step returned None: here it is meant.
-        warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for name in self._originals:
@@ -134,9 +134,11 @@ class OomguardCallback(pl.Callback):
 
     # -- the wrapped module methods -------------------------------------------
 
-    def _collect(self, batch: Any, batch_idx: int, *args: Any) -> None:
+    def _collect(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
         self._group.append((batch, batch_idx, args))
-        return None  # no loss: Lightning runs no backward, the guarded step does
+        # Lightning refuses None from training_step with several ranks; a zero
+        # on a leaf of its own gives its backward nothing to do to the model.
+        return self._no_loss * 0.0
 
     def _optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         if optimizer_closure is not None:
@@ -181,10 +183,7 @@ class OomguardCallback(pl.Callback):
         validation_step = self._originals["validation_step"]
         if self.train_step is None:
             return validation_step(*args, **kwargs)
-        out = []
-        report = self.train_step.guard.evaluate(1, lambda mb: out.append(validation_step(*args, **kwargs)))
-        self.incidents.extend(report.incidents)
-        return out[-1]
+        return run_unguarded(self.train_step.guard, lambda: validation_step(*args, **kwargs), self.incidents)
 
     # -- the guarded step -------------------------------------------------------
 
