@@ -217,8 +217,7 @@ def lightning_run(guarded: bool, *, steps: int = 6, batch: int = 8, accumulate: 
         trainer = pl.Trainer(accelerator="cpu", devices=ranks, strategy=strategy, max_steps=steps,
                              accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=2 if val else 0, val_check_interval=None,
-                             default_root_dir=root, callbacks=cbs, **extra)
+                             limit_val_batches=2 if val else 0, default_root_dir=root, callbacks=cbs, **extra)
         trainer.fit(module, loader, val_loader)
     return trainer, module, guard_cb
 
@@ -269,7 +268,7 @@ def accelerate_run(guarded: bool, *, steps: int = 6, batch: int = 16, kb: str = 
 
 
 def run(trainer: str, mode: str, **kw):
-    """One run of a trainer; returns (final flat parameters, summary dict)."""
+    """One run of a trainer; returns (the trained model, summary dict)."""
     guarded = mode == "guarded"
     summary = {}
     if trainer == "hf":
@@ -295,34 +294,46 @@ def run(trainer: str, mode: str, **kw):
                            phases=[i.phase for i in step.incidents])
     else:
         raise ValueError(f"unknown trainer {trainer!r}")
-    return flat(model), summary
+    return model, summary
 
 
 def plain_and_guarded(trainer: str, budget_frac: float = 0.0, faults: str = "", kb: str = "", **kw) -> dict:
     """The unguarded run (counting its peak allocation), then the guarded run
     under ``budget_frac`` of that peak (0: no budget) with the fault rules
-    ``faults``; returns both runs' parameters and the guarded run's summary."""
-    oomguard.budget.install(0)
-    oomguard.budget.reset_peak()
+    ``faults``; returns both runs' parameters and the guarded run's summary.
+
+    The cyclic garbage collector is off during both runs (the guard still
+    collects on every OOM): the trainers leave tensors in reference cycles,
+    and when a collection happens to free them would move the peak by a third
+    from one run to the next."""
+    gc.collect()
+    gc.disable()
     try:
-        plain, plain_summary = run(trainer, "plain", **kw)
-        peak = oomguard.budget.peak()
-    finally:
-        oomguard.budget.uninstall()
-        gc.collect()  # what that run left in reference cycles would count against the budget
-    oomguard.set_fault_rules(faults)
-    if budget_frac:
-        oomguard.budget.install(int(peak * budget_frac))
-    try:
-        guarded, summary = run(trainer, "guarded", kb=kb, **kw)
-        summary["faults_fired"] = oomguard.faults_fired()
-    finally:
-        if budget_frac:
+        oomguard.budget.install(0)
+        oomguard.budget.reset_peak()
+        try:
+            plain_model, plain_summary = run(trainer, "plain", **kw)
+            peak = oomguard.budget.peak()
+        finally:
             oomguard.budget.uninstall()
-        oomguard.clear_fault_rules()
+        plain = flat(plain_model)
+        del plain_model
+        gc.collect()  # what that run left in reference cycles would count against the budget
+        oomguard.set_fault_rules(faults)
+        if budget_frac:
+            oomguard.budget.install(int(peak * budget_frac))
+        try:
+            guarded_model, summary = run(trainer, "guarded", kb=kb, **kw)
+            summary["faults_fired"] = oomguard.faults_fired()
+        finally:
+            if budget_frac:
+                oomguard.budget.uninstall()
+            oomguard.clear_fault_rules()
+    finally:
+        gc.enable()
     summary.update(peak=peak, plain_losses=plain_summary.get("losses"), plain_logs=plain_summary.get("logs"),
                    plain_lr=plain_summary.get("lr"))
-    return {"plain": plain, "guarded": guarded, "summary": summary}
+    return {"plain": plain, "guarded": flat(guarded_model), "summary": summary}
 
 
 def main(argv=None) -> int:
