@@ -76,24 +76,35 @@ def rank_and_world() -> tuple:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def report(args: argparse.Namespace, params, summary: dict) -> None:
-    """Rank 0 writes --dump-params and prints --json; every rank's digest of
-    its parameters is gathered (the ranks must agree)."""
+def gather(params, ooms: int, world: int) -> list:
+    """Every rank's digest of its parameters and its OOM count (collective
+    while the process group is up; the ranks must agree on the parameters)."""
     import torch
     import torch.distributed as dist
 
-    rank, world = rank_and_world()
     flat = params.detach().to(torch.float64).contiguous()
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
-    mine = {"rank": rank, "ooms": summary.get("ooms", 0), "params_sha256": digest}
-    ranks = [mine]
+    mine = {"rank": rank_and_world()[0], "ooms": ooms,
+            "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]}
     if world > 1 and dist.is_available() and dist.is_initialized():
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
+        return ranks
+    return [mine]
+
+
+def report(args: argparse.Namespace, rank: int, world: int, params, ranks: list, summary: dict) -> None:
+    """Rank 0 writes --dump-params and prints --json; every rank then leaves
+    the process group (one that is left up at exit can abort the process)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     if rank != 0:
         return
     if args.dump_params:
-        flat.numpy().astype("<f8").tofile(args.dump_params)
+        params.detach().to(torch.float64).contiguous().numpy().astype("<f8").tofile(args.dump_params)
     if args.json:
         out = dict(summary)
         out.update(world_size=world, ranks=ranks, identical=len({r["params_sha256"] for r in ranks}) == 1,

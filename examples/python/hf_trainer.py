@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         "final_micro_batch": None if args.plain else trainer.oomguard_step.guard.micro_limit,
         "wall_s": round(wall_s, 3),
     }
-    cli.report(args, torch.cat([q.detach().reshape(-1) for q in model.parameters()]), summary)
+    params = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    cli.report(args, rank, world, params, cli.gather(params, summary["ooms"], world), summary)
     return 0
 
 

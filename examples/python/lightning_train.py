@@ -74,12 +74,22 @@ def main(argv=None) -> int:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=args.batch,
                                          shuffle=False, drop_last=True)
     module = GPTModule()
-    callbacks = []
+    gathered = []
+
+    class Gather(pl.Callback):
+        """The ranks' digests while Lightning's process group is still up."""
+
+        def on_train_end(self, trainer, pl_module):
+            ooms = len(guard.incidents) if guard else 0
+            gathered.extend(cli.gather(torch.cat([q.detach().reshape(-1) for q in pl_module.parameters()]),
+                                       ooms, world))
+
+    callbacks = [Gather()]
     guard = None
     if not args.plain:
         guard = OomguardCallback(knowledge_base=args.kb or None, workload="lightning_train-example",
                                  loss_units=lambda batch: valid_tokens(*batch))
-        callbacks.append(guard)
+        callbacks.insert(0, guard)
     if world > 1:
         strategy = (pl.strategies.DDPStrategy if args.plain else GuardedDDPStrategy)(process_group_backend="gloo")
     else:
@@ -101,7 +111,8 @@ def main(argv=None) -> int:
         "final_micro_batch": guard.train_step.guard.micro_limit if guard else None,
         "wall_s": round(wall_s, 3),
     }
-    cli.report(args, torch.cat([q.detach().reshape(-1) for q in module.parameters()]), summary)
+    cli.report(args, rank, world, torch.cat([q.detach().reshape(-1) for q in module.parameters()]), gathered,
+               summary)
     return 0
 
 

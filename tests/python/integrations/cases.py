@@ -261,6 +261,8 @@ def accelerate_run(guarded: bool, *, steps: int = 6, batch: int = 16, kb: str = 
             done += 1
             if done == steps:
                 break
+    if step is not None:
+        step.finish()
     return accelerator.unwrap_model(model), losses, step
 
 

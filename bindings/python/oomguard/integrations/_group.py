@@ -9,7 +9,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 from .. import errors as _errors
 from ..torch.step import batch_samples, split_batch
 
-Piece = Tuple[int, Any]  # (index of the trainer's batch in the group, samples of it)
+Piece = Tuple[int, int, Any]  # (index of the trainer's batch in the group, first sample in it, the samples)
 
 
 def group_sizes(group: Sequence[Any]) -> List[int]:
@@ -27,7 +27,7 @@ class Group:
     """The batches of one optimizer step, in order, as one batch of
     ``sum(sizes)`` samples: ``pieces(start, stop)`` gives the pieces of the
     trainer's batches that samples ``[start, stop)`` cover, as
-    ``(batch index, sliced batch)`` pairs. Batches may differ in shape beyond
+    ``(batch index, first sample in that batch, sliced batch)`` triples. Batches may differ in shape beyond
     dim 0 (each is padded to its own length): a piece is never concatenated
     with another, each runs through the model on its own."""
 
@@ -42,8 +42,8 @@ class Group:
         for i, (batch, n) in enumerate(zip(self.batches, self.sizes)):
             lo, hi = max(start, offset), min(stop, offset + n)
             if lo < hi:
-                pieces.append((i, batch if (lo, hi) == (offset, offset + n) else split_batch(batch, lo - offset,
-                                                                                               hi - offset)))
+                whole = (lo, hi) == (offset, offset + n)
+                pieces.append((i, lo - offset, batch if whole else split_batch(batch, lo - offset, hi - offset)))
             offset += n
         return pieces
 

@@ -61,6 +61,10 @@ class GuardedStep:
     def __call__(self, *batch: Any, **kwargs: Any) -> float:
         return run_step(self.train_step, *batch, incidents=self.incidents, **kwargs)
 
+    def finish(self) -> int:
+        """Ends the run (collective: every process calls it after its last step)."""
+        return self.guard.finish()
+
     def evaluate(self, *batch: Any, **kwargs: Any) -> Any:
         """The guarded evaluation of ``TrainStep.evaluate`` (an OOM splits the batch)."""
         return self.train_step.evaluate(*batch, **kwargs)

@@ -118,6 +118,12 @@ class GuardedTrainerMixin:
 
     # -- the Trainer's hooks ------------------------------------------------
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().train(*args, **kwargs)
+        if self.oomguard_step is not None:
+            self.oomguard_step.guard.finish()  # collective: every rank ends its guard together
+        return out
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._og_group = Group([self._prepare_inputs(b) for b in batch_samples]) if batch_samples else None
@@ -218,14 +224,14 @@ class GuardedTrainerMixin:
         as ``num_items_in_batch``), or over its samples."""
         scale = 1.0
         if self._og_units:
-            units = sum(int(self._og_count(p).sum()) for _, p in pieces)
+            units = sum(int(self._og_count(p).sum()) for _, _, p in pieces)
             if (self.args.average_tokens_across_devices
                     and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)):
                 # compute_loss multiplies by the ranks, for DDP's average; the guard sums instead.
                 scale = 1.0 / (self.accelerator.num_processes // self.get_tp_size())
         total = None
-        samples = sum(split_len for split_len in (_len(p) for _, p in pieces))
-        for _, piece in pieces:
+        samples = sum(_len(p) for _, _, p in pieces)
+        for _, _, piece in pieces:
             with self.compute_loss_context_manager():
                 if self._og_units:
                     loss = self.compute_loss(model, dict(piece), num_items_in_batch=units) * scale

@@ -17,8 +17,10 @@ fit, pieces of Lightning's batches, each through your ``training_step``; then
 your ``optimizer_step``, so that Lightning's gradient clipping,
 ``on_before_optimizer_step`` hooks, precision plugin and LR schedulers run as
 before). The gradient stays Lightning's: each batch's loss divided by
-``accumulate_grad_batches``, samples weighed alike (exact when the batches of a
-step have one size, as with ``drop_last`` or a dataset the batch divides).
+``accumulate_grad_batches``, whatever the batches' sizes; a piece of a batch
+counts for its share of the batch's samples, or of its loss units
+(``loss_units``: e.g. valid tokens, when ``training_step`` returns a mean over
+tokens).
 
 Several ranks: ``GuardedDDPStrategy`` is Lightning's ``DDPStrategy`` without
 the ``DistributedDataParallel`` wrapper: the guard sums the gradients over
@@ -44,7 +46,7 @@ is in ``callback.losses`` and logged as ``oomguard_loss``.
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -83,11 +85,15 @@ class OomguardCallback(pl.Callback):
             (default: the module's class name).
         rollback: snapshot the state before each step, so that an OOM in the
             optimizer step is rolled back and redone (default True).
+        loss_units: ``loss_units(batch)`` -> the loss units of each sample
+            (e.g. valid tokens), when ``training_step``'s loss is a mean over
+            units rather than samples: a piece of a batch then counts for its
+            share of the batch's units.
         **guard_options: more keywords for ``oomguard.Guard``.
     """
 
     def __init__(self, knowledge_base: Any = None, workload: str = "", rollback: bool = True,
-                 **guard_options: Any) -> None:
+                 loss_units: Optional[Callable[[Any], Any]] = None, **guard_options: Any) -> None:
         for reserved in ("coordinator", "knowledge_base", "recovery"):
             if reserved in guard_options:
                 raise ValueError(f"OomguardCallback({reserved}=...): the callback sets it")
@@ -96,6 +102,9 @@ class OomguardCallback(pl.Callback):
         self.knowledge_base = knowledge_base
         self.workload = workload
         self.rollback = bool(rollback)
+        if loss_units is not None and not callable(loss_units):
+            raise TypeError(f"OomguardCallback(loss_units=...) must be callable, got {type(loss_units).__name__}")
+        self.loss_units = loss_units
         self.guard_options = guard_options
         self.train_step: Optional[TrainStep] = None
         self.losses: List[float] = []
@@ -128,6 +137,8 @@ class OomguardCallback(pl.Callback):
             pl_module.validation_step = self._validation_step
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.train_step is not None:
+            self.train_step.guard.finish()  # collective, while Lightning's process group is up
         for name in self._originals:
             pl_module.__dict__.pop(name, None)  # the class's methods again
         self._originals = {}
@@ -146,23 +157,32 @@ class OomguardCallback(pl.Callback):
         trainer = self._module.trainer
         entries, self._group = self._group, []
         group = Group([b for b, _, _ in entries])
-        # Lightning divides each batch's loss by accumulate_grad_batches: a
-        # short last step of an epoch weighs len(entries)/accumulate of a full one.
-        scale = len(entries) / trainer.accumulate_grad_batches
+        # Lightning's gradient: each batch's loss (a mean over its samples, or
+        # over its loss units) divided by accumulate_grad_batches. A piece of
+        # batch b counts for its share of b's units (samples by default); the
+        # guard then weighs the micro-batch by its share of the step's samples,
+        # which the forward divides out again: exact for batches of any size.
+        units = [self._units(b) for b in group.batches]
+        totals = [float(u.sum()) for u in units]
+        accumulate = trainer.accumulate_grad_batches
         train_step = self._train_step(trainer, optimizer)
 
         def forward(module: pl.LightningModule, pieces: list) -> torch.Tensor:
             total = None
-            for index, piece in pieces:
+            samples = 0
+            for index, start, piece in pieces:
                 _, idx, extra = entries[index]
                 out = self._originals["training_step"](piece, idx, *extra)
                 loss = out["loss"] if isinstance(out, dict) else out
                 if not isinstance(loss, torch.Tensor):
                     raise TypeError(f"training_step returned {type(out).__name__}; OomguardCallback needs the loss "
                                     "(a tensor, or a dict with 'loss')")
-                weighted = loss * (_samples(piece) * scale / _pieces_samples(pieces))
+                n = _samples(piece)
+                share = float(units[index][start:start + n].sum()) / totals[index] if totals[index] else 0.0
+                weighted = loss * (share / accumulate)
                 total = weighted if total is None else total + weighted
-            return total
+                samples += n
+            return total * (group.samples / samples)
 
         self._forward = forward
 
@@ -184,6 +204,15 @@ class OomguardCallback(pl.Callback):
         if self.train_step is None:
             return validation_step(*args, **kwargs)
         return run_unguarded(self.train_step.guard, lambda: validation_step(*args, **kwargs), self.incidents)
+
+    def _units(self, batch: Any) -> torch.Tensor:
+        n = _samples(batch)
+        if self.loss_units is None:
+            return torch.ones(n, dtype=torch.float64)
+        units = torch.as_tensor(self.loss_units(batch)).detach().to("cpu", torch.float64).reshape(-1)
+        if units.numel() != n:
+            raise ValueError(f"loss_units gave {units.numel()} counts for a batch of {n} samples")
+        return units
 
     # -- the guarded step -------------------------------------------------------
 
@@ -223,5 +252,4 @@ def _samples(batch: Any) -> int:
     return batch_samples([batch])
 
 
-def _pieces_samples(pieces: list) -> int:
-    return sum(_samples(p) for _, p in pieces)
+
