@@ -115,8 +115,8 @@ def hf_run(out_dir: str, guarded: bool, *, steps: int = 6, batch: int = 8, accum
     args = transformers.TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
         max_steps=steps, learning_rate=0.05, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
-        optim="sgd", optim_args="momentum=0.9", weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=3,
-        dataloader_num_workers=0, disable_tqdm=True, **extra)
+        optim="sgd", optim_args="momentum=0.9", weight_decay=0.01, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=3, dataloader_num_workers=0, disable_tqdm=True, **extra)
     model = hf_model()
     kwargs = dict(model=model, args=args, train_dataset=Listed(token_data()), data_collator=pad_collate,
                   compute_loss_func=causal_lm_loss_f64,
@@ -299,7 +299,8 @@ def run(trainer: str, mode: str, **kw):
     return model, summary
 
 
-def plain_and_guarded(trainer: str, budget_frac: float = 0.0, faults: str = "", kb: str = "", **kw) -> dict:
+def plain_and_guarded(trainer: str, budget_frac: float = 0.0, faults: str = "", kb: str = "", reuse: dict = None,
+                      **kw) -> dict:
     """The unguarded run (counting its peak allocation), then the guarded run
     under ``budget_frac`` of that peak (0: no budget) with the fault rules
     ``faults``; returns both runs' parameters and the guarded run's summary.
@@ -307,20 +308,25 @@ def plain_and_guarded(trainer: str, budget_frac: float = 0.0, faults: str = "", 
     The cyclic garbage collector is off during both runs (the guard still
     collects on every OOM): the trainers leave tensors in reference cycles,
     and when a collection happens to free them would move the peak by a third
-    from one run to the next."""
+    from one run to the next. ``reuse``: the result of an earlier call with
+    the same ``kw``, whose unguarded run (parameters, peak) is taken as it is."""
     gc.collect()
     gc.disable()
     try:
-        oomguard.budget.install(0)
-        oomguard.budget.reset_peak()
-        try:
-            plain_model, plain_summary = run(trainer, "plain", **kw)
-            peak = oomguard.budget.peak()
-        finally:
-            oomguard.budget.uninstall()
-        plain = flat(plain_model)
-        del plain_model
-        gc.collect()  # what that run left in reference cycles would count against the budget
+        if reuse is not None:
+            plain, peak = reuse["plain"], reuse["summary"]["peak"]
+            plain_summary = {k[len("plain_"):]: v for k, v in reuse["summary"].items() if k.startswith("plain_")}
+        else:
+            oomguard.budget.install(0)
+            oomguard.budget.reset_peak()
+            try:
+                plain_model, plain_summary = run(trainer, "plain", **kw)
+                peak = oomguard.budget.peak()
+            finally:
+                oomguard.budget.uninstall()
+            plain = flat(plain_model)
+            del plain_model
+            gc.collect()  # what that run left in reference cycles would count against the budget
         oomguard.set_fault_rules(faults)
         if budget_frac:
             oomguard.budget.install(int(peak * budget_frac))

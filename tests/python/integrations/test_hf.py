@@ -31,7 +31,8 @@ def _train_logs(logs: list) -> list:
 
 @pytest.fixture(scope="module")
 def reference():
-    return cases.plain_and_guarded("hf", budget_frac=0.6)
+    # with evaluations, so that the fault test below reuses its unguarded run
+    return cases.plain_and_guarded("hf", budget_frac=0.6 if oomguard.budget.available() else 0.0, eval_every=3)
 
 
 @needs_budget
@@ -55,12 +56,12 @@ def test_the_trainers_schedule_clipping_and_logging_keep_working(reference):
         assert g["loss"] == pytest.approx(p["loss"], rel=1e-6)  # the Trainer logs its float32 accumulator
 
 
-def test_injected_faults_at_every_site_and_an_unguarded_evaluation(tmp_path):
+def test_injected_faults_at_every_site_and_an_unguarded_evaluation(reference, tmp_path):
     kb_path = str(tmp_path / "kb.sqlite")
     faults = ("host_oom@site=micro_batch,step=0,micro=0;oom@site=forward,step=1;oom@site=backward,step=2,micro=1;"
               "oom@site=vote,step=3;oom@site=apply,step=3;oom@site=optimizer,step=4;oom@site=commit,step=5;"
               "oom@site=eval")
-    r = cases.plain_and_guarded("hf", faults=faults, kb=kb_path, eval_every=3)
+    r = cases.plain_and_guarded("hf", faults=faults, kb=kb_path, eval_every=3, reuse=reference)
     s = r["summary"]
     assert s["faults_fired"] == 8, s
     assert _rel(r["guarded"], r["plain"]) <= 1e-10

@@ -23,9 +23,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.fixture(scope="module")
+def reference():
+    # with validation, so that the fault test below reuses its unguarded run
+    frac = 0.6 if oomguard.budget.available() else 0.0
+    return cases.plain_and_guarded("lightning", budget_frac=frac, val=True, val_check_interval=3)
+
+
 @needs_budget
-def test_real_ooms_leave_the_result_and_the_schedule_unchanged():
-    r = cases.plain_and_guarded("lightning", budget_frac=0.6)
+def test_real_ooms_leave_the_result_and_the_schedule_unchanged(reference):
+    r = reference
     s = r["summary"]
     assert s["ooms"] >= 1 and s["micro_limit"] is not None and s["micro_limit"] < 16, s
     assert _rel(r["guarded"], r["plain"]) <= 1e-10
@@ -33,12 +40,13 @@ def test_real_ooms_leave_the_result_and_the_schedule_unchanged():
     assert len(s["losses"]) == 6
 
 
-def test_injected_faults_at_every_site_and_an_unguarded_validation(tmp_path):
+def test_injected_faults_at_every_site_and_an_unguarded_validation(reference, tmp_path):
     kb_path = str(tmp_path / "kb.sqlite")
     faults = ("host_oom@site=micro_batch,step=0,micro=0;oom@site=forward,step=1;oom@site=backward,step=2,micro=1;"
               "oom@site=vote,step=3;oom@site=apply,step=3;oom@site=optimizer,step=4;oom@site=commit,step=5;"
               "oom@site=eval")
-    r = cases.plain_and_guarded("lightning", faults=faults, kb=kb_path, val=True, val_check_interval=3)
+    r = cases.plain_and_guarded("lightning", faults=faults, kb=kb_path, val=True, val_check_interval=3,
+                                reuse=reference)
     s = r["summary"]
     assert s["faults_fired"] == 8, s
     assert _rel(r["guarded"], r["plain"]) <= 1e-10
