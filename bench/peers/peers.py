@@ -201,33 +201,35 @@ def run_hf_auto_find_batch_size(steps: int) -> dict:
 
 
 def run_lightning_batch_size_finder(steps: int) -> dict:
-    import lightning.pytorch as pl
+    import lightning.pytorch.tuner.batch_size_scaling as bss
     from lightning.pytorch.tuner import Tuner
+    from lightning.pytorch.utilities.parsing import lightning_getattr
 
     module, times = _lightning_module(), _LightningTimes()
-    module.batch_size = GLOBAL
     trainer = _lightning_trainer(steps, [times])
-    finder_ooms = []
-    original = pl.tuner.batch_size_scaling._adjust_batch_size
+    failed = []
+    adjust, is_oom = bss._adjust_batch_size, bss.is_oom_error
 
     def counting(trainer, batch_arg_name="batch_size", factor=1.0, value=None, desc=None):
         if desc == "failed":
-            finder_ooms.append(pl.utilities.parsing.lightning_getattr(trainer.lightning_module, batch_arg_name))
-        return original(trainer, batch_arg_name, factor, value, desc)
+            failed.append(lightning_getattr(trainer.lightning_module, batch_arg_name))
+        return adjust(trainer, batch_arg_name, factor, value, desc)
 
-    pl.tuner.batch_size_scaling._adjust_batch_size = counting
+    # Lightning recognises an OOM by "CUDA" and "out of memory" in its message; the simulated
+    # device's says "Budget device out of memory": widened to the type a CUDA OOM has.
+    bss._adjust_batch_size = counting
+    bss.is_oom_error = lambda e: isinstance(e, torch.OutOfMemoryError) or is_oom(e)
     try:
-        # binsearch from the configured batch: it halves on every OOM, then searches upwards
+        # binsearch from the configured batch: down on every OOM, then up between the bounds
         found = Tuner(trainer).scale_batch_size(module, mode="binsearch", init_val=GLOBAL, steps_per_trial=1,
                                                 max_trials=6)
     finally:
-        pl.tuner.batch_size_scaling._adjust_batch_size = original
+        bss._adjust_batch_size, bss.is_oom_error = adjust, is_oom
     trials = len(times.times)
     trainer = _lightning_trainer(steps, [times])
     trainer.fit(module)
-    return {"ooms": len(finder_ooms), "samples_redone": sum(finder_ooms) + trials * 0,  # trial steps are discarded
-            "trial_steps": trials, "final_batch": found, "global_batch": found, "model": module.gpt,
-            "step_times": times.times[trials:]}
+    return {"ooms": len(failed), "samples_redone": sum(failed),
+            "final_batch": found, "global_batch": found, "model": module.gpt, "step_times": times.times[trials:]}
 
 
 # ---------------------------------------------------------------- trainer glue
