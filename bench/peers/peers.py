@@ -5,7 +5,8 @@ budget that makes the configured batch run out of memory.
     PYTHONPATH=build/python scripts/python bench/peers/peers.py [--steps N] [--json]
 
 Every system trains the same float64 TinyGPT (examples/python/train_gpt.py:
-2 layers, width 32, a vocabulary of 64, 32 tokens) with AdamW on the same
+2 layers, width 32, a vocabulary of 64, 32 tokens) with AdamW (constant LR, no
+weight decay: the HF Trainer would exempt biases and norms from it) on the same
 sequences, configured for a global batch of 32, under oomguard.budget's
 simulated caching device (a CPU byte budget worded and behaving as a GPU
 allocator's, whose OOM message every peer recognises) at a fraction of the
@@ -25,6 +26,7 @@ bench/peers/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -60,7 +62,7 @@ def dataset() -> torch.utils.data.TensorDataset:
 def model_and_optimizer():
     torch.manual_seed(0)
     model = TinyGPT(VOCAB, WIDTH, 2, 2, CONTEXT).double()
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -221,13 +223,16 @@ def run_lightning_batch_size_finder(steps: int) -> dict:
     bss.is_oom_error = lambda e: isinstance(e, torch.OutOfMemoryError) or is_oom(e)
     try:
         # binsearch from the configured batch: down on every OOM, then up between the bounds
-        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", init_val=GLOBAL, steps_per_trial=1,
-                                                max_trials=6)
+        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", init_val=GLOBAL, max_trials=6)
     finally:
         bss._adjust_batch_size, bss.is_oom_error = adjust, is_oom
     trials = len(times.times)
     trainer = _lightning_trainer(steps, [times])
-    trainer.fit(module)
+    try:
+        trainer.fit(module)
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError(f"OOM in training with the batch of {found} the search found "
+                           f"({len(failed)} OOMs in the search): {str(e)[:60]}") from None
     return {"ooms": len(failed), "samples_redone": sum(failed),
             "final_batch": found, "global_batch": found, "model": module.gpt, "step_times": times.times[trials:]}
 
@@ -262,7 +267,7 @@ def _hf_args(out_dir: str, steps: int, **extra):
 
     return transformers.TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=GLOBAL, max_steps=steps, learning_rate=3e-3,
-        lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=0.0, optim="adamw_torch",
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch",
         logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
         dataloader_num_workers=0, **extra)
 
@@ -305,7 +310,7 @@ def _lightning_module():
             return loss_fn(self.gpt(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
 
         def train_dataloader(self):
             return _lightning_loader(self.batch_size)
@@ -390,7 +395,8 @@ def main(argv=None) -> int:
         gc.collect()
         oomguard.budget.install(budget, caching_device=True)
         try:
-            r = fn(a.steps)
+            with contextlib.redirect_stdout(sys.stderr):  # the trainers print their logs
+                r = fn(a.steps)
             error = None
         except Exception as e:  # a peer that fails is a row too
             r, error = None, f"{type(e).__name__}: {str(e)[:160]}"

@@ -102,7 +102,7 @@ def causal_lm_loss_f64(outputs, labels, num_items_in_batch=None):
 
 
 def hf_run(out_dir: str, guarded: bool, *, steps: int = 6, batch: int = 8, accumulate: int = 2,
-           kb: str = "", logs: list = None, eval_every: int = 0, **extra):
+           kb: str = "", logs: list = None, eval_every: int = 0, callbacks=(), resume: str = None, **extra):
     """A Trainer run; returns (trainer, model)."""
     import transformers
 
@@ -110,22 +110,23 @@ def hf_run(out_dir: str, guarded: bool, *, steps: int = 6, batch: int = 8, accum
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         extra.setdefault("ddp_backend", "gloo")
+    extra.setdefault("save_strategy", "no")
     if eval_every:
         extra.update(eval_strategy="steps", eval_steps=eval_every, per_device_eval_batch_size=8)
     args = transformers.TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulate,
         max_steps=steps, learning_rate=0.05, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
-        optim="sgd", optim_args="momentum=0.9", weight_decay=0.01, logging_steps=1, save_strategy="no",
+        optim="sgd", optim_args="momentum=0.9", weight_decay=0.01, logging_steps=1,
         report_to=[], use_cpu=True, seed=3, dataloader_num_workers=0, disable_tqdm=True, **extra)
     model = hf_model()
     kwargs = dict(model=model, args=args, train_dataset=Listed(token_data()), data_collator=pad_collate,
                   compute_loss_func=causal_lm_loss_f64,
-                  eval_dataset=Listed(token_data(16, seed=9)) if eval_every else None)
+                  eval_dataset=Listed(token_data(16, seed=9)) if eval_every else None, callbacks=list(callbacks))
     if guarded:
         trainer = OomguardTrainer(**kwargs, knowledge_base=kb or None, workload="hf-test")
     else:
         trainer = transformers.Trainer(**kwargs)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     if logs is not None:
         logs.extend(trainer.state.log_history)
     return trainer, model

@@ -83,3 +83,21 @@ def test_guard_options_the_integration_owns_are_refused():
         args = transformers.TrainingArguments(output_dir=d, use_cpu=True, report_to=[])
         with pytest.raises(ValueError, match="recovery"):
             OomguardTrainer(model=cases.hf_model(), args=args, guard_options={"recovery": None})
+
+
+def test_the_trainers_checkpoint_stop_and_resume_keep_the_result(reference, tmp_path):
+    """A callback stops the Trainer at step 3 (as early stopping does), after
+    it wrote its checkpoint (through the guard: an OOM there would be
+    recorded); a second Trainer resumes from it and ends where the unguarded
+    six-step run ended."""
+
+    class StopAt3(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                control.should_training_stop = True
+
+    out = str(tmp_path / "out")
+    first, _ = cases.hf_run(out, True, save_strategy="steps", save_steps=3, callbacks=[StopAt3()])
+    assert first.state.global_step == 3
+    _, model = cases.hf_run(out, True, resume=str(tmp_path / "out" / "checkpoint-3"))
+    assert _rel(cases.flat(model), reference["plain"]) <= 1e-10
