@@ -48,7 +48,18 @@ from train_gpt import TinyGPT  # noqa: E402
 VOCAB, CONTEXT, WIDTH, GLOBAL, N = 64, 32, 32, 32, 512
 
 
+_DATA = []
+
+
 def dataset() -> torch.utils.data.TensorDataset:
+    """The sequences, made once (before any budget is installed: the data are
+    not what the budget is about) and shared by every system."""
+    if not _DATA:
+        _DATA.append(_make_dataset())
+    return _DATA[0]
+
+
+def _make_dataset() -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(1)
     seq = torch.empty(N, CONTEXT + 1, dtype=torch.long)
     seq[:, 0] = torch.randint(0, VOCAB, (N,), generator=g)
@@ -212,10 +223,10 @@ def run_lightning_batch_size_finder(steps: int) -> dict:
     failed = []
     adjust, is_oom = bss._adjust_batch_size, bss.is_oom_error
 
-    def counting(trainer, batch_arg_name="batch_size", factor=1.0, value=None, desc=None):
-        if desc == "failed":
+    def counting(trainer, batch_arg_name="batch_size", *args, **kwargs):
+        if kwargs.get("desc") == "failed":
             failed.append(lightning_getattr(trainer.lightning_module, batch_arg_name))
-        return adjust(trainer, batch_arg_name, factor, value, desc)
+        return adjust(trainer, batch_arg_name, *args, **kwargs)
 
     # Lightning recognises an OOM by "CUDA" and "out of memory" in its message; the simulated
     # device's says "Budget device out of memory": widened to the type a CUDA OOM has.
@@ -373,6 +384,7 @@ def main(argv=None) -> int:
     # The HF Trainer shuffles; the peers compare against one data order: the plain loop's.
     transformers.Trainer._get_train_sampler = _sequential_sampler
 
+    dataset()
     gc.collect()
     gc.disable()
     oomguard.budget.install(0)
@@ -399,7 +411,11 @@ def main(argv=None) -> int:
                 r = fn(a.steps)
             error = None
         except Exception as e:  # a peer that fails is a row too
-            r, error = None, f"{type(e).__name__}: {str(e)[:160]}"
+            import traceback
+
+            where = " < ".join(f"{os.path.basename(f.filename)}:{f.name}" for f in
+                               reversed(traceback.extract_tb(e.__traceback__)[-4:]))
+            r, error = None, f"{type(e).__name__}: {str(e)[:90]} (in {where})"
         finally:
             oomguard.budget.uninstall()
         if r is None:
