@@ -336,8 +336,14 @@ def _lightning_loader(batch: int):
 def _lightning_trainer(steps: int, callbacks: list):
     import lightning.pytorch as pl
 
+    if not _ROOT:
+        _ROOT.append(tempfile.TemporaryDirectory(prefix="peers-lightning-"))  # the Tuner's checkpoints go here
     return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                      default_root_dir=_ROOT[0].name)
+
+
+_ROOT: list = []
 
 
 class _LightningTimes:
