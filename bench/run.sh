@@ -19,7 +19,7 @@ if [[ ! -f $build/CMakeCache.txt ]]; then
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$py"
 fi
 echo "== building the benchmarks in $build"
-targets=(guard_overhead_bench controller_bench vote_bench kb_bench kb_serve_bench checkpoint_bench diagnosis_bench)
+targets=(guard_overhead_bench controller_bench vote_bench kb_bench kb_serve_bench kb_pg_bench checkpoint_bench diagnosis_bench)
 grep -q '^OOMGUARD_WITH_MPI:BOOL=ON' "$build/CMakeCache.txt" && targets+=(mpi_vote)
 cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 
@@ -74,4 +74,7 @@ $py "$root/bench/append_sections.py" --results "$root/bench/RESULTS.md" --vote "
   --kb "$out/kb.json" --serve "$out/kb_serve.json" --checkpoint "$root/bench/checkpoint_bench.md" \
   --diagnosis "$out/diagnosis.json" --reports-readme "$root/tests/kb/testdata/reports/README.md" \
   ${train_step_md:+--train-step "$train_step_md"}
+echo "== the knowledge base on PostgreSQL (a server started for it)"
+"$root/bench/kb_pg_bench.sh" "$build" > "$out/kb_pg.md"
+{ echo; cat "$out/kb_pg.md"; } >> "$root/bench/RESULTS.md"
 echo "== wrote $root/bench/RESULTS.md, $root/bench/controller.svg and $root/bench/controller_policies.svg"

@@ -299,6 +299,13 @@ endif()
 find_package(spdlog REQUIRED)
 find_package(Threads REQUIRED)
 find_package(SQLite3 REQUIRED)                  # kb
+# kb: the PostgreSQL backend (libpq, Debian's libpq-dev; its .pc file names
+# the include directory and the library).
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(OOMGUARD_LIBPQ REQUIRED libpq)
+find_path(OOMGUARD_LIBPQ_INCLUDE_DIR libpq-fe.h HINTS ${OOMGUARD_LIBPQ_INCLUDE_DIRS} REQUIRED)
+find_library(OOMGUARD_LIBPQ_LIBRARY pq HINTS ${OOMGUARD_LIBPQ_LIBRARY_DIRS} REQUIRED)
+oomguard_import_library(oomguard_ext::libpq "${OOMGUARD_LIBPQ_LIBRARY}" "${OOMGUARD_LIBPQ_INCLUDE_DIR}")
 find_package(nlohmann_json REQUIRED)            # kb, checkpoint, server, cli
 find_package(HDF5 REQUIRED COMPONENTS C)        # checkpoint (hdf5::hdf5)
 find_package(Boost 1.74 REQUIRED)               # server (Boost.Beast, header-only)

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -133,7 +134,10 @@ int main(int argc, char** argv) {
                "a few samples per step cost 12x the others (data-dependent activation spikes)");
   app.add_flag("--fragmentation", cfg.fragmentation,
                "keep small long-lived blocks between activations (allocator fragmentation)");
-  app.add_option("--kb", kb_path, "record incidents in this knowledge base (SQLite) and learn micro-batch priors");
+  if (const char* url = std::getenv("OOMGUARD_KB_URL"); url != nullptr) kb_path = url;
+  app.add_option("--kb", kb_path,
+                 "record incidents in this knowledge base (an SQLite file or a postgresql:// URL; default: "
+                 "$OOMGUARD_KB_URL) and learn micro-batch priors");
   app.add_option("--dist", dist, "none, threads (ranks as threads) or mpi (under mpirun)")
       ->check(CLI::IsMember({"none", "threads", "mpi"}));
   app.add_option("--ranks", ranks, "ranks for --dist threads")->check(CLI::Range(1, 64));
@@ -347,7 +351,7 @@ int main(int argc, char** argv) {
   }
   if (incidents_lost > 0)
     std::fprintf(stderr, "mlp_train: --kb %s: %" PRId64 " incident operation(s) were not recorded\n",
-                 kb_path.c_str(), incidents_lost);
+                 (kb ? kb->path() : std::string("(not opened)")).c_str(), incidents_lost);
   const mlp::TrainResult& res = results[0];
   if (talk && res.resumed_from_step >= 0)
     std::printf("resumed from the checkpoint of step %" PRId64 " in %s\n", res.resumed_from_step,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -62,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default="", help="checkpoint directory (empty: no checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=5, help="save every N steps")
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in --ckpt-dir")
-    p.add_argument("--kb", default="", help="incident knowledge base (SQLite file)")
+    p.add_argument("--kb", default=os.environ.get("OOMGUARD_KB_URL", ""),
+                   help="incident knowledge base: an SQLite file or a postgresql:// URL (default: $OOMGUARD_KB_URL)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--dump-params", default="", metavar="PATH",
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
             print(f"train_torch: --kb: {e}", file=sys.stderr)
         lost = kb.sink_stats.lost
         if lost:
-            print(f"train_torch: --kb {args.kb}: {lost} incident operation(s) were not recorded", file=sys.stderr)
+            print(f"train_torch: --kb {kb.path}: {lost} incident operation(s) were not recorded", file=sys.stderr)
     if args.dump_params:
         ogt.flat_parameters(model).numpy().astype("<f8").tofile(args.dump_params)
     if args.json:

@@ -24,7 +24,11 @@
 //
 // Several processes on one host may write one file (SQLite locking, WAL).
 // Across hosts, keep one file per host and read them together (the CLI takes
-// several --db).
+// several --db), or give every job the same PostgreSQL server: a
+// postgresql:// URL in place of the path (docs/knowledge_base.md). While the
+// server cannot be reached, incidents wait in a bounded on-disk spool
+// (KnowledgeBaseOptions.spool_dir) and are sent once it is back, exactly once
+// (the store upserts by incident id).
 //
 // Thread-safety: every method of KnowledgeBase and of its sink may be called
 // from any thread. The KnowledgeBase must outlive every Guard using sink().
@@ -108,6 +112,14 @@ struct KnowledgeBaseOptions {
   // beside it (a user who may only read the file can browse it). A file that is not an oomguard
   // knowledge base is refused. The sink's operations and Insert fail (counted as lost).
   bool read_only = false;
+  // A server (postgresql://): where incidents wait while it cannot be reached, sent once it is
+  // back. "" is $OOMGUARD_KB_SPOOL, else ~/.local/state/oomguard/kb-spool/<a hash of the URL>.
+  // Jobs that share the directory adopt the files of jobs that ended (crashed) with incidents in it.
+  std::string spool_dir;
+  // The most the spool directory holds; beyond it incidents are dropped and counted.
+  int64_t spool_max_bytes = int64_t{64} << 20;
+  // How often the writer retries an unreachable server while incidents wait in the spool.
+  int retry_interval_ms = 500;
 };
 
 // Counters of the background writer since Open.
@@ -116,6 +128,8 @@ struct SinkStats {
   int64_t dropped = 0;       // rejected because the queue was full
   int64_t written = 0;       // operations committed to the file
   int64_t write_errors = 0;  // operations lost because a write failed
+  int64_t spooled = 0;       // incidents put in the spool while the server was unreachable
+  int64_t spool_pending = 0; // of those, still in the spool (sent later, by this job or the next)
   std::string last_error;    // the last write failure ("" when none)
 
   // Operations that never reached the file: a run whose count is not 0 lost
@@ -133,6 +147,7 @@ struct IncidentQuery {
   std::string id_prefix;
   int64_t since_unix_ms = 0;  // time_unix_ms >= since
   int64_t limit = 0;          // newest first; 0: all
+  int64_t offset = 0;         // skip this many of the newest first (paging)
 };
 
 // Incidents sharing a fingerprint.
@@ -155,6 +170,15 @@ struct MicroBatchPrior {
   int64_t micro_batch = 0;
   int64_t updated_unix_ms = 0;
   std::optional<SizeModel> model;  // the predictive controller's model, when one was recorded
+};
+
+// A team's note on a fingerprint group ("fixed by expandable_segments"),
+// shown with every incident of the group.
+struct GroupNote {
+  std::string fingerprint;
+  std::string text;
+  std::string author;
+  int64_t updated_unix_ms = 0;
 };
 
 // Totals of one file.
@@ -182,7 +206,10 @@ class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
   //                      not read_only and the file, or its -wal/-shm, is not writable by this user
   //   kUnavailable       another process held the lock past busy_timeout_ms
   //   kInvalidArgument   bad options or path
-  // Every message names the path.
+  // Every message names the path. A postgresql:// URL opens a server instead: kUnavailable
+  // when a reader cannot reach it (a writer opens anyway and spools until it answers),
+  // kFailedPrecondition for a database that holds other tables, a newer schema or a role
+  // without a privilege it needs. Messages show the URL with its password as "***".
   static StatusOr<std::unique_ptr<KnowledgeBase>> Open(const std::string& path,
                                                        const KnowledgeBaseOptions& options = {});
 
@@ -229,7 +256,15 @@ class OOMGUARD_EXPORT KnowledgeBase : public MicroBatchPriors {
   virtual StatusOr<std::vector<Incident>> Query(const IncidentQuery& query) = 0;
   virtual StatusOr<std::vector<IncidentGroup>> Groups() = 0;
   virtual StatusOr<KnowledgeBaseStats> Stats() = 0;
+  // How many incidents pass the filters of `query` (limit and offset ignored).
+  virtual StatusOr<int64_t> Count(const IncidentQuery& query) = 0;
 
+  // Synchronous: sets the note of a fingerprint group (empty text removes it).
+  virtual Status SetNote(const GroupNote& note) = 0;
+  // Every group's note, by fingerprint.
+  virtual StatusOr<std::vector<GroupNote>> Notes() = 0;
+
+  // The file, or the server's URL with its password replaced by "***".
   virtual const std::string& path() const = 0;
 };
 

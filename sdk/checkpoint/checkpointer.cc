@@ -1,6 +1,7 @@
-// The Checkpointer's creation: options validated, the directory made, the
-// committed checkpoints found. The rest of its jobs live beside this file
-// (checkpointer_impl.h lists them).
+// The Checkpointer's creation (options validated, the directory made, the
+// committed checkpoints found) and the registration of the state (paths
+// checked, CUDA tensors' device found). The rest of its jobs live beside
+// this file (checkpointer_impl.h lists them).
 #include <system_error>
 
 #include "sdk/checkpoint/checkpointer_impl.h"
@@ -61,5 +62,159 @@ StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(const CheckpointOpt
 
 Checkpointer::~Checkpointer() = default;
 
+namespace ckpt_internal {
 
+CheckpointerImpl::CheckpointerImpl(const CheckpointOptions& o) : o_(o) {
+  int threads =
+      o.threads > 0 ? o.threads : std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
+  pool_ = std::make_unique<ckpt::ThreadPool>(std::max(1, threads));
+  const int stagers = o.stage_threads > 0
+                          ? o.stage_threads
+                          : std::min(4, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+  if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
+  if (in_memory()) return;  // nothing on disk to find, nothing to write
+  for (int64_t step : CommittedSteps(o_.dir)) steps_.Committed(step, fs::exists(ShardPath(step)));
+  RemoveLeftovers();
+  writer_ = std::thread([this] { WriterLoop(); });
+}
+
+CheckpointerImpl::~CheckpointerImpl() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    saves_.Stop();
+  }
+  cv_.notify_all();
+  if (writer_.joinable()) writer_.join();
+}
+
+Status CheckpointerImpl::AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
+                                   MemoryLocation location) {
+  OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+  OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddTensor", path));
+  int64_t elems = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
+    elems *= d;
+  }
+  if (data == nullptr && elems > 0) return Status::InvalidArgument("AddTensor(" + path + "): data is null");
+  if (location == MemoryLocation::kCuda) OOMGUARD_RETURN_IF_ERROR(UseDeviceOf(path, data));
+  Entry e;
+  e.path = std::move(path);
+  e.dtype = dtype;
+  e.shape = std::move(shape);
+  e.data = data;
+  e.on_cuda = location == MemoryLocation::kCuda;
+  e.bytes = elems * static_cast<int64_t>(DTypeSize(dtype));
+  entries_.push_back(std::move(e));
+  return Status::Ok();
+}
+
+Status CheckpointerImpl::AddObject(std::string path, std::function<std::vector<uint8_t>()> save,
+                                   std::function<Status(std::span<const uint8_t>)> load) {
+  OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
+  OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddObject", path));
+  if (!save || !load) return Status::InvalidArgument("AddObject(" + path + "): save and load must be set");
+  Entry e;
+  e.path = std::move(path);
+  e.is_object = true;
+  e.save = std::move(save);
+  e.load = std::move(load);
+  entries_.push_back(std::move(e));
+  return Status::Ok();
+}
+
+Status CheckpointerImpl::CopyOut(const Entry& e, int64_t begin, int64_t len, std::vector<uint8_t>* out) {
+  out->resize(static_cast<size_t>(len));
+  if (len == 0) return Status::Ok();
+  const auto* src = static_cast<const uint8_t*>(e.data) + begin;
+  if (!e.on_cuda) {
+    std::memcpy(out->data(), src, static_cast<size_t>(len));
+    return Status::Ok();
+  }
+  OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
+  OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(out->data(), src, static_cast<size_t>(len)));
+  return copier_->Sync();
+}
+
+Status CheckpointerImpl::UseDeviceOf(const std::string& path, const void* data) {
+  auto device = ckpt::DeviceOfPointer(data);
+  if (!device.ok()) {
+    // Without a GPU (or a CUDA build) say that, rather than "not device memory".
+    auto probe = ckpt::DeviceCopier::Create(0);
+    const Status& why = probe.ok() ? device.status() : probe.status();
+    return Status(why.code(), "AddTensor(" + path + "): " + why.message());
+  }
+  if (copier_ != nullptr) {
+    if (copier_->device() == *device) return Status::Ok();
+    return Status::InvalidArgument("AddTensor(" + path + "): on CUDA device " + std::to_string(*device) +
+                                   ", other tensors on device " + std::to_string(copier_->device()) +
+                                   " (one checkpointer holds one rank's state, on one device)");
+  }
+  auto c = ckpt::DeviceCopier::Create(*device);
+  if (!c.ok()) return Status(c.status().code(), "AddTensor(" + path + "): " + c.status().message());
+  copier_ = std::move(c).value();
+  return Status::Ok();
+}
+
+Status CheckpointerImpl::BeginDeviceCopies() {
+  std::vector<void*> streams;
+  if (o_.cuda_streams) streams = o_.cuda_streams();
+  return copier_->Begin(streams);
+}
+
+Status CheckpointerImpl::CheckRegistrationOpen(std::string_view call, const std::string& path) const {
+  if (!state_used_) return Status::Ok();
+  return Status::FailedPrecondition(
+      std::string(call) + ": /" + ckpt::PrintableName(path) +
+      " registered after the checkpointer was first used (a save, snapshot, load "
+      "or restore): register all state before, or checkpoints would not hold it");
+}
+
+Status CheckpointerImpl::CheckNewPath(const std::string& path) const {
+  const std::string shown = ckpt::PrintableName(path);
+  if (path.empty() || path.front() == '/' || path.back() == '/' || path.find("//") != std::string::npos ||
+      path.find('.') == 0)
+    return Status::InvalidArgument("state path '" + shown + "' must look like 'model/fc1.weight'");
+  if (path.find('\0') != std::string::npos)
+    return Status::InvalidArgument("state path '" + shown + "' contains a NUL byte");
+  if (("/" + path + "/").find("/./") != std::string::npos ||
+      ("/" + path + "/").find("/../") != std::string::npos)
+    return Status::InvalidArgument("state path '" + shown + "' has a '.' or '..' component");
+  if (std::count(path.begin(), path.end(), '/') > ckpt::kMaxGroupDepth)
+    return Status::InvalidArgument("state path '" + shown + "' nests deeper than " +
+                                   std::to_string(ckpt::kMaxGroupDepth) + " groups");
+  for (const auto& e : entries_)
+    if (e.path == path) return Status::InvalidArgument("state path '" + path + "' is registered twice");
+  return Status::Ok();
+}
+
+std::vector<int64_t> CheckpointerImpl::StagingLayout() const {
+  std::vector<int64_t> out;
+  out.reserve(entries_.size());
+  for (const Entry& e : entries_) out.push_back(e.is_object ? -1 : e.bytes);
+  return out;
+}
+
+std::vector<ShardTensor> CheckpointerImpl::Layout(
+    const std::vector<std::vector<uint8_t>>* object_bytes) const {
+  std::vector<ShardTensor> out;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    ShardTensor t;
+    t.path = e.path;
+    if (e.is_object) {
+      t.dtype = DType::kUInt8;
+      t.bytes = static_cast<int64_t>((*object_bytes)[i].size());
+      t.shape = {t.bytes};
+    } else {
+      t.dtype = e.dtype;
+      t.shape = e.shape;
+      t.bytes = e.bytes;
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace ckpt_internal
 }  // namespace oomguard

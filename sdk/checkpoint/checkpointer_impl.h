@@ -13,8 +13,25 @@
 // so a save copies into memory that is already faulted in. The staging budget
 // bounds the bytes of all of them together.
 //
-// Thread-safety: see include/oomguard/checkpoint.h; mu_ guards what the
-// writer thread and the training thread share.
+// Thread-safety: see include/oomguard/checkpoint.h. Three threads touch a
+// CheckpointerImpl: the training thread (registration, the staging of
+// SaveAsync and Snapshot, loads and restores), the writer thread
+// (WriterLoop: shards, local commits) and the caller of Commit (the guard,
+// between collectives). Its state is grouped by owner, each group written
+// by one owner:
+//   training thread only  entries_, state_used_, copier_, pin_warned_
+//   writer thread only    auto_ (compression = auto's measurements)
+//   under mu_             saves_ (SaveQueue: the queue and Wait()'s error),
+//                         buffers_ (StagingBuffers: the retained snapshot,
+//                         the spare, the bytes in flight) and stats_; on
+//                         cv_ the writer waits for jobs, and Wait() and
+//                         staging wait for the writer
+//   its own lock          steps_ (StepBook: the steps this rank holds on
+//                         disk, durable and not yet committed)
+//   commit_mu_            serialises CommitManifest and retention
+// Locks: commit_mu_ is taken first (CommitManifest takes mu_ and steps_'
+// lock inside it); mu_, steps_' lock and PieceSource's are leaves, each
+// taken alone for a few field updates and never held across file I/O.
 #ifndef OOMGUARD_SDK_CHECKPOINT_CHECKPOINTER_IMPL_H_
 #define OOMGUARD_SDK_CHECKPOINT_CHECKPOINTER_IMPL_H_
 
@@ -30,15 +47,16 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <thread>
 
 #include "oomguard/checkpoint.h"
-#include "oomguard/oom_error.h"
 #include "oomguard/faults.h"
 #include "oomguard/incident.h"
 #include "oomguard/logging.h"
+#include "oomguard/oom_error.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/compression.h"
 #include "sdk/checkpoint/device_copy.h"
@@ -91,7 +109,7 @@ struct StagedState {
   std::vector<void*> pinned;  // page-locked runs of CUDA entries (index = entry); null: pageable
   int device = 0;             // the CUDA device the buffers were pinned for
   int64_t bytes = 0;
-  bool writing = false;  // guarded by CheckpointerImpl::mu_
+  bool writing = false;  // StagingBuffers (under CheckpointerImpl::mu_): queued or being written
 };
 
 // Gives `s` one buffer of `layout` (StagedState::layout), reusing what it
@@ -188,6 +206,168 @@ struct WriteJob {
   Clock::time_point started;
 };
 
+// The staging buffers' bookkeeping: the newest complete staged state
+// (retained, for instant rollback), a buffer set to reuse (spare), and the
+// bytes of snapshots queued or being written. Guarded by
+// CheckpointerImpl::mu_; only these methods write it (and StagedState's
+// `writing`). REQUIRES: mu_ held for every call.
+class StagingBuffers {
+ public:
+  const std::shared_ptr<StagedState>& retained() const { return retained_; }
+  bool has_spare() const { return spare_ != nullptr; }
+  int64_t inflight_bytes() const { return inflight_bytes_; }
+  // Bytes the retained snapshot holds beside those in flight (0 while it is written).
+  int64_t RetainedIdle() const { return (retained_ && !retained_->writing) ? retained_->bytes : 0; }
+
+  // `snap` becomes the retained snapshot; the one before it becomes the
+  // spare unless it is being written (or there is one).
+  void Retain(std::shared_ptr<StagedState> snap) {
+    std::shared_ptr<StagedState> old = std::move(retained_);
+    retained_ = std::move(snap);
+    if (old && !old->writing && !spare_) spare_ = std::move(old);
+  }
+  // Over the staging budget: the retained snapshot gives way (its step is
+  // durable by now; rollback falls back to disk) and becomes the spare.
+  void ReleaseRetained() {
+    if (!spare_) spare_ = std::move(retained_);
+    retained_.reset();
+  }
+  // A state larger than the budget is staged in pieces: nothing else may hold staging memory.
+  void DropAll() {
+    retained_.reset();
+    spare_.reset();
+  }
+  std::shared_ptr<StagedState> TakeSpare() { return std::move(spare_); }
+  void OfferSpare(std::shared_ptr<StagedState> s) {
+    if (!spare_) spare_ = std::move(s);
+  }
+  // `s` is queued for the writer / the writer is done with it (it stays
+  // retained, or becomes the spare).
+  void StartWriting(StagedState& s) {
+    s.writing = true;
+    inflight_bytes_ += s.bytes;
+  }
+  void DoneWriting(const std::shared_ptr<StagedState>& s) {
+    s->writing = false;
+    inflight_bytes_ -= s->bytes;
+    if (s != retained_ && !spare_) spare_ = s;
+  }
+
+ private:
+  std::shared_ptr<StagedState> retained_;
+  std::shared_ptr<StagedState> spare_;
+  int64_t inflight_bytes_ = 0;
+};
+
+// The saves handed to the writer thread, and the failure Wait() reports.
+// Guarded by CheckpointerImpl::mu_; only these methods write it. REQUIRES:
+// mu_ held for every call.
+class SaveQueue {
+ public:
+  bool Idle() const { return jobs_.empty() && !busy_; }
+  bool stopping() const { return stop_; }
+  // The writer has nothing to do and may stop waiting.
+  bool HasWorkOrStop() const { return stop_ || !jobs_.empty(); }
+  const Status& pending_error() const { return pending_error_; }
+
+  // Training thread (Stage).
+  void Push(WriteJob job) { jobs_.push_back(std::move(job)); }
+  // Writer thread: the next job (the writer is busy until Done), or false
+  // when stopping and nothing is left.
+  bool Pop(WriteJob* job) {
+    if (jobs_.empty()) return false;
+    *job = std::move(jobs_.front());
+    jobs_.pop_front();
+    busy_ = true;
+    return true;
+  }
+  void Done() { busy_ = false; }
+  // The destructor.
+  void Stop() { stop_ = true; }
+  // The newest save's failure, kept for Wait() (the writer's and
+  // SaveAsync's alike).
+  void NoteFailure(int64_t step, const Status& s) {
+    pending_error_ = s;
+    pending_error_step_ = step;
+  }
+  // `step` is durable: an earlier failure no longer matters to anyone who
+  // waits for the newest save (Stats() keeps it).
+  void NoteWritten(int64_t step) {
+    if (step < pending_error_step_) return;
+    pending_error_ = Status::Ok();
+    pending_error_step_ = -1;
+  }
+
+ private:
+  std::deque<WriteJob> jobs_;
+  bool busy_ = false;  // the writer holds a job
+  bool stop_ = false;
+  Status pending_error_;
+  int64_t pending_error_step_ = -1;
+};
+
+// The steps this rank holds on disk: every step whose shard of this rank is
+// durable, and this rank's shards written but not yet named by a manifest
+// (coordinated commit). Its own lock, a leaf; only these methods write it.
+class StepBook {
+ public:
+  // A save of `step` begins: whatever this rank held of it is being replaced.
+  void Replacing(int64_t step) {
+    std::lock_guard<std::mutex> lk(mu_);
+    durable_.erase(step);
+    own_shards_.erase(step);
+  }
+  // This rank's shard of `step` is written; durable now unless a manifest
+  // must name it first (local commit: Committed says so).
+  void ShardWritten(int64_t step, ckpt::ManifestShard own, bool durable_now) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (durable_now) durable_.insert(step);
+    own_shards_[step] = std::move(own);
+  }
+  // This rank's uncommitted shard of `step` when it is rank `rank`.
+  std::optional<ckpt::ManifestShard> OwnShard(int64_t step, int rank) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = own_shards_.find(step);
+    if (it == own_shards_.end() || it->second.rank != rank) return std::nullopt;
+    return it->second;
+  }
+  // The manifest of `step` is written: the step is durable when this rank's
+  // shard is there (found on disk at start, or written); this rank's shards
+  // up to it are committed.
+  void Committed(int64_t step, bool shard_present) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (shard_present) durable_.insert(step);
+    own_shards_.erase(own_shards_.begin(), own_shards_.upper_bound(step));
+  }
+  // At most `n` of the newest durable steps, newest first.
+  std::vector<int64_t> Newest(size_t n) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<int64_t> out;
+    for (auto it = durable_.rbegin(); it != durable_.rend() && out.size() < n; ++it) out.push_back(*it);
+    return out;
+  }
+  // Steps whose shard is gone (retention on another rank's behalf).
+  void Forget(const std::vector<int64_t>& steps) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int64_t step : steps) durable_.erase(step);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::set<int64_t> durable_;
+  std::map<int64_t, ckpt::ManifestShard> own_shards_;
+};
+
+// compression = auto's measurements (writer thread only).
+struct AutoMeasurements {
+  // The write + fsync throughput of the last save large enough to measure it.
+  std::optional<double> write_bytes_per_s;
+  // The last sample of compression (piece-wise saves cannot take one).
+  std::optional<ckpt::CompressionSample> last_sample;
+  ckpt::AutoCalibration calibration;    // compressed saves against their samples
+  double sampled_compress_seconds = 0;  // the save in progress, when auto compressed it
+};
+
 // Committed step directories under `dir` (MANIFEST.json present), ascending.
 // Step directories that are symbolic links are left out unless
 // include_linked: LoadLatest tries them so that each is refused with a
@@ -197,71 +377,21 @@ std::vector<int64_t> CommittedSteps(const std::string& dir, bool include_linked 
 
 class CheckpointerImpl final : public Checkpointer {
  public:
-  explicit CheckpointerImpl(const CheckpointOptions& o) : o_(o) {
-    int threads =
-        o.threads > 0 ? o.threads : std::min(8, static_cast<int>(std::thread::hardware_concurrency()));
-    pool_ = std::make_unique<ckpt::ThreadPool>(std::max(1, threads));
-    const int stagers = o.stage_threads > 0
-                            ? o.stage_threads
-                            : std::min(4, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
-    if (stagers > 1) stage_pool_ = std::make_unique<ckpt::ThreadPool>(stagers - 1);
-    if (in_memory()) return;  // nothing on disk to find, nothing to write
-    for (int64_t step : CommittedSteps(o_.dir))
-      if (fs::exists(ShardPath(step))) durable_.insert(step);
-    RemoveLeftovers();
-    writer_ = std::thread([this] { WriterLoop(); });
-  }
-
-  ~CheckpointerImpl() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (writer_.joinable()) writer_.join();
-  }
+  // Starts the pools and, with a directory, finds its committed steps and
+  // starts the writer thread (checkpointer.cc, as the rest of registration).
+  explicit CheckpointerImpl(const CheckpointOptions& o);
+  ~CheckpointerImpl() override;
 
   Status AddTensor(std::string path, DType dtype, std::vector<int64_t> shape, void* data,
-                   MemoryLocation location) override {
-    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
-    OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddTensor", path));
-    int64_t elems = 1;
-    for (int64_t d : shape) {
-      if (d < 0) return Status::InvalidArgument("AddTensor(" + path + "): negative dimension");
-      elems *= d;
-    }
-    if (data == nullptr && elems > 0) return Status::InvalidArgument("AddTensor(" + path + "): data is null");
-    if (location == MemoryLocation::kCuda) OOMGUARD_RETURN_IF_ERROR(UseDeviceOf(path, data));
-    Entry e;
-    e.path = std::move(path);
-    e.dtype = dtype;
-    e.shape = std::move(shape);
-    e.data = data;
-    e.on_cuda = location == MemoryLocation::kCuda;
-    e.bytes = elems * static_cast<int64_t>(DTypeSize(dtype));
-    entries_.push_back(std::move(e));
-    return Status::Ok();
-  }
-
+                   MemoryLocation location) override;
   Status AddObject(std::string path, std::function<std::vector<uint8_t>()> save,
-                   std::function<Status(std::span<const uint8_t>)> load) override {
-    OOMGUARD_RETURN_IF_ERROR(CheckNewPath(path));
-    OOMGUARD_RETURN_IF_ERROR(CheckRegistrationOpen("AddObject", path));
-    if (!save || !load) return Status::InvalidArgument("AddObject(" + path + "): save and load must be set");
-    Entry e;
-    e.path = std::move(path);
-    e.is_object = true;
-    e.save = std::move(save);
-    e.load = std::move(load);
-    entries_.push_back(std::move(e));
-    return Status::Ok();
-  }
+                   std::function<Status(std::span<const uint8_t>)> load) override;
 
   Status SaveAsync(int64_t step) override;
   Status Wait() override {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
-    return pending_error_;
+    cv_.wait(lk, [&] { return saves_.Idle(); });
+    return saves_.pending_error();
   }
   Status Commit(int64_t step, int world_size) override;
 
@@ -275,48 +405,14 @@ class CheckpointerImpl final : public Checkpointer {
   }
 
   // Bytes [begin, begin + len) of a registered tensor, wherever it lives.
-  Status CopyOut(const Entry& e, int64_t begin, int64_t len, std::vector<uint8_t>* out) {
-    out->resize(static_cast<size_t>(len));
-    if (len == 0) return Status::Ok();
-    const auto* src = static_cast<const uint8_t*>(e.data) + begin;
-    if (!e.on_cuda) {
-      std::memcpy(out->data(), src, static_cast<size_t>(len));
-      return Status::Ok();
-    }
-    OOMGUARD_RETURN_IF_ERROR(BeginDeviceCopies());
-    OOMGUARD_RETURN_IF_ERROR(copier_->ToHost(out->data(), src, static_cast<size_t>(len)));
-    return copier_->Sync();
-  }
+  Status CopyOut(const Entry& e, int64_t begin, int64_t len, std::vector<uint8_t>* out);
 
   // The copier for a CUDA tensor's device: every CUDA tensor of one
   // checkpointer lives on one device (a rank's).
-  Status UseDeviceOf(const std::string& path, const void* data) {
-    auto device = ckpt::DeviceOfPointer(data);
-    if (!device.ok()) {
-      // Without a GPU (or a CUDA build) say that, rather than "not device memory".
-      auto probe = ckpt::DeviceCopier::Create(0);
-      const Status& why = probe.ok() ? device.status() : probe.status();
-      return Status(why.code(), "AddTensor(" + path + "): " + why.message());
-    }
-    if (copier_ != nullptr) {
-      if (copier_->device() == *device) return Status::Ok();
-      return Status::InvalidArgument("AddTensor(" + path + "): on CUDA device " + std::to_string(*device) +
-                                     ", other tensors on device " + std::to_string(copier_->device()) +
-                                     " (one checkpointer holds one rank's state, on one device)");
-    }
-    auto c = ckpt::DeviceCopier::Create(*device);
-    if (!c.ok()) return Status(c.status().code(), "AddTensor(" + path + "): " + c.status().message());
-    copier_ = std::move(c).value();
-    return Status::Ok();
-  }
+  Status UseDeviceOf(const std::string& path, const void* data);
 
   // Starts a batch of device copies after the streams that write the tensors.
-  Status BeginDeviceCopies() {
-    std::vector<void*> streams;
-    if (o_.cuda_streams) streams = o_.cuda_streams();
-    return copier_->Begin(streams);
-  }
-
+  Status BeginDeviceCopies();
 
   CheckpointStats Stats() const override {
     std::lock_guard<std::mutex> lk(mu_);
@@ -329,8 +425,8 @@ class CheckpointerImpl final : public Checkpointer {
   std::vector<int64_t> DurableSteps() override;
   std::optional<int64_t> SnapshotStep() override {
     std::lock_guard<std::mutex> lk(mu_);
-    if (retained_ == nullptr) return std::nullopt;
-    return retained_->step;
+    if (buffers_.retained() == nullptr) return std::nullopt;
+    return buffers_.retained()->step;
   }
   Status Snapshot(int64_t step) override;
   Status Restore(int64_t step) override;
@@ -351,32 +447,12 @@ class CheckpointerImpl final : public Checkpointer {
   // a path added later would be missing from the checkpoints already taken,
   // and every load of them would fail (or, after a load, it would silently
   // keep its fresh value).
-  Status CheckRegistrationOpen(std::string_view call, const std::string& path) const {
-    if (!state_used_) return Status::Ok();
-    return Status::FailedPrecondition(std::string(call) + ": /" + ckpt::PrintableName(path) +
-                                      " registered after the checkpointer was first used (a save, snapshot, load "
-                                      "or restore): register all state before, or checkpoints would not hold it");
-  }
+  Status CheckRegistrationOpen(std::string_view call, const std::string& path) const;
   // A state path is a dataset's name in the shard: groups separated by '/'.
   // HDF5 would cut a name at a NUL byte and resolve "." and ".." components,
   // so a checkpoint with such a path could never be loaded; a path deeper
   // than ckpt::kMaxGroupDepth groups would be refused by every reader.
-  Status CheckNewPath(const std::string& path) const {
-    const std::string shown = ckpt::PrintableName(path);
-    if (path.empty() || path.front() == '/' || path.back() == '/' || path.find("//") != std::string::npos ||
-        path.find('.') == 0)
-      return Status::InvalidArgument("state path '" + shown + "' must look like 'model/fc1.weight'");
-    if (path.find('\0') != std::string::npos)
-      return Status::InvalidArgument("state path '" + shown + "' contains a NUL byte");
-    if (("/" + path + "/").find("/./") != std::string::npos || ("/" + path + "/").find("/../") != std::string::npos)
-      return Status::InvalidArgument("state path '" + shown + "' has a '.' or '..' component");
-    if (std::count(path.begin(), path.end(), '/') > ckpt::kMaxGroupDepth)
-      return Status::InvalidArgument("state path '" + shown + "' nests deeper than " +
-                                     std::to_string(ckpt::kMaxGroupDepth) + " groups");
-    for (const auto& e : entries_)
-      if (e.path == path) return Status::InvalidArgument("state path '" + path + "' is registered twice");
-    return Status::Ok();
-  }
+  Status CheckNewPath(const std::string& path) const;
   std::string StepDir(int64_t step) const { return o_.dir + "/" + ckpt::StepDirName(step); }
   std::string ShardPath(int64_t step) const { return StepDir(step) + "/" + ckpt::ShardFileName(o_.rank); }
   // OK when StepDir(step) is absent or a real directory (ckpt::CheckStepDir);
@@ -394,31 +470,8 @@ class CheckpointerImpl final : public Checkpointer {
   StatusOr<std::shared_ptr<StagedState>> StageWithinBudget(int64_t step, std::vector<std::vector<uint8_t>>& object_bytes,
                                                         int64_t need);
   // StagedState::layout of the registered state.
-  std::vector<int64_t> StagingLayout() const {
-    std::vector<int64_t> out;
-    out.reserve(entries_.size());
-    for (const Entry& e : entries_) out.push_back(e.is_object ? -1 : e.bytes);
-    return out;
-  }
-  std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const {
-    std::vector<ShardTensor> out;
-    for (size_t i = 0; i < entries_.size(); ++i) {
-      const Entry& e = entries_[i];
-      ShardTensor t;
-      t.path = e.path;
-      if (e.is_object) {
-        t.dtype = DType::kUInt8;
-        t.bytes = static_cast<int64_t>((*object_bytes)[i].size());
-        t.shape = {t.bytes};
-      } else {
-        t.dtype = e.dtype;
-        t.shape = e.shape;
-        t.bytes = e.bytes;
-      }
-      out.push_back(std::move(t));
-    }
-    return out;
-  }
+  std::vector<int64_t> StagingLayout() const;
+  std::vector<ShardTensor> Layout(const std::vector<std::vector<uint8_t>>* object_bytes) const;
 
   // This process writes its manifests (one rank, or ManifestCommit::kLocal).
   bool CommitsLocally() const {
@@ -451,40 +504,34 @@ class CheckpointerImpl final : public Checkpointer {
   // First, so destroyed last: released after the writer and the reaper stopped.
   std::shared_ptr<ckpt::DirLock> dir_lock_;
   const CheckpointOptions o_;
-  std::vector<Entry> entries_;  // training thread only (frozen once saving starts)
-  // Training thread only: a save was staged, a snapshot taken, or a load or
-  // restore began (it may have written into the registered state).
-  bool state_used_ = false;
+  // Set at construction, then only used: the pools are thread-safe, and
+  // frames_ recycles compressed-frame buffers under its own lock.
   std::unique_ptr<ckpt::ThreadPool> pool_;
   std::unique_ptr<ckpt::ThreadPool> stage_pool_;  // helpers of the staging copy; null: the caller alone
-  ckpt::FramePool frames_;                        // compressed-frame buffers, reused by every save
-  // compression = auto's measurements (writer thread only): the write +
-  // fsync throughput of the last save large enough to measure it, and the
-  // last sample of compression (piece-wise saves cannot take one).
-  std::optional<double> write_bytes_per_s_;
-  std::optional<ckpt::CompressionSample> last_sample_;
-  ckpt::AutoCalibration calibration_;     // writer thread: compressed saves against their samples
-  double sampled_compress_seconds_ = 0;   // writer thread: the save in progress, when auto compressed it
+  ckpt::FramePool frames_;
+
+  // Training thread only.
+  std::vector<Entry> entries_;  // the registered state (frozen once saving starts)
+  // A save was staged, a snapshot taken, or a load or restore began (it may
+  // have written into the registered state).
+  bool state_used_ = false;
+  std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
+  bool pin_warned_ = false;
+
+  // Writer thread only.
+  AutoMeasurements auto_;
   // Chooses the compression of `job` (writer thread).
   void ChooseCompression(const WriteJob& job, ckpt::ShardWriteOptions* wo);
-  std::unique_ptr<ckpt::DeviceCopier> copier_;  // set once a CUDA tensor is registered
-  bool pin_warned_ = false;                     // training thread only
 
+  // Shared by the training thread, the writer and Commit's caller.
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<WriteJob> queue_;                         // guarded by mu_
-  bool busy_ = false;                                  // guarded by mu_: the writer holds a job
-  bool stop_ = false;                                  // guarded by mu_
-  std::shared_ptr<StagedState> retained_;              // guarded by mu_: newest complete staged state
-  std::shared_ptr<StagedState> spare_;                 // guarded by mu_: a buffer set to reuse
-  int64_t inflight_bytes_ = 0;                         // guarded by mu_: snapshots queued or being written
-  std::set<int64_t> durable_;                          // guarded by mu_: steps whose shard of this rank is durable
-  std::map<int64_t, ckpt::ManifestShard> own_shards_;  // guarded by mu_: durable, not yet committed
-  Status pending_error_;                               // guarded by mu_: the newest save's failure
-  int64_t pending_error_step_ = -1;                    // guarded by mu_: the step that failed
-  CheckpointStats stats_;                              // guarded by mu_
-  std::mutex commit_mu_;                               // serialises CommitManifest + retention
-  ckpt::Reaper reaper_;                                // deletes what retention dropped
+  std::condition_variable cv_;  // notified when a job is queued or written, and on stopping
+  SaveQueue saves_;             // guarded by mu_
+  StagingBuffers buffers_;      // guarded by mu_
+  CheckpointStats stats_;       // guarded by mu_
+  StepBook steps_;              // its own lock
+  std::mutex commit_mu_;        // serialises CommitManifest + retention
+  ckpt::Reaper reaper_;         // deletes what retention dropped (thread-safe)
   std::thread writer_;
 };
 

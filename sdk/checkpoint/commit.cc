@@ -34,12 +34,7 @@ Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
   m.world_size = world_size;
   m.created_unix = internal::NowUnixMs() / 1000;
   for (int r = 0; r < world_size; ++r) {
-    std::optional<ckpt::ManifestShard> own;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto it = own_shards_.find(step);
-      if (it != own_shards_.end() && it->second.rank == r) own = it->second;
-    }
+    const std::optional<ckpt::ManifestShard> own = steps_.OwnShard(step, r);
     if (own) {
       m.shards.push_back(*own);
       continue;
@@ -61,10 +56,9 @@ Status CheckpointerImpl::CommitManifest(int64_t step, int world_size) {
   }
   OOMGUARD_RETURN_IF_ERROR(
       ckpt::WriteFileDurably(dir + "/" + ckpt::kManifestName, ckpt::ManifestToJson(m), o_.fsync));
+  steps_.Committed(step, fs::exists(ShardPath(step)));
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (fs::exists(ShardPath(step))) durable_.insert(step);
-    own_shards_.erase(own_shards_.begin(), own_shards_.upper_bound(step));
     ++stats_.manifests_committed;
   }
   ApplyRetention(step);
@@ -120,21 +114,13 @@ std::vector<int64_t> CheckpointerImpl::DurableSteps() {
   // The newest ones are what a rollback wants; older shards may have been
   // removed by retention on another rank's behalf, so each is checked.
   constexpr size_t kMostRecent = 16;
-  std::vector<int64_t> candidates;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto it = durable_.rbegin(); it != durable_.rend() && candidates.size() < kMostRecent; ++it)
-      candidates.push_back(*it);
-  }
+  const std::vector<int64_t> candidates = steps_.Newest(kMostRecent);
   std::vector<int64_t> out, gone;
   for (int64_t step : candidates) {
     struct stat st {};
     (::stat(ShardPath(step).c_str(), &st) == 0 ? out : gone).push_back(step);
   }
-  if (!gone.empty()) {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (int64_t step : gone) durable_.erase(step);
-  }
+  if (!gone.empty()) steps_.Forget(gone);
   std::reverse(out.begin(), out.end());
   return out;
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/checkpoint_testing.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/scratch_dir.h"
 
@@ -39,28 +40,10 @@ class FormatV1Test : public ::testing::Test {
     o.keep = 0;
     o.verify_file_checksum = verify_file;
     c_ = Checkpointer::Create(o).value();
-    ASSERT_TRUE(c_->AddTensor("model/w", DType::kFloat32, {40, 100}, w_.data()).ok());
-    ASSERT_TRUE(c_->AddTensor("model/b", DType::kFloat64, {700}, b_.data()).ok());
-    ASSERT_TRUE(c_->AddTensor("model/h", DType::kBFloat16, {33}, h_.data()).ok());
-    ASSERT_TRUE(c_->AddTensor("train/scalar", DType::kInt64, {}, &scalar_).ok());
-    ASSERT_TRUE(c_->AddTensor("train/empty", DType::kFloat32, {0, 5}, nullptr).ok());
-    ASSERT_TRUE(c_->AddObject(
-                      "optimizer/state", [this] { return object_; },
-                      [this](std::span<const uint8_t> b) {
-                        object_.assign(b.begin(), b.end());
-                        return Status::Ok();
-                      })
-                    .ok());
+    state_.Register(c_.get());
   }
   // The values the fixture holds for step s (testdata/README.md).
-  void ExpectStep(int s) {
-    for (size_t i = 0; i < w_.size(); ++i)
-      ASSERT_EQ(w_[i], static_cast<float>(s) + 0.001f * static_cast<float>(i)) << i;
-    for (size_t i = 0; i < b_.size(); ++i) ASSERT_EQ(b_[i], s * 1e6 + static_cast<double>(i)) << i;
-    for (size_t i = 0; i < h_.size(); ++i) ASSERT_EQ(h_[i], static_cast<uint16_t>(s * 100 + i)) << i;
-    EXPECT_EQ(scalar_, s * 7);
-    EXPECT_EQ(object_, std::vector<uint8_t>(300 + static_cast<size_t>(s), static_cast<uint8_t>(s)));
-  }
+  void ExpectStep(int s) { EXPECT_TRUE(state_.Holds(s)); }
   std::string Shard(int step) { return dir_ + "/step-0000000" + std::to_string(step) + "/rank-00000.h5"; }
   // Flips one byte in the middle of the chunk of /model/w that holds `row`.
   void FlipChunkByte(int step, hsize_t row) {
@@ -85,11 +68,7 @@ class FormatV1Test : public ::testing::Test {
 
   ckpt::ScratchDir scratch_{"oomguard-v1"};
   std::string dir_ = scratch_.path();
-  std::vector<float> w_ = std::vector<float>(4000);
-  std::vector<double> b_ = std::vector<double>(700);
-  std::vector<uint16_t> h_ = std::vector<uint16_t>(33);
-  int64_t scalar_ = 0;
-  std::vector<uint8_t> object_;
+  ckpt_testing::MixedState state_;  // checkpoint_testing.h
   std::unique_ptr<Checkpointer> c_;
 };
 
@@ -101,6 +80,7 @@ TEST_F(FormatV1Test, LoadsTheNewestAndAnExactStep) {
   ExpectStep(7);
   ASSERT_TRUE(c_->Load(3).ok());
   ExpectStep(3);
+  EXPECT_EQ(state_.loads(), (std::vector<int64_t>{7, 3}));
   EXPECT_TRUE(VerifyCheckpoint(dir_, 7, 1).ok());
   auto info = InspectShard(Shard(7));
   ASSERT_TRUE(info.ok()) << info.status();
@@ -114,6 +94,7 @@ TEST_F(FormatV1Test, DamagedChunkIsRefusedWithAndWithoutTheFileChecksum) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(*s, 3) << "the damaged step 7 is skipped";
   ExpectStep(3);
+  EXPECT_EQ(state_.loads(), (std::vector<int64_t>{3})) << "step 7's objects are never loaded";
   EXPECT_EQ(VerifyCheckpoint(dir_, 7).code(), StatusCode::kDataLoss);
   Make(/*verify_file=*/false);
   auto direct = c_->Load(7);

@@ -30,7 +30,7 @@ Status CheckpointerImpl::LoadStep(int64_t step) {
   // host buffer of its own size, one at a time. Objects' load() runs last,
   // only when every byte of the shard has verified.
   std::vector<std::vector<uint8_t>> objects(entries_.size());
-  std::vector<ckpt::ShardReader::ReadRequest> batch;
+  std::vector<ckpt::ReadRequest> batch;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     const std::string ds = "/" + e.path;
@@ -124,7 +124,7 @@ Status CheckpointerImpl::Restore(int64_t step) {
   std::shared_ptr<StagedState> snap;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (retained_ && retained_->step == step) snap = retained_;
+    if (buffers_.retained() && buffers_.retained()->step == step) snap = buffers_.retained();
   }
   if (snap) {
     state_used_ = true;

@@ -5,11 +5,10 @@
 // (32015) so that any HDF5 reader with the plugin decodes them, but the SDK
 // encodes chunks itself in a thread pool, outside the HDF5 lock, and hands
 // the finished bytes to H5Dwrite_chunk in chunk order (a sequential file).
-// Read path: the chunk index is read under the lock (H5Dget_chunk_info_by_coord);
-// the pool decodes each chunk straight out of a read-only mapping of the
-// file, in one pipeline over all requested tensors; the calling thread hashes
-// every decoded chunk in order as it completes and checks each tensor's xxh3
-// before the call returns.
+// Read path: ShardReader opens a shard and finds where its chunks lie
+// (H5Dget_chunk_info_by_coord, under the lock); the tensors are decoded by
+// the reader of the shard's format (shard_format.h) behind CheckedShard
+// (shard_check.h), the only way a load or a verification reads a shard.
 //
 // Thread-safety: a writer or reader is used by one thread at a time; several
 // may run concurrently (HDF5 calls are serialised by Hdf5Lock).
@@ -45,7 +44,7 @@ inline constexpr const char* kInventoryAttr = "tensors";
 std::string ShapeString(const std::vector<int64_t>& shape);
 
 // Decoded bytes of check-only reads (verify) in flight at once, in the
-// format-1 reader and the format-2 pass alike.
+// format-1 and the format-2 readers alike (shard_format.h).
 inline constexpr int64_t kCheckWindowBytes = int64_t{256} << 20;
 
 struct ShardTensor {
@@ -169,30 +168,6 @@ class ShardReader {
   // Every dataset path in the file ("/model/fc1.weight"), sorted.
   StatusOr<std::vector<std::string>> DatasetPaths();
   StatusOr<TensorInfo> Info(const std::string& dataset);
-  // One tensor to decode: `dataset` into out[0, bytes), its dtype and shape
-  // checked against the file when `check` is true. With out == nullptr the
-  // tensor is decoded and its xxh3 checked, but its bytes are not kept: the
-  // chunks pass through a few recycled buffers (a check of a whole shard
-  // needs memory for a few chunks, not for its tensors).
-  struct ReadRequest {
-    std::string dataset;
-    bool check = false;
-    DType dtype = DType::kUInt8;
-    std::vector<int64_t> shape;
-    uint8_t* out = nullptr;
-    int64_t bytes = 0;
-  };
-  // Decodes every request, each one's xxh3 attribute verified. kDataLoss
-  // naming the file, the tensor and (for a bad chunk) the chunk. On error the
-  // outputs may hold partial data. The datasets' structure is not checked
-  // here: a checkpoint from elsewhere goes through CheckedShard
-  // (shard_check.h) first, which refuses what this must not read.
-  Status ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool);
-  Status ReadInto(const std::string& dataset, bool check, DType dtype, const std::vector<int64_t>& shape,
-                  uint8_t* out, int64_t bytes, ThreadPool* pool) {
-    return ReadMany({ReadRequest{dataset, check, dtype, shape, out, bytes}}, pool);
-  }
-
   // Every stored chunk of `dataset`, in chunk order, when it is chunked in
   // contiguous runs and its filters are none or shuffle + zstd; *raw says
   // which. kDataLoss naming the tensor otherwise, or when a chunk is missing,

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/shard_format.h"
 #include "sdk/checkpoint/zstd_filter.h"
 
 namespace oomguard::ckpt {
@@ -178,25 +179,16 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
     return Status::DataLoss(file + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
                             std::to_string(shard.bytes) + " (truncated or rewritten)");
   c->size_at_open_ = st.st_size;
-  const bool v1 = manifest.format == kCheckpointFormatV1;
-  // Format 1: the whole-file hash runs on its own thread while the pool
-  // decodes: it reads the same pages, so the two passes share one trip
-  // through memory (or one read from disk when the file is not cached).
-  if (hash_file && v1) c->file_check_.emplace(file, shard.xxh3);
+  // The one place that asks which format the shard has.
+  c->format_ = ShardFormatReader::For(manifest, shard, file, hash_file);
   auto reader = ShardReader::Open(file);
-  if (!reader.ok()) {
-    // HDF5's own message names no tensor; a whole-file mismatch says more.
-    Status fs = c->file_check_ ? c->file_check_->Verdict() : Status::Ok();
-    return fs.ok() ? reader.status() : fs;
-  }
+  if (!reader.ok()) return c->format_->OpenFailed(reader.status());
   c->reader_ = std::move(reader).value();
   ShardReader& r = *c->reader_;
   if (r.format() != manifest.format)
     return Status::DataLoss(file + ": format '" + r.format() + "', the manifest's is '" + manifest.format +
                             "'");
-  if (!v1 && r.compression() != shard.compression)
-    return Status::DataLoss(file + ": compression '" + r.compression() + "', the manifest says '" +
-                            shard.compression + "'");
+  OOMGUARD_RETURN_IF_ERROR(c->format_->CheckRoot(r));
   OOMGUARD_RETURN_IF_ERROR(r.CheckRootRanges());
   if (r.step() != manifest.step || r.rank() != shard.rank || r.world_size() != manifest.world_size)
     return Status::DataLoss(file + ": root attributes say step " + std::to_string(r.step()) + " rank " +
@@ -269,12 +261,19 @@ StatusOr<std::unique_ptr<CheckedShard>> CheckedShard::Open(const std::string& st
       return Status::DataLoss(file + ": its tensors together declare more than 2^63 bytes");
     c->entries_.push_back(std::move(e).value());
   }
-  if (!v1) OOMGUARD_RETURN_IF_ERROR(c->PlanPass(shard, hash_file));
+  OOMGUARD_RETURN_IF_ERROR(c->format_->Plan(c->reader_.get(), c->entries_));
   // Cheaper checks first: see kDigestFirstRatio. Loads allocate objects of
   // their declared sizes, so this runs before Open returns.
   if (hash_file && c->total_bytes_ / kDigestFirstRatio > st.st_size)
-    OOMGUARD_RETURN_IF_ERROR(v1 ? c->file_check_->Verdict() : c->VerifyDigestFirst());
+    OOMGUARD_RETURN_IF_ERROR(c->format_->VerifyFileFirst());
   return c;
+}
+
+std::unique_ptr<ShardFormatReader> ShardFormatReader::For(const Manifest& manifest,
+                                                          const ManifestShard& shard, const std::string& file,
+                                                          bool hash_file) {
+  if (manifest.format == kCheckpointFormatV1) return MakeFormatV1Reader(shard, file, hash_file);
+  return MakeFormatV2Reader(shard, file, hash_file);
 }
 
 const ShardEntry* CheckedShard::Find(const std::string& dataset) const {
@@ -283,28 +282,46 @@ const ShardEntry* CheckedShard::Find(const std::string& dataset) const {
   return nullptr;
 }
 
-Status CheckedShard::Read(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool) {
-  for (const auto& q : requests)
-    if (Find(q.dataset) == nullptr) return Status::DataLoss(path_ + ": tensor " + q.dataset + " is missing");
-  if (pass_) return ReadPass(requests, pool);
-  return reader_->ReadMany(requests, pool);
+CheckedShard::CheckedShard() = default;
+// Here, where ShardFormatReader is complete.
+CheckedShard::~CheckedShard() = default;
+
+Status CheckedShard::Read(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
+  std::vector<TensorRead> reads;
+  reads.reserve(requests.size());
+  for (const auto& q : requests) {
+    const ShardEntry* e = Find(q.dataset);
+    if (e == nullptr) return Status::DataLoss(path_ + ": tensor " + q.dataset + " is missing");
+    reads.push_back({e, q.out});
+  }
+  // Each request against its entry (CheckDataset's reading of the file):
+  // the one place these are compared, whatever the format.
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const ReadRequest& q = requests[i];
+    const ShardEntry& e = *reads[i].entry;
+    const std::string where = path_ + ": tensor " + q.dataset;
+    if (q.check && e.dtype != q.dtype)
+      return Status::DataLoss(where + " has dtype '" + std::string(DTypeName(e.dtype)) + "', expected '" +
+                              std::string(DTypeName(q.dtype)) + "'");
+    if (q.check && e.shape != q.shape)
+      return Status::DataLoss(where + " has shape " + ShapeString(e.shape) + ", expected " +
+                              ShapeString(q.shape));
+    if (e.bytes != q.bytes)
+      return Status::DataLoss(where + " holds " + std::to_string(e.bytes) + " bytes, expected " +
+                              std::to_string(q.bytes));
+  }
+  return format_->Read(reads, pool);
 }
 
 Status CheckedShard::ReadEverything(ThreadPool* pool) {
-  std::vector<ShardReader::ReadRequest> all;
+  std::vector<ReadRequest> all;
   all.reserve(entries_.size());
   for (const ShardEntry& e : entries_) all.push_back({e.dataset, true, e.dtype, e.shape, nullptr, e.bytes});
   return Read(all, pool);
 }
 
 Status CheckedShard::Finish(const Status& read_status) {
-  Status verdict;
-  if (pass_) {
-    verdict = read_status.ok() ? FinishPass() : read_status;
-  } else {
-    Status fs = file_check_ ? file_check_->Verdict() : Status::Ok();
-    verdict = read_status.ok() ? fs : read_status;
-  }
+  const Status verdict = format_->Finish(read_status);
   // What was read past the new end was zeros (mapped_file.h): that, not the
   // hash mismatch it caused, is what the caller needs to hear.
   if (reader_ != nullptr && reader_->Truncated())

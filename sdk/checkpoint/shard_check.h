@@ -35,7 +35,8 @@
 // (mapped_file.h), never with a signal.
 //
 // Then Read/ReadEverything decode the tensors and Finish gives the verdict
-// on the whole file (a tensor's own error first: it names the tensor):
+// on the whole file (a tensor's own error first: it names the tensor). Open
+// chooses the reader of the manifest's format once (shard_format.h):
 //   * format 2 (shard_pass.cc): Open also requires every chunked tensor to be
 //     chunked as the writer chunks (contiguous runs; no filters, or shuffle +
 //     zstd, as the shard's `compression` says) with a `chunk_xxh3` attribute
@@ -100,12 +101,30 @@ Status CheckReadsSetting();
 // mapping, over every load and verification (for tests and diagnostics).
 uint64_t ChunksReadWithPread();
 
+// One tensor to decode: `dataset` into out[0, bytes), its dtype and shape
+// checked against the shard's entry when `check` is true (its byte count
+// always). With out == nullptr the tensor is decoded and its xxh3 checked,
+// but its bytes are not kept: the chunks pass through a few recycled buffers
+// (a check of a whole shard needs memory for a few chunks, not for its
+// tensors).
+struct ReadRequest {
+  std::string dataset;
+  bool check = false;
+  DType dtype = DType::kUInt8;
+  std::vector<int64_t> shape;
+  uint8_t* out = nullptr;
+  int64_t bytes = 0;
+};
+
+class ShardFormatReader;  // shard_format.h: the reading of one format
+
 class CheckedShard {
  public:
   // Checks shard `shard` of `manifest` (the file <step_dir>/<shard.file>) as
   // described above; hash_file: verify the whole file too (the format-1
-  // file hash, started at once; the format-2 digest, in Read and Finish). Errors are kDataLoss naming the
-  // file and, where one is at fault, the tensor.
+  // file hash, started at once; the format-2 digest, in Read and Finish).
+  // Errors are kDataLoss naming the file and, where one is at fault, the
+  // tensor.
   static StatusOr<std::unique_ptr<CheckedShard>> Open(const std::string& step_dir, const Manifest& manifest,
                                                       const ManifestShard& shard, bool hash_file);
   ~CheckedShard();
@@ -117,9 +136,11 @@ class CheckedShard {
   // Sum of entries()' bytes.
   int64_t total_bytes() const { return total_bytes_; }
 
-  // Decodes `requests` (ShardReader::ReadMany). kDataLoss naming the tensor
-  // when a request names a dataset the shard does not hold.
-  Status Read(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool);
+  // Decodes `requests`, each tensor's hash verified. kDataLoss naming the
+  // tensor when a request names a dataset the shard does not hold, or one
+  // whose dtype, shape or size differs from the request's. On error the
+  // outputs may hold partial data.
+  Status Read(const std::vector<ReadRequest>& requests, ThreadPool* pool);
   // Decodes every entry and checks its xxh3 without keeping the bytes.
   Status ReadEverything(ThreadPool* pool);
   // Completes the whole-file check and returns `read_status` when it failed
@@ -127,24 +148,15 @@ class CheckedShard {
   Status Finish(const Status& read_status);
 
  private:
-  CheckedShard();  // out of line, like the destructor: Pass is complete only there
-  // Format 2 (shard_pass.cc): every chunk's place and hashes, what has been
-  // hashed so far, and the manifest's digest.
-  struct Pass;
-  // REQUIRES: Hdf5Lock held, entries_ filled.
-  Status PlanPass(const ManifestShard& shard, bool verify_file);
-  Status ReadPass(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool);
-  Status FinishPass();
-  // Hashes every region of the file now and compares the digest; the pass
-  // then checks only the chunks' own hashes (kDigestFirstRatio).
-  Status VerifyDigestFirst();
-  std::unique_ptr<Pass> pass_;
+  CheckedShard();
   std::string path_;
   std::unique_ptr<ShardReader> reader_;
+  // The reading of the manifest's format, chosen once in Open. After
+  // reader_, so destroyed before it.
+  std::unique_ptr<ShardFormatReader> format_;
   std::vector<ShardEntry> entries_;
   int64_t total_bytes_ = 0;
   int64_t size_at_open_ = 0;
-  std::optional<FileHashCheck> file_check_;
 };
 
 }  // namespace oomguard::ckpt

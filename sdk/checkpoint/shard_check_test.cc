@@ -3,6 +3,8 @@
 // with a tensor deleted, and the inventory that lets verify see it. Verify
 // and load share one checker (shard_check.h), so each case asserts that both
 // refuse. Also compiled under ThreadSanitizer: sizes stay small.
+#include "sdk/checkpoint/shard_check.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -16,13 +18,13 @@
 #include <future>
 
 #include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/checkpoint_testing.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
+#include "sdk/checkpoint/hostile_shard_testutil.h"
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/scratch_dir.h"
 #include "sdk/checkpoint/shard.h"
-#include "sdk/checkpoint/hostile_shard_testutil.h"
-#include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
 
 namespace oomguard {
@@ -51,15 +53,8 @@ class ShardCheckTest : public ::testing::Test {
  protected:
   ckpt::ScratchDir scratch_{"oomguard-shardcheck"};
 
-  // Scratch checkpoints in `dir`: small chunks, no fsync.
-  static CheckpointOptions Options(const std::string& dir) {
-    CheckpointOptions o;
-    o.dir = dir;
-    o.fsync = false;
-    o.chunk_bytes = 4096;
-    o.threads = 2;
-    return o;
-  }
+  // Scratch checkpoints in `dir`: small chunks, no fsync (checkpoint_testing.h).
+  static CheckpointOptions Options(const std::string& dir) { return ckpt_testing::ScratchOptions(dir); }
   // A checkpointer with `tensors` float32 tensors of 300 elements, named
   // <prefix>0, <prefix>1, ..., and one object.
   std::unique_ptr<Checkpointer> Make(int tensors = 2, const std::string& prefix = "model/t") {

@@ -36,6 +36,7 @@
 #include <thread>
 
 #include "oomguard/checkpoint.h"
+#include "sdk/checkpoint/checkpoint_testing.h"
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/hostile_shard_testutil.h"
@@ -89,57 +90,17 @@ class ShardFuzzTest : public ::testing::Test {
     EXPECT_EQ(::mkfifo((outside_ + "/other.h5").c_str(), 0644), 0);
   }
 
-  // float32 across many chunks, float64 with a partial edge chunk, a bf16
-  // vector, an int64 scalar (contiguous, unfiltered), an empty tensor, an object.
+  // Every kind of entry (checkpoint_testing.h: MixedState).
   void Make() {
-    CheckpointOptions o;
-    o.dir = dir_;
-    o.fsync = false;
-    o.chunk_bytes = 4096;
-    o.threads = 2;
+    CheckpointOptions o = ckpt_testing::ScratchOptions(dir_);
     o.keep = 0;
     c_ = Checkpointer::Create(o).value();
-    ASSERT_TRUE(c_->AddTensor("model/w", DType::kFloat32, {40, 100}, w_.data()).ok());
-    ASSERT_TRUE(c_->AddTensor("model/b", DType::kFloat64, {700}, b_.data()).ok());
-    ASSERT_TRUE(c_->AddTensor("model/h", DType::kBFloat16, {33}, h_.data()).ok());
-    ASSERT_TRUE(c_->AddTensor("train/scalar", DType::kInt64, {}, &scalar_).ok());
-    ASSERT_TRUE(c_->AddTensor("train/empty", DType::kFloat32, {0, 5}, nullptr).ok());
-    ASSERT_TRUE(c_->AddObject(
-                      "optimizer/state", [this] { return object_; },
-                      [this](std::span<const uint8_t> b) {
-                        object_.assign(b.begin(), b.end());
-                        return Status::Ok();
-                      })
-                    .ok());
+    state_.Register(c_.get());
   }
-  void Fill(int64_t step) {
-    for (size_t i = 0; i < w_.size(); ++i) w_[i] = static_cast<float>(step) + 0.001f * static_cast<float>(i);
-    for (size_t i = 0; i < b_.size(); ++i) b_[i] = static_cast<double>(step) * 1e6 + static_cast<double>(i);
-    for (size_t i = 0; i < h_.size(); ++i)
-      h_[i] = static_cast<uint16_t>(step * 100 + static_cast<int64_t>(i));
-    scalar_ = step * 7;
-    object_.assign(300 + static_cast<size_t>(step), static_cast<uint8_t>(step));
-  }
-  void Scribble() {
-    std::fill(w_.begin(), w_.end(), -1.f);
-    std::fill(b_.begin(), b_.end(), -1.0);
-    std::fill(h_.begin(), h_.end(), uint16_t{0xffff});
-    scalar_ = -1;
-    object_.clear();
-  }
+  void Fill(int64_t step) { state_.Fill(step); }
+  void Scribble() { state_.Scribble(); }
   // Whether the registered state holds exactly what step `step` saved.
-  ::testing::AssertionResult Holds(int64_t step) {
-    auto got_w = w_;
-    auto got_b = b_;
-    auto got_h = h_;
-    auto got_s = scalar_;
-    auto got_o = object_;
-    Fill(step);
-    const bool same = got_w == w_ && got_b == b_ && got_h == h_ && got_s == scalar_ && got_o == object_;
-    w_ = got_w, b_ = got_b, h_ = got_h, scalar_ = got_s, object_ = got_o;
-    if (same) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "the loaded state is not the state of step " << step;
-  }
+  ::testing::AssertionResult Holds(int64_t step) { return state_.Holds(step); }
 
   std::string StepDir(int64_t s) const { return dir_ + "/" + ckpt::StepDirName(s); }
   std::string Shard(int64_t s) const { return StepDir(s) + "/rank-00000.h5"; }
@@ -295,11 +256,7 @@ class ShardFuzzTest : public ::testing::Test {
 
   ckpt::ScratchDir scratch_{"oomguard-fuzz"};
   std::string root_ = scratch_.path(), dir_, outside_;
-  std::vector<float> w_ = std::vector<float>(4000);
-  std::vector<double> b_ = std::vector<double>(700);
-  std::vector<uint16_t> h_ = std::vector<uint16_t>(33);
-  int64_t scalar_ = 0;
-  std::vector<uint8_t> object_;
+  ckpt_testing::MixedState state_;
   std::unique_ptr<Checkpointer> c_;
   std::vector<std::string> pristine_shard_, pristine_manifest_;
 };

@@ -1,5 +1,5 @@
-// CheckedShard's reading of format 2 (shard_check.h): one pass over the
-// bytes. Every chunk is read by one pool task that hashes it as stored (its
+// FormatV2Reader, CheckedShard's reading of format 2 (shard_format.h): one
+// pass over the bytes. Every chunk is read by one pool task that hashes it as stored (its
 // region of the shard's digest), decodes it into the caller's buffer and
 // hashes the decoded bytes block by block as they are written (codec.h), so
 // each byte of a chunk is fetched from memory (or disk) once. Finish hashes
@@ -21,12 +21,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-
-#include <algorithm>
-#include <atomic>
 #include <deque>
 #include <future>
 #include <limits>
@@ -38,6 +37,7 @@
 #include "sdk/checkpoint/hdf5_io.h"
 #include "sdk/checkpoint/shard_check.h"
 #include "sdk/checkpoint/shard_digest.h"
+#include "sdk/checkpoint/shard_format.h"
 #include "sdk/checkpoint/xxh.h"
 
 namespace oomguard::ckpt {
@@ -95,7 +95,7 @@ std::string ReadFully(int fd, uint8_t* out, size_t n, uint64_t offset) {
   return "";
 }
 
-// What a task of CheckedShard::ReadPass reports for one chunk: why it is
+// What a task of FormatV2Reader::Read reports for one chunk: why it is
 // bad (empty when good), and the hash of its stored bytes (when the whole
 // file is verified).
 struct ChunkResult {
@@ -103,7 +103,7 @@ struct ChunkResult {
   uint64_t stored_hash = 0;
 };
 
-// One task of CheckedShard::ReadPass: decodes (or copies) stored chunk
+// One task of FormatV2Reader::Read: decodes (or copies) stored chunk
 // `index` from `frame` into `dst` (nullptr: hash it only) and checks its
 // xxh3 against `expect`. `in_place`: the frame was read into `dst` itself.
 ChunkResult VerifyChunk(const uint8_t* frame, const StoredChunk& c, uint8_t* dst, uint64_t expect,
@@ -155,7 +155,39 @@ Status CheckReadsSetting() { return ReadsSetting().status(); }
 
 uint64_t ChunksReadWithPread() { return g_chunks_preads.load(std::memory_order_relaxed); }
 
-struct CheckedShard::Pass {
+namespace {
+
+// The format-2 reader (shard_format.h): every chunk's place and hashes, what
+// has been hashed so far, and the manifest's digest.
+class FormatV2Reader final : public ShardFormatReader {
+ public:
+  FormatV2Reader(const ManifestShard& shard, std::string path, bool verify_file)
+      : path_(std::move(path)),
+        compression_(shard.compression),
+        digest_(shard.digest),
+        verify_file_(verify_file) {}
+
+  Status CheckRoot(const ShardReader& r) override {
+    if (r.compression() != compression_)
+      return Status::DataLoss(path_ + ": compression '" + r.compression() + "', the manifest says '" +
+                              compression_ + "'");
+    return Status::Ok();
+  }
+  Status Plan(ShardReader* reader, const std::vector<ShardEntry>& entries) override;
+  // Hashes every region of the file now and compares the digest; the pass
+  // then checks only the chunks' own hashes.
+  Status VerifyFileFirst() override {
+    OOMGUARD_RETURN_IF_ERROR(VerifyDigest());
+    // The whole file is verified: the tasks need not hash the stored bytes again.
+    verify_file_ = false;
+    return Status::Ok();
+  }
+  Status Read(const std::vector<TensorRead>& reads, ThreadPool* pool) override;
+  Status Finish(const Status& read_status) override {
+    return read_status.ok() ? VerifyDigest() : read_status;
+  }
+
+ private:
   struct Tensor {
     bool chunked = false;
     bool raw = false;  // chunks stored without filters
@@ -163,35 +195,50 @@ struct CheckedShard::Pass {
     int64_t full = 0;  // bytes of a whole chunk
     std::vector<StoredChunk> chunks;
     std::vector<uint64_t> expect;  // chunk_xxh3
-    std::vector<size_t> region;    // each chunk's index in `regions`
+    std::vector<size_t> region;    // each chunk's index in `regions_`
   };
-  std::vector<Tensor> tensors;  // parallel to entries_
-  std::vector<FileRegion> regions;
-  std::vector<uint64_t> region_hash;
-  std::vector<uint8_t> hashed;  // per region: region_hash is known
-  std::span<const uint8_t> file;
-  bool verify_file = true;
-  std::string digest;  // the manifest's
+  // One work item per chunk of the chunked reads, in file order.
+  struct Item {
+    size_t read, t, chunk;
+  };
+  // Reads a tensor that is not chunked (nothing, or a few bytes: a scalar)
+  // through HDF5 and checks its xxh3; its bytes lie in the gaps of the digest.
+  Status ReadUnchunked(const TensorRead& q);
+  // Hashes what no task hashed and compares the digest with the manifest's.
+  Status VerifyDigest();
+
+  const std::string path_;
+  const std::string compression_;  // the manifest's
+  const std::string digest_;       // the manifest's
+  bool verify_file_ = true;
+  ShardReader* reader_ = nullptr;
+  const ShardEntry* first_entry_ = nullptr;  // entries' start: a read's entry indexes tensors_
+  std::vector<Tensor> tensors_;              // parallel to the entries
+  std::vector<FileRegion> regions_;
+  std::vector<uint64_t> region_hash_;
+  std::vector<uint8_t> hashed_;  // per region: region_hash_ is known
+  std::span<const uint8_t> file_;
 };
 
-// Here, where Pass is complete.
-CheckedShard::CheckedShard() = default;
-CheckedShard::~CheckedShard() = default;
+}  // namespace
 
-Status CheckedShard::PlanPass(const ManifestShard& shard, bool verify_file) {
-  pass_ = std::make_unique<Pass>();
-  Pass& p = *pass_;
-  p.verify_file = verify_file;
-  p.digest = shard.digest;
+std::unique_ptr<ShardFormatReader> MakeFormatV2Reader(const ManifestShard& shard, const std::string& file,
+                                                      bool hash_file) {
+  return std::make_unique<FormatV2Reader>(shard, file, hash_file);
+}
+
+Status FormatV2Reader::Plan(ShardReader* reader, const std::vector<ShardEntry>& entries) {
+  reader_ = reader;
+  first_entry_ = entries.data();
   auto mapped = reader_->Mapped();
   if (!mapped.ok()) return mapped.status();
-  p.file = *mapped;
+  file_ = *mapped;
   const bool uncompressed = reader_->compression() == "none";
   std::vector<FileRegion> chunks;
-  p.tensors.resize(entries_.size());
-  for (size_t t = 0; t < entries_.size(); ++t) {
-    const ShardEntry& e = entries_[t];
-    Pass::Tensor& T = p.tensors[t];
+  tensors_.resize(entries.size());
+  for (size_t t = 0; t < entries.size(); ++t) {
+    const ShardEntry& e = entries[t];
+    Tensor& T = tensors_[t];
     auto bad = [&](const std::string& why) {
       return Status::DataLoss(path_ + ": tensor " + e.dataset + " " + why);
     };
@@ -207,86 +254,74 @@ Status CheckedShard::PlanPass(const ManifestShard& shard, bool verify_file) {
                  ", but the shard's compression is '" + reader_->compression() + "'");
     T.elem_size = DTypeSize(e.dtype);
     T.full = L.chunk_bytes;
-    auto expect = ReadUint64ArrayAttr(d.get(), kChunkHashAttr, T.chunks.size(), p.file.size());
+    auto expect = ReadUint64ArrayAttr(d.get(), kChunkHashAttr, T.chunks.size(), file_.size());
     if (!expect)
       return bad("has no " + std::string(kChunkHashAttr) + " attribute of " +
                  std::to_string(T.chunks.size()) + " uint64 chunk hashes");
     T.expect = std::move(*expect);
     for (const StoredChunk& c : T.chunks) chunks.push_back({c.offset, c.size, true});
   }
-  const std::string why = PartitionFile(std::move(chunks), p.file.size(), &p.regions);
+  const std::string why = PartitionFile(std::move(chunks), file_.size(), &regions_);
   if (!why.empty()) return Status::DataLoss(path_ + ": " + why);
-  p.region_hash.assign(p.regions.size(), 0);
-  p.hashed.assign(p.regions.size(), 0);
+  region_hash_.assign(regions_.size(), 0);
+  hashed_.assign(regions_.size(), 0);
   // Each chunk's region, by offset (regions are sorted and chunks unique).
-  for (Pass::Tensor& T : p.tensors) {
+  for (Tensor& T : tensors_) {
     T.region.reserve(T.chunks.size());
     for (const StoredChunk& c : T.chunks) {
-      auto it = std::lower_bound(p.regions.begin(), p.regions.end(), c.offset,
+      auto it = std::lower_bound(regions_.begin(), regions_.end(), c.offset,
                                  [](const FileRegion& r, uint64_t off) { return r.offset < off; });
-      T.region.push_back(static_cast<size_t>(it - p.regions.begin()));
+      T.region.push_back(static_cast<size_t>(it - regions_.begin()));
     }
   }
   return Status::Ok();
 }
 
-Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& requests, ThreadPool* pool) {
-  Pass& p = *pass_;
-  auto where = [&](const std::string& ds) { return path_ + ": tensor " + ds; };
-  // One work item per chunk of the chunked requests, in file order.
-  struct Item {
-    size_t req, t, chunk;
-  };
+Status FormatV2Reader::ReadUnchunked(const TensorRead& q) {
+  const ShardEntry& e = *q.entry;
+  std::vector<uint8_t> scratch;
+  uint8_t* dst = q.out;
+  if (e.bytes > 0) {
+    if (dst == nullptr) {
+      scratch.resize(static_cast<size_t>(e.bytes));  // bounded by the file (CheckDataset)
+      dst = scratch.data();
+    }
+    Hdf5Lock lock;
+    H5Handle d(H5Dopen2(reader_->hdf5_file(), e.dataset.c_str(), H5P_DEFAULT));
+    H5Handle type(d.valid() ? H5Dget_type(d.get()) : H5I_INVALID_HID);
+    if (!d.valid() || !type.valid() || H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
+      return Status::DataLoss(path_ + ": tensor " + e.dataset + ": HDF5 could not read it (corrupt file)");
+  }
+  const std::string got = Hex64(XXH3_64bits(dst, static_cast<size_t>(e.bytes)));
+  if (got != e.xxh3)
+    return Status::DataLoss(path_ + ": tensor " + e.dataset + ": xxh3 mismatch (stored " + e.xxh3 +
+                            ", computed " + got + ")");
+  return Status::Ok();
+}
+
+Status FormatV2Reader::Read(const std::vector<TensorRead>& reads, ThreadPool* pool) {
+  auto where = [&](const TensorRead& q) { return path_ + ": tensor " + q.entry->dataset; };
   std::vector<Item> items;
-  for (size_t r = 0; r < requests.size(); ++r) {
-    const ShardReader::ReadRequest& q = requests[r];
-    const ShardEntry* e = Find(q.dataset);
-    const size_t t = static_cast<size_t>(e - entries_.data());
-    if (q.check && e->dtype != q.dtype)
-      return Status::DataLoss(where(q.dataset) + " has dtype '" + std::string(DTypeName(e->dtype)) +
-                              "', expected '" + std::string(DTypeName(q.dtype)) + "'");
-    if (q.check && e->shape != q.shape)
-      return Status::DataLoss(where(q.dataset) + " has shape " + ShapeString(e->shape) + ", expected " +
-                              ShapeString(q.shape));
-    if (e->bytes != q.bytes)
-      return Status::DataLoss(where(q.dataset) + " holds " + std::to_string(e->bytes) + " bytes, expected " +
-                              std::to_string(q.bytes));
-    const Pass::Tensor& T = p.tensors[t];
-    if (T.chunked) {
-      for (size_t c = 0; c < T.chunks.size(); ++c) items.push_back({r, t, c});
+  for (size_t r = 0; r < reads.size(); ++r) {
+    const size_t t = static_cast<size_t>(reads[r].entry - first_entry_);
+    const Tensor& T = tensors_[t];
+    if (!T.chunked) {
+      OOMGUARD_RETURN_IF_ERROR(ReadUnchunked(reads[r]));
       continue;
     }
-    // Not chunked: nothing or a few bytes (a scalar), read through HDF5;
-    // its bytes lie in the gaps of the digest.
-    std::vector<uint8_t> scratch;
-    uint8_t* dst = q.out;
-    if (q.bytes > 0) {
-      if (dst == nullptr) {
-        scratch.resize(static_cast<size_t>(q.bytes));  // bounded by the file (CheckDataset)
-        dst = scratch.data();
-      }
-      Hdf5Lock lock;
-      H5Handle d(H5Dopen2(reader_->hdf5_file(), q.dataset.c_str(), H5P_DEFAULT));
-      H5Handle type(d.valid() ? H5Dget_type(d.get()) : H5I_INVALID_HID);
-      if (!d.valid() || !type.valid() || H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
-        return Status::DataLoss(where(q.dataset) + ": HDF5 could not read it (corrupt file)");
-    }
-    const std::string got = Hex64(XXH3_64bits(dst, static_cast<size_t>(q.bytes)));
-    if (got != e->xxh3)
-      return Status::DataLoss(where(q.dataset) + ": xxh3 mismatch (stored " + e->xxh3 + ", computed " + got +
-                              ")");
+    for (size_t c = 0; c < T.chunks.size(); ++c) items.push_back({r, t, c});
   }
   std::sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return p.tensors[a.t].chunks[a.chunk].offset < p.tensors[b.t].chunks[b.chunk].offset;
+    return tensors_[a.t].chunks[a.chunk].offset < tensors_[b.t].chunks[b.chunk].offset;
   });
   // A cold shard is read here, ahead of the tasks (see the top of the file).
   // A setting changed since the Checkpointer checked it (CheckReadsSetting)
   // counts as auto: it is no reason to call the shard corrupt.
   auto setting = ReadsSetting();
-  const Reads reads = setting.ok() ? *setting : Reads::kAuto;
+  const Reads how = setting.ok() ? *setting : Reads::kAuto;
   FileDescriptor fd;
-  if (!items.empty() && (reads == Reads::kPread || (reads == Reads::kAuto && MostlyOnDisk(p.file)))) {
-    OOMGUARD_RETURN_IF_ERROR(OpenToRead(path_, p.file.size(), &fd));
+  if (!items.empty() && (how == Reads::kPread || (how == Reads::kAuto && MostlyOnDisk(file_)))) {
+    OOMGUARD_RETURN_IF_ERROR(OpenToRead(path_, file_.size(), &fd));
   }
   const bool stream = fd.fd >= 0;
 
@@ -301,13 +336,13 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
   ChunkBuffers checks;
   std::deque<std::future<ChunkResult>> inflight;
   WaitForAll<ChunkResult> wait_all{&inflight};  // tasks write into the caller's buffers (and ours)
-  const bool verify_file = p.verify_file;
+  const bool verify_file = verify_file_;
   size_t next = 0, drained = 0;
-  auto buffered = [&](const Item& it) { return requests[it.req].out == nullptr && !p.tensors[it.t].raw; };
+  auto buffered = [&](const Item& it) { return reads[it.read].out == nullptr && !tensors_[it.t].raw; };
   while (drained < items.size()) {
     while (next < items.size() && inflight.size() < window && status.ok()) {
       const Item it = items[next];
-      const Pass::Tensor& T = p.tensors[it.t];
+      const Tensor& T = tensors_[it.t];
       const StoredChunk& c = T.chunks[it.chunk];
       const bool own_buffer = buffered(it);
       if (own_buffer && !checks.Fits(c.len, kCheckWindowBytes)) break;
@@ -316,10 +351,10 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
       uint8_t* dst = nullptr;
       if (own_buffer) {
         dst = checks.Take(static_cast<size_t>(c.len));
-      } else if (requests[it.req].out != nullptr) {
-        dst = requests[it.req].out + c.begin;
+      } else if (reads[it.read].out != nullptr) {
+        dst = reads[it.read].out + c.begin;
       }
-      const uint8_t* frame = p.file.data() + c.offset;
+      const uint8_t* frame = file_.data() + c.offset;
       // Read into the tensor itself: a stored chunk that is exactly its part.
       bool in_place = false;
       if (stream) {
@@ -327,7 +362,7 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
         // before a buffer of that size is allocated.
         const uint64_t most = T.raw ? static_cast<uint64_t>(T.full) : EncodeBound(static_cast<size_t>(T.full));
         if (c.size > most) {
-          status = Status::DataLoss(where(requests[it.req].dataset) + ": chunk " + std::to_string(it.chunk) +
+          status = Status::DataLoss(where(reads[it.read]) + ": chunk " + std::to_string(it.chunk) +
                                     " stores " + std::to_string(c.size) + " bytes, more than a chunk of " +
                                     std::to_string(T.full) + " bytes can take");
           if (own_buffer) checks.DropNewest();
@@ -343,8 +378,8 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
         }
         const std::string err = ReadFully(fd.fd, into, static_cast<size_t>(c.size), c.offset);
         if (!err.empty()) {
-          status = Status::DataLoss(where(requests[it.req].dataset) + ": chunk " + std::to_string(it.chunk) +
-                                    ": " + err);
+          status =
+              Status::DataLoss(where(reads[it.read]) + ": chunk " + std::to_string(it.chunk) + ": " + err);
           frames.DropNewest();
           if (own_buffer) checks.DropNewest();
           break;  // not submitted: the drain below stops at the tasks that were
@@ -368,36 +403,27 @@ Status CheckedShard::ReadPass(const std::vector<ShardReader::ReadRequest>& reque
     const Item& it = items[drained++];
     if (buffered(it)) checks.Reuse(checks.Oldest());
     if (!res.error.empty()) {
-      if (status.ok()) status = Status::DataLoss(where(requests[it.req].dataset) + ": " + res.error);
+      if (status.ok()) status = Status::DataLoss(where(reads[it.read]) + ": " + res.error);
       continue;
     }
-    const size_t region = p.tensors[it.t].region[it.chunk];
-    p.region_hash[region] = res.stored_hash;
-    p.hashed[region] = verify_file;
+    const size_t region = tensors_[it.t].region[it.chunk];
+    region_hash_[region] = res.stored_hash;
+    hashed_[region] = verify_file;
   }
   return status;
 }
 
-Status CheckedShard::FinishPass() {
-  Pass& p = *pass_;
-  if (!p.verify_file) return Status::Ok();
-  for (size_t i = 0; i < p.regions.size(); ++i) {
-    if (p.hashed[i]) continue;
-    p.region_hash[i] =
-        XXH3_64bits(p.file.data() + p.regions[i].offset, static_cast<size_t>(p.regions[i].length));
-    p.hashed[i] = 1;
+Status FormatV2Reader::VerifyDigest() {
+  if (!verify_file_) return Status::Ok();
+  for (size_t i = 0; i < regions_.size(); ++i) {
+    if (hashed_[i]) continue;
+    region_hash_[i] = XXH3_64bits(file_.data() + regions_[i].offset, static_cast<size_t>(regions_[i].length));
+    hashed_[i] = 1;
   }
-  const std::string got = Hex64(CombineDigest(p.regions, p.region_hash));
-  if (got != p.digest)
-    return Status::DataLoss(path_ + ": shard digest " + got + " differs from the manifest's " + p.digest +
+  const std::string got = Hex64(CombineDigest(regions_, region_hash_));
+  if (got != digest_)
+    return Status::DataLoss(path_ + ": shard digest " + got + " differs from the manifest's " + digest_ +
                             " (the file was changed after it was written)");
-  return Status::Ok();
-}
-
-Status CheckedShard::VerifyDigestFirst() {
-  OOMGUARD_RETURN_IF_ERROR(FinishPass());
-  // The whole file is verified: the tasks need not hash the stored bytes again.
-  pass_->verify_file = false;
   return Status::Ok();
 }
 

@@ -1,6 +1,8 @@
 // ShardReader (sdk/checkpoint/shard.h): opens a shard, lists and describes
-// its datasets, and decodes tensors out of a read-only mapping of the file in
-// one pipeline over the thread pool. The writer is in shard.cc.
+// its datasets, finds their stored chunks and maps the file. Below it,
+// FormatV1Reader (shard_format.h): CheckedShard's reading of format 1, which
+// decodes tensors out of the mapping in one pipeline over the thread pool.
+// The writer is in shard.cc, the format-2 reader in shard_pass.cc.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +15,7 @@
 #include <future>
 #include <limits>
 #include <new>
+#include <optional>
 
 #include "sdk/checkpoint/codec.h"
 #include "sdk/checkpoint/compression.h"
@@ -20,6 +23,7 @@
 #include "sdk/checkpoint/manifest.h"
 #include "sdk/checkpoint/mapped_file.h"
 #include "sdk/checkpoint/shard.h"
+#include "sdk/checkpoint/shard_format.h"
 #include "sdk/checkpoint/xxh.h"
 #include "sdk/checkpoint/zstd_filter.h"
 
@@ -158,128 +162,6 @@ StatusOr<TensorInfo> ShardReader::Info(const std::string& dataset) {
   return info;
 }
 
-namespace {
-
-// One chunk of a fast read: where its frame lies in the file and where its
-// bytes go.
-struct ReadChunk {
-  size_t req;
-  int64_t index, begin, len, full;
-  size_t elem_size;
-  haddr_t addr;
-  hsize_t size;
-};
-
-// Recomputes the writer's chunk layout from a dataset's stored chunk dims, or
-// returns false when the dataset is not shuffle + zstd in contiguous runs
-// (another writer's file: HDF5 decodes it instead).
-bool FastLayout(hid_t dcpl, const std::vector<int64_t>& shape, size_t es, ChunkLayout* L) {
-  if (H5Pget_layout(dcpl) != H5D_CHUNKED || H5Pget_nfilters(dcpl) != 2) return false;
-  unsigned flags = 0, cdv[4] = {0}, config = 0;
-  size_t n = 4;
-  H5Z_filter_t f0 = H5Pget_filter2(dcpl, 0, &flags, &n, cdv, 0, nullptr, &config);
-  n = 4;
-  H5Z_filter_t f1 = H5Pget_filter2(dcpl, 1, &flags, &n, cdv, 0, nullptr, &config);
-  std::vector<hsize_t> cd(shape.size());
-  if (cd.empty() || H5Pget_chunk(dcpl, static_cast<int>(cd.size()), cd.data()) < 0) return false;
-  int k = 0;
-  if (f0 != H5Z_FILTER_SHUFFLE || f1 != kZstdFilter || !IsContiguousLayout(shape, cd, &k)) return false;
-  L->k = k;
-  L->chunk_dims = cd;
-  int64_t row = static_cast<int64_t>(es);
-  for (size_t i = static_cast<size_t>(k) + 1; i < cd.size(); ++i) row *= shape[i];
-  L->chunk_bytes = row * static_cast<int64_t>(cd[static_cast<size_t>(k)]);
-  int64_t outer = 1;
-  for (int i = 0; i < k; ++i) outer *= shape[static_cast<size_t>(i)];
-  const int64_t r = static_cast<int64_t>(cd[static_cast<size_t>(k)]);
-  L->count = outer * ((shape[static_cast<size_t>(k)] + r - 1) / r);
-  return true;
-}
-
-// What the first phase of ShardReader::ReadMany learns, per request: the
-// stored tensor hash, whether HDF5 decoded it (and, for a check alone, the
-// hash of what it decoded), and the file address of every chunk it reads.
-struct ReadIndex {
-  std::vector<std::string> stored_hash;
-  std::vector<bool> done_by_hdf5;
-  std::vector<uint64_t> hdf5_hash;
-  std::vector<ReadChunk> chunks;
-};
-
-// Checks request `r`'s dataset against it (dtype and shape when asked, byte
-// count always) and adds its chunks to `idx`; a dataset in another writer's
-// layout is read through HDF5 here. Caller holds the Hdf5Lock.
-Status IndexRequest(hid_t file, const std::string& path, const ShardReader::ReadRequest& q, size_t r,
-                    ReadIndex* idx) {
-  auto where = [&] { return path + ": tensor " + q.dataset; };
-  H5Handle d(H5Dopen2(file, q.dataset.c_str(), H5P_DEFAULT));
-  if (!d.valid()) return Status::DataLoss(where() + " is missing");
-  auto dt = ReadStringAttr(d.get(), "dtype");
-  idx->stored_hash[r] = ReadStringAttr(d.get(), "xxh3").value_or("");
-  if (idx->stored_hash[r].empty()) return Status::DataLoss(where() + " has no xxh3 attribute");
-  if (q.check && dt.value_or("") != DTypeName(q.dtype))
-    return Status::DataLoss(where() + " has dtype '" + dt.value_or("?") + "', expected '" +
-                            std::string(DTypeName(q.dtype)) + "'");
-  H5Handle space(H5Dget_space(d.get()));
-  int nd = H5Sget_simple_extent_ndims(space.get());
-  if (nd < 0 || nd > H5S_MAX_RANK) return Status::DataLoss(where() + " has an unreadable shape");
-  std::vector<hsize_t> dims(static_cast<size_t>(nd));
-  if (nd > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-  std::vector<int64_t> shape(dims.begin(), dims.end());
-  if (q.check && shape != q.shape)
-    return Status::DataLoss(where() + " has shape " + ShapeString(shape) + ", expected " +
-                            ShapeString(q.shape));
-  H5Handle type(H5Dget_type(d.get()));
-  const size_t es = H5Tget_size(type.get());
-  // Overflow-checked: the file's dimensions are not to be trusted.
-  uint64_t total = es;
-  bool overflow = es == 0;
-  for (hsize_t x : dims) overflow = overflow || __builtin_mul_overflow(total, x, &total);
-  if (overflow || total > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
-      static_cast<int64_t>(total) != q.bytes)
-    return Status::DataLoss(where() + " holds " +
-                            (overflow ? std::string("more than 2^64") : std::to_string(total)) +
-                            " bytes, expected " + std::to_string(q.bytes));
-  H5Handle dcpl(H5Dget_create_plist(d.get()));
-  ChunkLayout L;
-  if (q.bytes == 0) return Status::Ok();
-  if (!FastLayout(dcpl.get(), shape, es, &L)) {
-    // Another writer's layout or filters: let HDF5 decode it (for a check
-    // alone, into a buffer of its own that is hashed and dropped).
-    std::vector<uint8_t> scratch;
-    uint8_t* dst = q.out;
-    if (dst == nullptr) {
-      try {
-        scratch.resize(static_cast<size_t>(q.bytes));
-      } catch (const std::bad_alloc&) {
-        return Status::ResourceExhausted(where() + ": no host memory for the " + std::to_string(q.bytes) +
-                                         " bytes HDF5 needs to decode it");
-      }
-      dst = scratch.data();
-    }
-    if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
-      return Status::DataLoss(where() + ": HDF5 could not read it (corrupt chunk or missing filter)");
-    if (q.out == nullptr) idx->hdf5_hash[r] = XXH3_64bits(dst, static_cast<size_t>(q.bytes));
-    idx->done_by_hdf5[r] = true;
-    return Status::Ok();
-  }
-  std::vector<hsize_t> offset;
-  for (int64_t i = 0; i < L.count; ++i) {
-    ReadChunk c{r, i, 0, 0, L.chunk_bytes, es, HADDR_UNDEF, 0};
-    ChunkPosition(shape, L, i, &offset, &c.begin, &c.len);
-    unsigned mask = 0;
-    if (H5Dget_chunk_info_by_coord(d.get(), offset.data(), &mask, &c.addr, &c.size) < 0 ||
-        c.addr == HADDR_UNDEF || c.size == 0)
-      return Status::DataLoss(where() + ": chunk " + std::to_string(i) + " is missing");
-    if (mask != 0)
-      return Status::DataLoss(where() + ": chunk " + std::to_string(i) + " was stored with filters skipped");
-    idx->chunks.push_back(c);
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 StatusOr<std::span<const uint8_t>> ShardReader::Mapped() {
   if (impl_->map == nullptr) {
     int fd = ::open(path_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
@@ -366,31 +248,188 @@ Status ShardReader::StoredChunks(const std::string& dataset, std::vector<StoredC
   return Status::Ok();
 }
 
-Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
-  auto where = [&](size_t r) { return path_ + ": tensor " + requests[r].dataset; };
-  ReadIndex idx;
-  idx.stored_hash.resize(requests.size());
-  idx.done_by_hdf5.assign(requests.size(), false);
-  idx.hdf5_hash.assign(requests.size(), 0);
-  std::vector<ReadChunk>& chunks = idx.chunks;
-  const std::vector<std::string>& stored_hash = idx.stored_hash;
-  // Phase 1, under the lock: check every dataset against its request and
-  // collect the file address of every chunk.
-  {
-    Hdf5Lock lock;
-    for (size_t r = 0; r < requests.size(); ++r)
-      OOMGUARD_RETURN_IF_ERROR(IndexRequest(impl_->file.get(), path_, requests[r], r, &idx));
+namespace {
+
+// One chunk of a fast read: where its frame lies in the file and where its
+// bytes go.
+struct ReadChunk {
+  size_t req;
+  int64_t index, begin, len, full;
+  size_t elem_size;
+  haddr_t addr;
+  hsize_t size;
+};
+
+// Recomputes the writer's chunk layout from a dataset's stored chunk dims, or
+// returns false when the dataset is not shuffle + zstd in contiguous runs
+// (another writer's file: HDF5 decodes it instead).
+bool FastLayout(hid_t dcpl, const std::vector<int64_t>& shape, size_t es, ChunkLayout* L) {
+  if (H5Pget_layout(dcpl) != H5D_CHUNKED || H5Pget_nfilters(dcpl) != 2) return false;
+  unsigned flags = 0, cdv[4] = {0}, config = 0;
+  size_t n = 4;
+  H5Z_filter_t f0 = H5Pget_filter2(dcpl, 0, &flags, &n, cdv, 0, nullptr, &config);
+  n = 4;
+  H5Z_filter_t f1 = H5Pget_filter2(dcpl, 1, &flags, &n, cdv, 0, nullptr, &config);
+  std::vector<hsize_t> cd(shape.size());
+  if (cd.empty() || H5Pget_chunk(dcpl, static_cast<int>(cd.size()), cd.data()) < 0) return false;
+  int k = 0;
+  if (f0 != H5Z_FILTER_SHUFFLE || f1 != kZstdFilter || !IsContiguousLayout(shape, cd, &k)) return false;
+  L->k = k;
+  L->chunk_dims = cd;
+  int64_t row = static_cast<int64_t>(es);
+  for (size_t i = static_cast<size_t>(k) + 1; i < cd.size(); ++i) row *= shape[i];
+  L->chunk_bytes = row * static_cast<int64_t>(cd[static_cast<size_t>(k)]);
+  int64_t outer = 1;
+  for (int i = 0; i < k; ++i) outer *= shape[static_cast<size_t>(i)];
+  const int64_t r = static_cast<int64_t>(cd[static_cast<size_t>(k)]);
+  L->count = outer * ((shape[static_cast<size_t>(k)] + r - 1) / r);
+  return true;
+}
+
+// kDataLoss naming the tensor unless `h` is its stored xxh3.
+Status CheckTensorHash(const std::string& path, const ShardEntry& e, uint64_t h) {
+  const std::string got = Hex64(h);
+  if (got == e.xxh3) return Status::Ok();
+  return Status::DataLoss(path + ": tensor " + e.dataset + ": xxh3 mismatch (stored " + e.xxh3 +
+                          ", computed " + got + ")");
+}
+
+// The format-1 reader (shard_format.h): tensors decoded out of the file's
+// mapping in one pipeline over the pool, each one's xxh3 checked in order on
+// the calling thread, while the whole file is hashed on a thread of its own
+// (FileHashCheck) whose verdict Finish joins.
+class FormatV1Reader final : public ShardFormatReader {
+ public:
+  FormatV1Reader(const ManifestShard& shard, const std::string& file, bool hash_file) {
+    // The whole-file hash runs on its own thread while the pool decodes: it
+    // reads the same pages, so the two passes share one trip through memory
+    // (or one read from disk when the file is not cached).
+    if (hash_file) file_check_.emplace(file, shard.xxh3);
+  }
+  // HDF5's own message names no tensor; a whole-file mismatch says more.
+  Status OpenFailed(const Status& why) override {
+    Status fs = FileVerdict();
+    return fs.ok() ? why : fs;
+  }
+  Status Plan(ShardReader* reader, const std::vector<ShardEntry>&) override {
+    reader_ = reader;
+    return Status::Ok();
+  }
+  Status VerifyFileFirst() override { return FileVerdict(); }
+  Status Read(const std::vector<TensorRead>& reads, ThreadPool* pool) override;
+  Status Finish(const Status& read_status) override {
+    Status fs = FileVerdict();
+    return read_status.ok() ? fs : read_status;
   }
 
-  // Phase 2: decode out of the mapping in the pool, hash in order here.
-  if (!chunks.empty()) {
-    auto mapped = Mapped();
-    if (!mapped.ok()) return mapped.status();
+ private:
+  // What the first phase of Read learns: whether HDF5 decoded a tensor (and,
+  // for a check alone, the hash of what it decoded), and the file address of
+  // every chunk it reads.
+  struct Index {
+    std::vector<bool> done_by_hdf5;
+    std::vector<uint64_t> hdf5_hash;
+    std::vector<ReadChunk> chunks;
+  };
+  Status FileVerdict() { return file_check_ ? file_check_->Verdict() : Status::Ok(); }
+  // Adds read `r`'s chunks to `idx`; a dataset in another writer's layout is
+  // read through HDF5 here. REQUIRES: Hdf5Lock held.
+  Status IndexRead(const TensorRead& q, size_t r, Index* idx);
+  // Decodes the indexed chunks in the pool and checks each tensor's hash in
+  // order; the first error.
+  Status DecodeChunks(const std::vector<TensorRead>& reads, const Index& idx, ThreadPool* pool);
+
+  ShardReader* reader_ = nullptr;
+  std::optional<FileHashCheck> file_check_;
+};
+
+Status FormatV1Reader::IndexRead(const TensorRead& q, size_t r, Index* idx) {
+  const ShardEntry& e = *q.entry;
+  auto where = [&] { return reader_->path() + ": tensor " + e.dataset; };
+  if (e.bytes == 0) return Status::Ok();
+  H5Handle d(H5Dopen2(reader_->hdf5_file(), e.dataset.c_str(), H5P_DEFAULT));
+  if (!d.valid()) return Status::DataLoss(where() + " is missing");
+  H5Handle dcpl(H5Dget_create_plist(d.get()));
+  // CheckDataset checked that the stored type's size is the dtype's.
+  const size_t es = DTypeSize(e.dtype);
+  ChunkLayout L;
+  if (!FastLayout(dcpl.get(), e.shape, es, &L)) {
+    // Another writer's layout or filters: let HDF5 decode it (for a check
+    // alone, into a buffer of its own that is hashed and dropped).
+    std::vector<uint8_t> scratch;
+    uint8_t* dst = q.out;
+    if (dst == nullptr) {
+      try {
+        scratch.resize(static_cast<size_t>(e.bytes));
+      } catch (const std::bad_alloc&) {
+        return Status::ResourceExhausted(where() + ": no host memory for the " + std::to_string(e.bytes) +
+                                         " bytes HDF5 needs to decode it");
+      }
+      dst = scratch.data();
+    }
+    H5Handle type(H5Dget_type(d.get()));
+    if (H5Dread(d.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, dst) < 0)
+      return Status::DataLoss(where() + ": HDF5 could not read it (corrupt chunk or missing filter)");
+    if (q.out == nullptr) idx->hdf5_hash[r] = XXH3_64bits(dst, static_cast<size_t>(e.bytes));
+    idx->done_by_hdf5[r] = true;
+    return Status::Ok();
   }
-  const std::span<const uint8_t> mapped = chunks.empty() ? std::span<const uint8_t>() : impl_->map->bytes();
+  std::vector<hsize_t> offset;
+  for (int64_t i = 0; i < L.count; ++i) {
+    ReadChunk c{r, i, 0, 0, L.chunk_bytes, es, HADDR_UNDEF, 0};
+    ChunkPosition(e.shape, L, i, &offset, &c.begin, &c.len);
+    unsigned mask = 0;
+    if (H5Dget_chunk_info_by_coord(d.get(), offset.data(), &mask, &c.addr, &c.size) < 0 ||
+        c.addr == HADDR_UNDEF || c.size == 0)
+      return Status::DataLoss(where() + ": chunk " + std::to_string(i) + " is missing");
+    if (mask != 0)
+      return Status::DataLoss(where() + ": chunk " + std::to_string(i) + " was stored with filters skipped");
+    idx->chunks.push_back(c);
+  }
+  return Status::Ok();
+}
+
+Status FormatV1Reader::Read(const std::vector<TensorRead>& reads, ThreadPool* pool) {
+  Index idx;
+  idx.done_by_hdf5.assign(reads.size(), false);
+  idx.hdf5_hash.assign(reads.size(), 0);
+  // Phase 1, under the lock: collect the file address of every chunk.
+  {
+    Hdf5Lock lock;
+    for (size_t r = 0; r < reads.size(); ++r) OOMGUARD_RETURN_IF_ERROR(IndexRead(reads[r], r, &idx));
+  }
+  // Phase 2: decode out of the mapping in the pool, hash in order here.
+  OOMGUARD_RETURN_IF_ERROR(DecodeChunks(reads, idx, pool));
+  // Tensors HDF5 decoded, and empty ones.
+  for (size_t r = 0; r < reads.size(); ++r) {
+    const ShardEntry& e = *reads[r].entry;
+    uint64_t h = 0;
+    if (e.bytes == 0) {
+      h = XXH3_64bits(nullptr, 0);
+    } else if (idx.done_by_hdf5[r]) {
+      h = reads[r].out == nullptr ? idx.hdf5_hash[r]
+                                  : XXH3_64bits(reads[r].out, static_cast<size_t>(e.bytes));
+    } else {
+      continue;
+    }
+    OOMGUARD_RETURN_IF_ERROR(CheckTensorHash(reader_->path(), e, h));
+  }
+  return Status::Ok();
+}
+
+Status FormatV1Reader::DecodeChunks(const std::vector<TensorRead>& reads, const Index& idx,
+                                    ThreadPool* pool) {
+  auto where = [&](size_t r) { return reader_->path() + ": tensor " + reads[r].entry->dataset; };
+  const std::vector<ReadChunk>& chunks = idx.chunks;
+  std::span<const uint8_t> mapped;
+  if (!chunks.empty()) {
+    auto m = reader_->Mapped();
+    if (!m.ok()) return m.status();
+    mapped = *m;
+  }
   const uint8_t* base = mapped.data();
   const size_t map_bytes = mapped.size();
-  std::vector<XXH3_state_t*> hashes(requests.size(), nullptr);
+  std::vector<XXH3_state_t*> hashes(reads.size(), nullptr);
   struct HashFree {
     std::vector<XXH3_state_t*>* v;
     ~HashFree() {
@@ -400,10 +439,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   } hash_free{&hashes};
   Status status;
   auto check_hash = [&](size_t r, uint64_t h) {
-    const std::string got = Hex64(h);
-    if (got != stored_hash[r] && status.ok())
-      status = Status::DataLoss(where(r) + ": xxh3 mismatch (stored " + stored_hash[r] + ", computed " + got +
-                                ")");
+    if (status.ok()) status = CheckTensorHash(reader_->path(), *reads[r].entry, h);
   };
   const size_t window = static_cast<size_t>(std::max(1, pool->size() * kTasksPerWorker));
   // Chunks of check-only requests decode into recycled buffers, at most
@@ -416,10 +452,10 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
   while (drained < chunks.size()) {
     while (next < chunks.size() && inflight.size() < window && status.ok()) {
       const ReadChunk c = chunks[next];
-      const bool check_only = requests[c.req].out == nullptr;
+      const bool check_only = reads[c.req].out == nullptr;
       if (check_only && !checks.Fits(c.full, kCheckWindowBytes)) break;
       ++next;
-      const uint64_t start = c.addr + impl_->base;
+      const uint64_t start = c.addr + reader_->base_address();
       if (start < c.addr || start > map_bytes || c.size > map_bytes - start) {
         status = Status::DataLoss(where(c.req) + ": chunk " + std::to_string(c.index) +
                                   " lies outside the file (corrupt chunk index)");
@@ -430,7 +466,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
       if (check_only) {
         dst = checks.Take(static_cast<size_t>(c.full));
       } else {
-        dst = requests[c.req].out + c.begin;
+        dst = reads[c.req].out + c.begin;
       }
       inflight.push_back(pool->Submit([frame, c, dst, check_only]() -> std::string {
         thread_local std::vector<uint8_t> scratch, padded;
@@ -449,7 +485,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
     std::string err = inflight.front().get();
     inflight.pop_front();
     const ReadChunk& c = chunks[drained++];
-    const bool check_only = requests[c.req].out == nullptr;
+    const bool check_only = reads[c.req].out == nullptr;
     std::vector<uint8_t> check_buf;
     if (check_only) check_buf = checks.Oldest();
     struct Recycle {
@@ -467,7 +503,7 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
       h = XXH3_createState();
       XXH3_64bits_reset(h);
     }
-    const uint8_t* decoded = check_only ? check_buf.data() : requests[c.req].out + c.begin;
+    const uint8_t* decoded = check_only ? check_buf.data() : reads[c.req].out + c.begin;
     XXH3_64bits_update(h, decoded, static_cast<size_t>(c.len));
     const bool last_of_tensor = drained == chunks.size() || chunks[drained].req != c.req;
     if (last_of_tensor) check_hash(c.req, XXH3_64bits_digest(h));
@@ -476,17 +512,14 @@ Status ShardReader::ReadMany(const std::vector<ReadRequest>& requests, ThreadPoo
     inflight.front().wait();
     inflight.pop_front();
   }
-  if (!status.ok()) return status;
-  // Tensors HDF5 decoded, and empty ones.
-  for (size_t r = 0; r < requests.size(); ++r) {
-    if (requests[r].bytes == 0) {
-      check_hash(r, XXH3_64bits(nullptr, 0));
-    } else if (idx.done_by_hdf5[r]) {
-      const ReadRequest& q = requests[r];
-      check_hash(r, q.out == nullptr ? idx.hdf5_hash[r] : XXH3_64bits(q.out, static_cast<size_t>(q.bytes)));
-    }
-  }
   return status;
+}
+
+}  // namespace
+
+std::unique_ptr<ShardFormatReader> MakeFormatV1Reader(const ManifestShard& shard, const std::string& file,
+                                                      bool hash_file) {
+  return std::make_unique<FormatV1Reader>(shard, file, hash_file);
 }
 
 }  // namespace oomguard::ckpt

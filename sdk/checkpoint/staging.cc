@@ -65,17 +65,16 @@ StatusOr<std::shared_ptr<StagedState>> CheckpointerImpl::StageWithinBudget(
   {
     std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
-      const int64_t retained_idle = (retained_ && !retained_->writing) ? retained_->bytes : 0;
-      if (budget == 0 || inflight_bytes_ + retained_idle + need <= budget) break;
+      const int64_t retained_idle = buffers_.RetainedIdle();
+      if (budget == 0 || buffers_.inflight_bytes() + retained_idle + need <= budget) break;
       if (retained_idle > 0) {
         // Its step is durable by now; rollback falls back to disk.
-        if (!spare_) spare_ = std::move(retained_);
-        retained_.reset();
+        buffers_.ReleaseRetained();
         continue;
       }
       cv_.wait(lk);  // back-pressure: a write must finish first
     }
-    snap = std::move(spare_);
+    snap = buffers_.TakeSpare();
   }
   if (!snap) snap = std::make_shared<StagedState>();
   const std::vector<int64_t> layout = StagingLayout();
@@ -136,9 +135,7 @@ Status CheckpointerImpl::Snapshot(int64_t step) {
   auto snap = StageWithinBudget(step, object_bytes, need);
   if (!snap.ok()) return snap.status();
   std::lock_guard<std::mutex> lk(mu_);
-  std::shared_ptr<StagedState> old = std::move(retained_);
-  retained_ = *snap;
-  if (old && !old->writing && !spare_) spare_ = std::move(old);
+  buffers_.Retain(*snap);
   stats_.state_bytes = need;
   state_used_ = true;  // a step of the registered state is held
   return Status::Ok();
@@ -183,8 +180,7 @@ Status CheckpointerImpl::SaveAsync(int64_t step) {
 void CheckpointerImpl::NoteSaveFailure(int64_t step, const Status& s) {
   ++stats_.save_failures;
   stats_.last_error = s;
-  pending_error_ = s;
-  pending_error_step_ = step;
+  saves_.NoteFailure(step, s);
 }
 
 void CheckpointerImpl::RecordSaveFailure(int64_t step, const Status& s) {
@@ -230,16 +226,11 @@ Status CheckpointerImpl::Stage(int64_t step, bool* queued) {
     job.started = Clock::now();
     {
       std::lock_guard<std::mutex> lk(mu_);
-      snap->writing = true;
-      inflight_bytes_ += snap->bytes;
-      if (o_.keep_snapshot) {
-        std::shared_ptr<StagedState> old = std::move(retained_);
-        retained_ = snap;
-        if (old && !old->writing && !spare_) spare_ = std::move(old);
-      }
+      buffers_.StartWriting(*snap);
+      if (o_.keep_snapshot) buffers_.Retain(snap);
       stats_.state_bytes = need;
       stats_.stall_ms.push_back(MsSince(t0));
-      queue_.push_back(std::move(job));
+      saves_.Push(std::move(job));
       *queued = true;
       state_used_ = true;  // a step of the registered state is on its way to disk
     }
@@ -249,9 +240,8 @@ Status CheckpointerImpl::Stage(int64_t step, bool* queued) {
     // then stream chunk copies to the writer.
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
-      retained_.reset();
-      spare_.reset();
+      cv_.wait(lk, [&] { return saves_.Idle(); });
+      buffers_.DropAll();
     }
     std::vector<std::vector<uint8_t>> whole(entries_.size());
     for (size_t i = 0; i < entries_.size(); ++i) {
@@ -270,7 +260,7 @@ Status CheckpointerImpl::Stage(int64_t step, bool* queued) {
     {
       std::lock_guard<std::mutex> lk(mu_);
       stats_.state_bytes = need;
-      queue_.push_back(std::move(job));
+      saves_.Push(std::move(job));
       *queued = true;  // from here the writer reports what goes wrong
       state_used_ = true;
     }

@@ -11,11 +11,8 @@ void CheckpointerImpl::WriterLoop() {
     WriteJob job;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
+      cv_.wait(lk, [&] { return saves_.HasWorkOrStop(); });
+      if (!saves_.Pop(&job)) return;
     }
     Status s;
     try {
@@ -34,22 +31,15 @@ void CheckpointerImpl::WriterLoop() {
     if (job.snapshot) PrepareSpare(job.snapshot);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      busy_ = false;
+      saves_.Done();
       stats_.last_write_ms = MsSince(job.started);
-      if (job.snapshot) {
-        job.snapshot->writing = false;
-        inflight_bytes_ -= job.snapshot->bytes;
-        if (job.snapshot != retained_ && !spare_) spare_ = job.snapshot;
-        // A snapshot whose write failed is not a checkpoint, but it is still
-        // a complete copy of that step's state: it stays usable for rollback.
-      }
+      // A snapshot whose write failed is not a checkpoint, but it is still
+      // a complete copy of that step's state: it stays usable for rollback.
+      if (job.snapshot) buffers_.DoneWriting(job.snapshot);
       if (!s.ok()) {
         NoteSaveFailure(job.step, s);
-      } else if (job.step >= pending_error_step_) {
-        // A newer state is durable: the earlier failure no longer matters to
-        // anyone who waits for the newest save (Stats() keeps it).
-        pending_error_ = Status::Ok();
-        pending_error_step_ = -1;
+      } else {
+        saves_.NoteWritten(job.step);
       }
     }
     if (!s.ok()) Logger()->error("checkpoint of step {} failed: {}", job.step, s.ToString());
@@ -63,8 +53,8 @@ void CheckpointerImpl::PrepareSpare(const std::shared_ptr<StagedState>& written)
   // inside the next stall cost 5x the copy (131k page faults for 512 MiB).
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stop_ || spare_ || written != retained_) return;
-    const int64_t held = inflight_bytes_ + (retained_->writing ? 0 : retained_->bytes);
+    if (saves_.stopping() || buffers_.has_spare() || written != buffers_.retained()) return;
+    const int64_t held = buffers_.inflight_bytes() + buffers_.RetainedIdle();
     if (o_.staging_budget_bytes > 0 && held + written->bytes > o_.staging_budget_bytes) return;
   }
   auto spare = std::make_shared<StagedState>();
@@ -81,17 +71,13 @@ void CheckpointerImpl::PrepareSpare(const std::shared_ptr<StagedState>& written)
       spare->pinned[i] = spare->data[i].data();
   }
   std::lock_guard<std::mutex> lk(mu_);
-  if (!spare_) spare_ = std::move(spare);
+  buffers_.OfferSpare(std::move(spare));
 }
 
 Status CheckpointerImpl::Write(WriteJob& job) {
   const std::string dir = StepDir(job.step);
-  {
-    // Whatever this rank held of the step before is being replaced.
-    std::lock_guard<std::mutex> lk(mu_);
-    durable_.erase(job.step);
-    own_shards_.erase(job.step);
-  }
+  // Whatever this rank held of the step before is being replaced.
+  steps_.Replacing(job.step);
   OOMGUARD_RETURN_IF_ERROR(UsableStepDir(job.step));
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -120,26 +106,26 @@ Status CheckpointerImpl::Write(WriteJob& job) {
   if (!res.ok()) return res.status();
   // Only a large, fsynced file measures the disk rather than latency.
   if (o_.fsync && res->file_bytes >= ckpt::kAutoMinBytes && res->io_seconds > 0) {
-    write_bytes_per_s_ = static_cast<double>(res->file_bytes) / res->io_seconds;
+    auto_.write_bytes_per_s = static_cast<double>(res->file_bytes) / res->io_seconds;
     // A compressed save against its compression alone at the sampled speed.
     if (wo.compress)
-      calibration_.Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
-                           sampled_compress_seconds_);
+      auto_.calibration.Observe(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
+          auto_.sampled_compress_seconds);
   }
+  ckpt::ManifestShard own;
+  own.rank = o_.rank;
+  own.file = file;
+  own.bytes = res->file_bytes;
+  own.digest = res->digest;
+  own.compression = res->compression;
+  own.auto_choice = wo.compression_auto;
+  // With local commit a step counts once its manifest is written (below).
+  steps_.ShardWritten(job.step, std::move(own), /*durable_now=*/!CommitsLocally());
   {
     std::lock_guard<std::mutex> lk(mu_);
-    // With local commit a step counts once its manifest is written (below).
-    if (!CommitsLocally()) durable_.insert(job.step);
-    ckpt::ManifestShard own;
-    own.rank = o_.rank;
-    own.file = file;
-    own.bytes = res->file_bytes;
-    own.digest = res->digest;
-    own.compression = res->compression;
-    own.auto_choice = wo.compression_auto;
     stats_.last_compression = res->compression;
     stats_.last_compression_auto = wo.compression_auto;
-    own_shards_[job.step] = std::move(own);
     ++stats_.checkpoints_written;
     stats_.last_file_bytes = res->file_bytes;
   }
@@ -148,17 +134,17 @@ Status CheckpointerImpl::Write(WriteJob& job) {
 }
 
 void CheckpointerImpl::ChooseCompression(const WriteJob& job, ckpt::ShardWriteOptions* wo) {
-  sampled_compress_seconds_ = 0;
+  auto_.sampled_compress_seconds = 0;
   if (o_.compression != CheckpointCompression::kAuto) {
     wo->compress = o_.compression == CheckpointCompression::kZstd;
     return;
   }
   int64_t state_bytes = 0;
   for (const auto& t : job.tensors) state_bytes += t.bytes;
-  std::optional<ckpt::CompressionSample> sample = last_sample_;
+  std::optional<ckpt::CompressionSample> sample = auto_.last_sample;
   // The sample is taken only when there is a choice to make (the staged
   // snapshot is whole in memory; piece-wise saves reuse the last sample).
-  if (state_bytes >= ckpt::kAutoMinBytes && write_bytes_per_s_ && job.snapshot) {
+  if (state_bytes >= ckpt::kAutoMinBytes && auto_.write_bytes_per_s && job.snapshot) {
     std::vector<ckpt::SampleSource> state;
     for (size_t t = 0; t < job.tensors.size(); ++t) {
       const DType d = job.tensors[t].dtype;
@@ -167,13 +153,13 @@ void CheckpointerImpl::ChooseCompression(const WriteJob& job, ckpt::ShardWriteOp
            d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat32 || d == DType::kFloat64});
     }
     sample = ckpt::SampleCompression(state, o_.compression_level, o_.chunk_bytes, pool_.get());
-    last_sample_ = sample;
+    auto_.last_sample = sample;
   }
-  const ckpt::AutoCompression c =
-      ckpt::ChooseCompression(state_bytes, o_.compression_level, write_bytes_per_s_, sample, calibration_);
+  const ckpt::AutoCompression c = ckpt::ChooseCompression(state_bytes, o_.compression_level,
+                                                          auto_.write_bytes_per_s, sample, auto_.calibration);
   wo->compress = c.compress;
   wo->compression_auto = c.why;
-  sampled_compress_seconds_ = c.sampled_compress_seconds;
+  auto_.sampled_compress_seconds = c.sampled_compress_seconds;
 }
 
 }  // namespace oomguard::ckpt_internal

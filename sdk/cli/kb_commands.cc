@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cinttypes>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -18,6 +19,7 @@
 #include "sdk/cli/table.h"
 #include "sdk/core/ids.h"
 #include "sdk/kb/file_set.h"
+#include "sdk/kb/store.h"
 #include "sdk/kb/similarity.h"
 
 namespace oomguard::cli {
@@ -31,8 +33,12 @@ struct KbArgs {
   std::vector<std::string> dbs;
   bool json = false;
   std::string pattern, run, since, id, file;
+  std::string from;           // import: another knowledge base to copy
+  std::string note, author;   // note
+  bool clear = false;
   int rank = -1;
   int64_t limit = 50;
+  int64_t offset = 0;
   int64_t similar_limit = 5;
 };
 
@@ -59,6 +65,7 @@ IncidentQuery MakeQuery(const KbArgs& a, bool with_limit) {
   if (!since.ok()) throw Failure{"--since " + since.status().message()};
   q.since_unix_ms = *since;
   q.limit = with_limit ? a.limit : 0;
+  q.offset = with_limit ? a.offset : 0;
   return q;
 }
 
@@ -71,6 +78,10 @@ std::vector<Incident> QueryAll(const KbArgs& a, bool with_limit) {
 }
 
 json IncidentJson(const Incident& inc) { return json::parse(IncidentToJson(inc)); }
+
+json NoteJson(const GroupNote& n) {
+  return {{"text", n.text}, {"author", n.author}, {"updated_unix_ms", n.updated_unix_ms}};
+}
 
 std::string Conf(double c) {
   char buf[16];
@@ -120,8 +131,15 @@ const Incident& FindOne(const std::vector<Incident>& all, const std::string& id)
 void CmdSimilar(const KbArgs& a) {
   if (a.id.empty()) throw Failure{"similar needs an incident ID (or a unique prefix)"};
   IncidentQuery q;
-  auto r = OpenAll(a).Query(q);
+  kb::KnowledgeBaseSet set = OpenAll(a);
+  auto r = set.Query(q);
   if (!r.ok()) throw Failure{r.status().ToString()};
+  auto notes = set.Notes();
+  if (!notes.ok()) throw Failure{notes.status().ToString()};
+  auto note_of = [&](const Incident& i) {
+    auto it = notes->find(i.fingerprint);
+    return it == notes->end() ? std::string() : it->second.text;
+  };
   const std::vector<Incident> all = std::move(r).value();
   const Incident& target = FindOne(all, a.id);
   const auto near = kb::FindSimilar(target, all, static_cast<size_t>(a.similar_limit));
@@ -131,7 +149,7 @@ void CmdSimilar(const KbArgs& a) {
       arr.push_back({{"id", s.incident->id}, {"score", s.score}, {"why", s.why}, {"pattern", s.incident->pattern},
                      {"time_unix_ms", s.incident->time_unix_ms}, {"run_id", s.incident->run_id},
                      {"workload", s.incident->workload}, {"evidence", s.incident->evidence},
-                     {"resolution", kb::ResolutionOf(*s.incident)}});
+                     {"resolution", kb::ResolutionOf(*s.incident)}, {"team_note", note_of(*s.incident)}});
     Print({{"id", target.id}, {"pattern", target.pattern}, {"similar", arr}});
     return;
   }
@@ -145,6 +163,7 @@ void CmdSimilar(const KbArgs& a) {
     std::printf("      alike     %s\n", s.why.c_str());
     std::printf("      notes     %s\n", TerminalSafe(i.evidence.substr(0, 300)).c_str());
     std::printf("      resolved  %s\n", TerminalSafe(kb::ResolutionOf(i)).c_str());
+    if (const std::string n = note_of(i); !n.empty()) std::printf("      team note %s\n", TerminalSafe(n).c_str());
   }
 }
 
@@ -153,7 +172,8 @@ void CmdShow(const KbArgs& a) {
   std::vector<Incident> found;
   IncidentQuery q;
   q.id_prefix = a.id;
-  auto r = OpenAll(a).Query(q);
+  kb::KnowledgeBaseSet set = OpenAll(a);
+  auto r = set.Query(q);
   if (!r.ok()) throw Failure{r.status().ToString()};
   found = std::move(r).value();
   if (found.empty()) throw Failure{"no incident with id '" + a.id + "'"};
@@ -163,8 +183,14 @@ void CmdShow(const KbArgs& a) {
     throw Failure{"'" + a.id + "' matches " + std::to_string(found.size()) + " incidents:" + ids};
   }
   const Incident& i = found[0];
+  const GroupNote* note = nullptr;
+  auto notes = set.Notes();
+  if (!notes.ok()) throw Failure{notes.status().ToString()};
+  if (auto it = notes->find(i.fingerprint); it != notes->end()) note = &it->second;
   if (a.json) {
-    Print(IncidentJson(i));
+    json j = IncidentJson(i);
+    if (note != nullptr) j["note"] = NoteJson(*note);
+    Print(j);
     return;
   }
   // Fields may come from an imported file: nothing reaches the terminal raw.
@@ -209,6 +235,9 @@ void CmdShow(const KbArgs& a) {
   kv("pattern", i.pattern + " (confidence " + Conf(i.confidence) + ")");
   kv("evidence", i.evidence);
   kv("fingerprint", i.fingerprint);
+  if (note != nullptr)
+    kv("team note", note->text + " (" + (note->author.empty() ? "" : note->author + ", ") +
+                        FormatTime(note->updated_unix_ms) + ")");
   std::printf("remedies:\n");
   for (size_t k = 0; k < i.remedies.size(); ++k)
     std::printf("  %zu. %s\n", k + 1, TerminalSafe(i.remedies[k]).c_str());
@@ -293,26 +322,38 @@ void CmdStats(const KbArgs& a) {
 void CmdGroups(const KbArgs& a) {
   // Recounted from the incidents themselves so that runs spanning several
   // files (one per host) are counted once (sdk/kb/file_set.h).
-  auto groups = OpenAll(a).Groups(MakeQuery(a, false));
+  kb::KnowledgeBaseSet set = OpenAll(a);
+  auto groups = set.Groups(MakeQuery(a, false));
   if (!groups.ok()) throw Failure{groups.status().ToString()};
+  auto notes = set.Notes();
+  if (!notes.ok()) throw Failure{notes.status().ToString()};
   const std::vector<IncidentGroup>& out = *groups;
+  auto note_of = [&](const std::string& fp) -> const GroupNote* {
+    auto it = notes->find(fp);
+    return it == notes->end() ? nullptr : &it->second;
+  };
   if (a.json) {
     json arr = json::array();
-    for (const auto& g : out)
+    for (const auto& g : out) {
+      const GroupNote* n = note_of(g.fingerprint);
       arr.push_back({{"fingerprint", g.fingerprint}, {"pattern", g.pattern}, {"kind", IncidentKindName(g.kind)},
                      {"phase", PhaseName(g.phase)},
                      {"workload", g.workload}, {"count", g.count}, {"runs", g.runs},
                      {"first_seen_unix_ms", g.first_seen_unix_ms}, {"last_seen_unix_ms", g.last_seen_unix_ms},
-                     {"last_id", g.last_id}});
+                     {"last_id", g.last_id}, {"note", n != nullptr ? NoteJson(*n) : json(nullptr)}});
+    }
     Print(arr);
     return;
   }
   Table t({"FINGERPRINT", "PATTERN", "KIND", "PHASE", "WORKLOAD", "COUNT", "RUNS", "FIRST SEEN", "LAST SEEN",
-           "LAST ID"});
-  for (const auto& g : out)
+           "LAST ID", "NOTE"});
+  for (const auto& g : out) {
+    const GroupNote* n = note_of(g.fingerprint);
     t.AddRow({g.fingerprint, g.pattern, std::string(IncidentKindName(g.kind)), std::string(PhaseName(g.phase)),
               g.workload, std::to_string(g.count), std::to_string(g.runs),
-              FormatTime(g.first_seen_unix_ms), FormatTime(g.last_seen_unix_ms), g.last_id});
+              FormatTime(g.first_seen_unix_ms), FormatTime(g.last_seen_unix_ms), g.last_id,
+              n != nullptr ? n->text : ""});
+  }
   t.Print(stdout);
   if (out.empty()) std::printf("(no incidents)\n");
 }
@@ -353,21 +394,84 @@ std::vector<Incident> ReadJsonl(const std::string& path) {
   return out;
 }
 
+// The one knowledge base a writing command writes: --db, or $OOMGUARD_KB_URL.
+std::string TargetDb(const KbArgs& a, const char* what) {
+  auto dbs = kb::ExpandPaths(a.dbs);
+  if (!dbs.ok()) throw Failure{dbs.status().message()};
+  if (dbs->size() != 1 || (a.dbs.size() == 1 && !kb::IsServerUrl(a.dbs[0]) &&
+                           a.dbs[0].find_first_of("*?[") != std::string::npos))
+    throw Failure{std::string(what) + " writes one knowledge base: give exactly one --db without wildcards"};
+  return (*dbs)[0];
+}
+
 void CmdImport(const KbArgs& a) {
-  if (a.dbs.size() != 1 || a.dbs[0].find_first_of("*?[") != std::string::npos)
-    throw Failure{"import writes one file: give exactly one --db without wildcards"};
-  // Parse everything first: a bad line means nothing of the file is imported.
-  std::vector<Incident> incs = ReadJsonl(a.file);
-  for (auto& i : incs) i.pattern.clear();  // the knowledge base classifies what it imports
-  auto kb = KnowledgeBase::Open(a.dbs[0]);
-  if (!kb.ok()) throw Failure{kb.status().ToString()};
-  Status s = (*kb)->Insert(incs);
-  if (!s.ok()) throw Failure{s.ToString()};
-  if (a.json) {
-    Print({{"db", a.dbs[0]}, {"imported", incs.size()}});
+  const std::string db = TargetDb(a, "import");
+  if (a.file.empty() == a.from.empty()) throw Failure{"import takes a JSONL file or --from KB (one of them)"};
+  std::vector<Incident> incs;
+  std::string source;
+  if (!a.from.empty()) {
+    // Another knowledge base (an SQLite file into the server, or back): the
+    // incidents as stored, classification included.
+    KnowledgeBaseOptions ro;
+    ro.read_only = true;
+    auto src = KnowledgeBase::Open(a.from, ro);
+    if (!src.ok()) throw Failure{src.status().ToString()};
+    auto all = (*src)->Query(IncidentQuery{});
+    if (!all.ok()) throw Failure{all.status().ToString()};
+    incs = std::move(all).value();
+    auto notes = (*src)->Notes();
+    if (!notes.ok()) throw Failure{notes.status().ToString()};
+    source = (*src)->path();
+    auto kb = KnowledgeBase::Open(db);
+    if (!kb.ok()) throw Failure{kb.status().ToString()};
+    Status s = (*kb)->Insert(incs);
+    if (!s.ok()) throw Failure{s.ToString()};
+    for (const GroupNote& n : *notes)
+      if (Status ns = (*kb)->SetNote(n); !ns.ok()) throw Failure{ns.ToString()};
   } else {
-    std::printf("imported %zu incident(s) from %s into %s\n", incs.size(), TerminalSafe(a.file).c_str(),
-                TerminalSafe(a.dbs[0]).c_str());
+    // Parse everything first: a bad line means nothing of the file is imported.
+    incs = ReadJsonl(a.file);
+    for (auto& i : incs) i.pattern.clear();  // the knowledge base classifies what it imports
+    source = a.file;
+    auto kb = KnowledgeBase::Open(db);
+    if (!kb.ok()) throw Failure{kb.status().ToString()};
+    Status s = (*kb)->Insert(incs);
+    if (!s.ok()) throw Failure{s.ToString()};
+  }
+  const std::string shown = kb::RedactUrl(db);
+  if (a.json) {
+    Print({{"db", shown}, {"imported", incs.size()}});
+  } else {
+    std::printf("imported %zu incident(s) from %s into %s\n", incs.size(), TerminalSafe(source).c_str(),
+                TerminalSafe(shown).c_str());
+  }
+}
+
+// A team's note on a fingerprint group, shown with every incident of it.
+void CmdNote(const KbArgs& a) {
+  const std::string db = TargetDb(a, "note");
+  if (a.id.empty()) throw Failure{"note needs the FINGERPRINT of a group (see `oomguard kb groups`)"};
+  if (a.clear == !a.note.empty()) throw Failure{"note takes the TEXT of the note, or --clear (one of them)"};
+  auto kb = KnowledgeBase::Open(db);
+  if (!kb.ok()) throw Failure{kb.status().ToString()};
+  IncidentQuery q;
+  q.fingerprint = a.id;
+  auto n = (*kb)->Count(q);
+  if (!n.ok()) throw Failure{n.status().ToString()};
+  if (*n == 0 && !a.clear) throw Failure{"no incident has fingerprint '" + a.id + "' (see `oomguard kb groups`)"};
+  std::string author = a.author;
+  if (author.empty())
+    if (const char* user = std::getenv("USER"); user != nullptr) author = user;
+  Status s = (*kb)->SetNote({a.id, a.clear ? "" : a.note, author, 0});
+  if (!s.ok()) throw Failure{s.code() == StatusCode::kInvalidArgument ? s.message() : s.ToString()};
+  if (a.json) {
+    Print({{"db", kb::RedactUrl(db)}, {"fingerprint", a.id}, {"note", a.clear ? json(nullptr) : json(a.note)},
+           {"incidents", *n}});
+  } else if (a.clear) {
+    std::printf("removed the note of %s\n", TerminalSafe(a.id).c_str());
+  } else {
+    std::printf("noted on %s (%" PRId64 " incident(s)): %s\n", TerminalSafe(a.id).c_str(), *n,
+                TerminalSafe(a.note).c_str());
   }
 }
 
@@ -414,13 +518,20 @@ void Run(const char* name, void (*fn)(const KbArgs&), const KbArgs& a, CommandRe
 void AddKbCommands(CLI::App* app, CommandResult* result) {
   // Shared by every kb subcommand; lives as long as the app (static: main parses once).
   static KbArgs args;
-  CLI::App* kb = app->add_subcommand("kb", "the incident knowledge base (SQLite files written by the SDK)");
+  CLI::App* kb = app->add_subcommand(
+      "kb", "the incident knowledge base (SQLite files or a PostgreSQL server written by the SDK)");
   kb->require_subcommand(1);
 
   auto common = [&](CLI::App* c, bool needs_db) {
-    if (needs_db)
-      c->add_option("--db", args.dbs, "knowledge-base file; repeat it or use a glob ('kb/*.db') to read several")
-          ->required();
+    if (needs_db) {
+      CLI::Option* db = c->add_option("--db", args.dbs,
+                                      "knowledge-base file or postgresql:// URL; repeat it or use a glob "
+                                      "('kb/*.db') to read several (default: $OOMGUARD_KB_URL)");
+      const char* url = std::getenv("OOMGUARD_KB_URL");
+      if (url == nullptr || *url == '\0') db->required();
+      // One value per --db: the positionals of import and note stay theirs.
+      db->allow_extra_args(false);
+    }
     c->add_flag("--json", args.json, "machine-readable JSON output");
   };
   auto filters = [&](CLI::App* c) {
@@ -437,6 +548,8 @@ void AddKbCommands(CLI::App* app, CommandResult* result) {
   common(list, true);
   filters(list);
   list->add_option("--limit", args.limit, "at most this many (0: all)")->check(CLI::NonNegativeNumber);
+  list->add_option("--offset", args.offset, "skip this many of the newest first (paging; a server answers only the page)")
+      ->check(CLI::NonNegativeNumber);
   bind(list, "list", CmdList);
 
   CLI::App* show = kb->add_subcommand("show", "one incident with its evidence and remedies");
@@ -463,15 +576,26 @@ void AddKbCommands(CLI::App* app, CommandResult* result) {
   common(patterns, false);
   bind(patterns, "patterns", CmdPatterns);
 
-  CLI::App* imp = kb->add_subcommand("import", "store (and classify) incidents from a JSONL file");
+  CLI::App* imp = kb->add_subcommand(
+      "import", "store (and classify) incidents from a JSONL file, or copy another knowledge base (--from)");
   common(imp, true);
-  imp->add_option("file", args.file, "JSONL file, one incident per line")->required();
+  imp->add_option("file", args.file, "JSONL file, one incident per line");
+  imp->add_option("--from", args.from,
+                  "knowledge base to copy as stored, notes included (an SQLite file into a server, or back)");
   bind(imp, "import", CmdImport);
 
   CLI::App* cls = kb->add_subcommand("classify", "classify incidents from a JSONL file without storing them");
   common(cls, false);
   cls->add_option("file", args.file, "JSONL file, one incident per line")->required();
   bind(cls, "classify", CmdClassify);
+
+  CLI::App* note = kb->add_subcommand("note", "attach a team's note to a fingerprint group (shown with its incidents)");
+  common(note, true);
+  note->add_option("fingerprint", args.id, "the group's fingerprint (see `oomguard kb groups`)")->required();
+  note->add_option("text", args.note, "the note, e.g. 'fixed by expandable_segments'");
+  note->add_option("--author", args.author, "who wrote it (default: $USER)");
+  note->add_flag("--clear", args.clear, "remove the group's note");
+  bind(note, "note", CmdNote);
 
   CLI::App* exp = kb->add_subcommand("export", "every incident as JSONL, newest first");
   common(exp, true);

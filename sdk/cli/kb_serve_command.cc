@@ -4,9 +4,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "oomguard/knowledge_base.h"
 #include "sdk/cli/command.h"
 #include "sdk/core/ids.h"
 #include "sdk/server/browser_api.h"
@@ -23,7 +26,25 @@ struct ServeArgs {
   int port = 8080;
   int poll_ms = 1000;
   std::string html;
+  std::string notes_token_file;
 };
+
+// The token that lets the page write notes: the file's first line (a token
+// on the command line would show in `ps`). "" with an error message on failure.
+std::string ReadToken(const std::string& path, std::string* error) {
+  std::ifstream in(path);
+  std::string token;
+  if (!in || !std::getline(in, token)) {
+    *error = path + ": cannot read the token";
+    return "";
+  }
+  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  if (token.size() < 16) {
+    *error = path + ": the token must be at least 16 characters";
+    return "";
+  }
+  return token;
+}
 
 int Serve(const ServeArgs& a) {
   auto source = server::SnapshotSource::Open(a.dbs, a.poll_ms);
@@ -33,12 +54,34 @@ int Serve(const ServeArgs& a) {
   }
   server::SnapshotSource* src = source->get();
   server::BrowserApi api([src] { return src->Current(); });
+  if (!a.notes_token_file.empty()) {
+    std::string error;
+    std::string token = ReadToken(a.notes_token_file, &error);
+    if (token.empty()) {
+      std::fprintf(stderr, "oomguard kb serve: --notes-token-file %s\n", error.c_str());
+      return 1;
+    }
+    // Notes go to the first --db (a team's server, typically); the poller
+    // shows them with the next snapshot. One writer at a time.
+    const std::string target = src->paths().front();
+    auto mu = std::make_shared<std::mutex>();
+    api.EnableNoteWrites(std::move(token), [target, mu](const GroupNote& note) -> Status {
+      std::lock_guard<std::mutex> lock(*mu);
+      KnowledgeBaseOptions o;
+      o.create_if_missing = false;
+      auto kb = KnowledgeBase::Open(target, o);
+      if (!kb.ok()) return kb.status();
+      return (*kb)->SetNote(note);
+    });
+  }
   server::HttpServerOptions o;
   o.bind = a.bind;
   o.port = static_cast<uint16_t>(a.port);
   o.handle_signals = true;
   auto srv = server::HttpServer::Listen(
-      o, [&api](std::string_view method, std::string_view target) { return api.Handle(method, target); });
+      o, [&api](std::string_view method, std::string_view target, std::string_view authorization) {
+        return api.Handle(method, target, authorization);
+      });
   if (!srv.ok()) {
     std::fprintf(stderr, "oomguard kb serve: %s\n", srv.status().message().c_str());
     return 1;
@@ -47,8 +90,9 @@ int Serve(const ServeArgs& a) {
   std::printf("Serving %s\n", (*srv)->url().c_str());
   std::fflush(stdout);
   auto snap = src->Current();
-  std::fprintf(stderr, "oomguard kb serve: %zu incident(s) from %zu file(s); read-only; Ctrl-C stops\n",
-               snap->incidents().size(), src->paths().size());
+  std::fprintf(stderr, "oomguard kb serve: %zu incident(s) from %zu file(s); %s; Ctrl-C stops\n",
+               snap->incidents().size(), src->paths().size(),
+               a.notes_token_file.empty() ? "read-only" : "notes writable with the token");
   if (a.bind != "127.0.0.1" && a.bind != "::1" && a.bind != "localhost")
     std::fprintf(
         stderr,
@@ -99,7 +143,8 @@ int Report(const ServeArgs& a) {
 
 void AddKbServeCommands(CLI::App* kb, CommandResult* result) {
   static ServeArgs args;  // lives as long as the app; main parses once
-  const char* db_help = "knowledge-base file; repeat it or use a glob ('kb/*.db') to read several";
+  const char* db_help =
+      "knowledge-base file or postgresql:// URL; repeat it or use a glob ('kb/*.db') to read several";
 
   CLI::App* serve = kb->add_subcommand("serve", "browse the incidents in a web page (read-only HTTP server)");
   serve->add_option("--db", args.dbs, db_help)->required();
@@ -113,6 +158,9 @@ void AddKbServeCommands(CLI::App* kb, CommandResult* result) {
   serve->add_option("--poll-ms", args.poll_ms, "how often to look for new incidents in the files (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  serve->add_option("--notes-token-file", args.notes_token_file,
+                    "let the page write notes on groups (into the first --db) when it sends the token in this "
+                    "file (first line, 16+ characters); reading needs none");
   serve->callback([result] { result->exit_code = Serve(args); });
 
   CLI::App* report =

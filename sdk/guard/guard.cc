@@ -132,9 +132,7 @@ void GuardImpl::EnsureInitialSnapshot(Run& run) {
   } catch (...) {
     // Not the SDK's to swallow (a save callback's KeyboardInterrupt): this
     // rank fails the step with it, rethrown once the others know.
-    run.error = std::current_exception();
-    run.local = Local::kFailed;
-    run.failure = Status::Cancelled("saving the initial state raised: " + FailureText(run));
+    run.FailWith(std::current_exception(), "saving the initial state raised: ");
   }
 }
 
@@ -186,10 +184,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
       bad = Status::InvalidArgument(plan.status().message());
     }
   }
-  if (!bad.ok()) {
-    run.local = Local::kFailed;
-    run.failure = bad;
-  }
+  if (!bad.ok()) run.Fail(bad);
   rep.limit_before = EffectiveLimit(req);
   if (bad.ok()) EnsureInitialSnapshot(run);
 
@@ -209,7 +204,7 @@ Status GuardImpl::Step(const StepRequest& req, StepReport* report_out) {
 
 State GuardImpl::RunLocal(Run& run) {
   Device* device = options_.device;
-  while (run.local == Local::kOk) {
+  while (run.local() == Local::kOk) {
     std::exception_ptr error;
     try {
       while (run.pos < run.plan.size()) {
@@ -325,20 +320,17 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   OomInfo info = ClassifyException(error);
   if (!info.is_oom()) {
     // Not ours: it passes through unchanged, once the other ranks know.
-    run.error = std::move(error);
-    run.local = Local::kFailed;
-    run.failure = Status::Cancelled(FailureText(run));
+    run.FailWith(std::move(error));
     return false;
   }
   if (IsCommunicatorFailure(info.message)) {
     // NCCL reports its own allocation failures ("Cuda failure 'out of
     // memory'"), but the communicator is unusable afterwards: no smaller
     // micro-batch helps. Every rank stops and the launcher restarts them.
-    run.local = Local::kFailed;
-    run.failure = Status::Unavailable("the collective communicator failed at step " + std::to_string(step_) +
-                                      " and cannot be used again (" + info.exception_type + ": " + info.message +
-                                      "); exit with code " + std::to_string(kExitCoordinationTimeout) +
-                                      " so that every rank restarts");
+    run.Fail(Status::Unavailable("the collective communicator failed at step " + std::to_string(step_) +
+                                 " and cannot be used again (" + info.exception_type + ": " + info.message +
+                                 "); exit with code " + std::to_string(kExitCoordinationTimeout) +
+                                 " so that every rank restarts"));
     return false;
   }
   Device* device = options_.device;
@@ -378,7 +370,7 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   StepReport& rep = run.rep;
   const int64_t free_before = device != nullptr ? device->Stats().free : 0;
   const double user_ms = CountOomAndRelease(run, inc);
-  if (run.local == Local::kFailed) {  // a releaser's own exception stops this rank
+  if (run.local() == Local::kFailed) {  // a releaser's own exception stops this rank
     inc.action = LadderAction::kGiveUp;
     inc.micro_after = EffectiveLimit(run.req);
     RecordIncident(run, std::move(inc));
@@ -391,13 +383,13 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
                     run.pos < run.plan.size();
   if (!keep && !run.reset) {
     inc.action = LadderAction::kGiveUp;
-    run.failure = Status::FailedPrecondition(
+    run.Fail(Status::FailedPrecondition(
         "OOM in phase '" + std::string(PhaseName(phase)) + "' at step " + std::to_string(step_) +
         " after gradients may have been accumulated, and no reset hook is set (StepRequest.reset); "
-        "incident " + inc.id);
+        "incident " +
+        inc.id));
     inc.micro_after = EffectiveLimit(run.req);
     RecordIncident(run, std::move(inc));
-    run.local = Local::kFailed;
     return false;
   }
 
@@ -447,11 +439,10 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
   if (action == LadderAction::kGiveUp || action == LadderAction::kRollback) {
     if (action == LadderAction::kGiveUp) {
       const bool bounded = rep.ooms > options_.max_ooms_per_step;
-      run.failure = Status::ResourceExhausted(
-          GiveUpText(step_, inc, info, bounded, rep.ooms, in_micro, failed, options_.min_micro_batch));
-      run.local = Local::kFailed;
+      run.Fail(Status::ResourceExhausted(
+          GiveUpText(step_, inc, info, bounded, rep.ooms, in_micro, failed, options_.min_micro_batch)));
     } else {
-      run.local = Local::kRollback;
+      run.AskRollback();
     }
     RecordIncident(run, std::move(inc));
     return false;
@@ -494,9 +485,7 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   OomInfo info = ClassifyException(error);
   if (!info.is_oom()) {
     run.applied = kApplyError;
-    run.error = std::move(error);
-    run.local = Local::kFailed;
-    run.failure = Status::Cancelled(FailureText(run));
+    run.FailWith(std::move(error));
     return;
   }
   run.applied = kApplyOom;
@@ -507,7 +496,7 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   whole.index = -1;
   Incident inc = NewIncident(info, mem, whole, run.req);
   const double user_ms = CountOomAndRelease(run, inc);
-  if (run.local == Local::kFailed) {  // a releaser's own exception: every rank ends the step
+  if (run.local() == Local::kFailed) {  // a releaser's own exception: every rank ends the step
     run.applied = kApplyError;
     inc.action = LadderAction::kGiveUp;
     RecordIncident(run, std::move(inc));
@@ -525,7 +514,6 @@ void GuardImpl::HandleApplyFailure(Run& run, std::exception_ptr error) {
   RecordIncident(run, std::move(inc));
 }
 
-
 Status GuardImpl::Conclude(Run& run) {
   StepReport& rep = run.rep;
   FinishIncidents(rep.incidents, run.outcome);
@@ -539,7 +527,7 @@ Status GuardImpl::Conclude(Run& run) {
   SetCurrentFaultContext(fault_ctx_);
   phase_ = Phase::kUnknown;
   // A user's own exception passes through unchanged, now that every rank knows.
-  if (run.error) std::rethrow_exception(run.error);
+  if (run.error()) std::rethrow_exception(run.error());
   return run.status;
 }
 

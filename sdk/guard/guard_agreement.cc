@@ -9,10 +9,10 @@ namespace oomguard::guard_internal {
 
 internal::RankVote GuardImpl::MyVote(const Run& run) {
   internal::RankVote v;
-  v.status = run.local == Local::kOk         ? VoteStatus::kOk
-             : run.local == Local::kRollback ? VoteStatus::kRollback
-                                             : VoteStatus::kFailed;
-  v.code = run.local == Local::kFailed ? run.failure.code() : StatusCode::kOk;
+  v.status = run.local() == Local::kOk         ? VoteStatus::kOk
+             : run.local() == Local::kRollback ? VoteStatus::kRollback
+                                               : VoteStatus::kFailed;
+  v.code = run.local() == Local::kFailed ? run.failure().code() : StatusCode::kOk;
   v.step = step_;
   v.units = run.local_units;
   v.micro_limit = controller_.limit();
@@ -59,10 +59,11 @@ State GuardImpl::Vote(Run& run) {
     // splitting cannot fix.
     size_t asking = 0;
     while (asking + 1 < v.ranks.size() && v.ranks[asking].status != VoteStatus::kRollback) ++asking;
-    run.rollback_why = (coordinator_->size() > 1 ? "rank " + std::to_string(asking) + " ran" : "ran") +
-                       std::string(" out of memory at step ") + std::to_string(step_) + " at its smallest micro-batch (" +
-                       std::to_string(v.ranks[asking].micro_limit) + ")";
-    run.rollback_size = v.ranks[asking].micro_limit;
+    run.AgreeRollback((coordinator_->size() > 1 ? "rank " + std::to_string(asking) + " ran" : "ran") +
+                          std::string(" out of memory at step ") + std::to_string(step_) +
+                          " at its smallest micro-batch (" + std::to_string(v.ranks[asking].micro_limit) +
+                          ")",
+                      v.ranks[asking].micro_limit);
     return State::kRollback;
   }
   return State::kSync;
@@ -81,15 +82,13 @@ State GuardImpl::Sync(Run& run) {
     if (ClassifyException(error).is_oom()) {
       mine.oom = true;
       HandleOom(run, std::move(error), Where::kCommit);
-      if (run.error) {  // a cache releaser raised on the way: an error, not an OOM
+      if (run.error()) {  // a cache releaser raised on the way: an error, not an OOM
         mine.oom = false;
         mine.error = true;
       }
     } else {
       mine.error = true;
-      run.error = std::move(error);
-      run.local = Local::kFailed;
-      run.failure = Status::Cancelled(FailureText(run));
+      run.FailWith(std::move(error));
     }
   }
   // This rank's share of the global batch: sum_r share_r * mean_r is the mean
@@ -114,13 +113,12 @@ State GuardImpl::Sync(Run& run) {
                                             "(max_ooms_per_step); remedies: " + kGenericRemedies),
                   IncidentOutcome::kFailed);
     if (!run.reset) {
-      run.local = Local::kFailed;
-      run.failure = Status::FailedPrecondition(
+      run.Fail(Status::FailedPrecondition(
           "another rank ran out of memory in the gradient sync of step " + std::to_string(step_) +
-          ": the step must be redone, and no reset hook is set (StepRequest.reset)");
+          ": the step must be redone, and no reset hook is set (StepRequest.reset)"));
       return State::kLocal;
     }
-    if (Reset(run) && run.local == Local::kOk && !mine.oom) PlanAnew(run);
+    if (Reset(run) && run.local() == Local::kOk && !mine.oom) PlanAnew(run);
     Logger()->info("step {} is redone: {} rank(s) ran out of memory in the gradient sync", step_, synced->oom_ranks);
     return State::kLocal;
   }
@@ -151,9 +149,10 @@ State GuardImpl::Agree(Run& run) {
   }
   if (error) return EndFailed(run);
   if (oom_rank >= 0) {
-    run.rollback_why = (coordinator_->size() > 1 ? "rank " + std::to_string(oom_rank) + " ran" : "ran") +
-                       std::string(" out of memory in the optimizer apply at step ") + std::to_string(step_);
-    run.rollback_size = (*all)[static_cast<size_t>(oom_rank)][1];
+    run.AgreeRollback((coordinator_->size() > 1 ? "rank " + std::to_string(oom_rank) + " ran" : "ran") +
+                          std::string(" out of memory in the optimizer apply at step ") +
+                          std::to_string(step_),
+                      (*all)[static_cast<size_t>(oom_rank)][1]);
     return State::kRollback;
   }
   CommitStep(run);
@@ -204,15 +203,15 @@ void GuardImpl::CommitStep(Run& run) {
   } catch (...) {
     // Not the SDK's to swallow (a save callback's KeyboardInterrupt): the
     // step stays committed, and Conclude rethrows it.
-    run.error = std::current_exception();
-    s = Status::Cancelled(DescribeException(run.error));
+    run.RaiseAfterCommit(std::current_exception());
+    s = Status::Cancelled(DescribeException(run.error()));
   }
   if (!s.ok()) Logger()->error("checkpoint after step {} failed: {}", done, s.ToString());
 }
 
 State GuardImpl::EndFailed(Run& run) {
   internal::StepChannel::Reason mine;
-  if (run.local == Local::kFailed) mine = {run.failure.code(), FailureText(run)};
+  if (run.local() == Local::kFailed) mine = {run.failure().code(), run.FailureText()};
   auto reasons = channel_.ShareReasons(mine);
   if (!reasons.ok()) return EndCoordination(run, reasons.status());
   int first = -1, count = 0;
@@ -222,9 +221,9 @@ State GuardImpl::EndFailed(Run& run) {
     ++count;
   }
   run.rep.failed_rank = first;
-  if (run.local == Local::kFailed) {
-    Logger()->error("step {} stopped on this rank: {}", step_, FailureText(run));
-    return Done(run, run.failure, IncidentOutcome::kFailed);
+  if (run.local() == Local::kFailed) {
+    Logger()->error("step {} stopped on this rank: {}", step_, run.FailureText());
+    return Done(run, run.failure(), IncidentOutcome::kFailed);
   }
   if (first < 0)  // cannot happen: a failure was seen; stay on the safe side
     return Done(run, Status::Internal("a rank failed at step " + std::to_string(step_) + " without a reason"),

@@ -5,6 +5,8 @@
 //                       and the ways every rank ends a step together
 //   guard_restore.cc    rollback, Resume and Finish: restoring a step every
 //                       rank holds
+//   guard_pieces.cc     what the states share: creation and the learned
+//                       priors, plans, cache release, incidents
 //   checkpoint_commit.h the committed checkpoint: the one caller of
 //                       RecoveryStore::Commit, and the steps every rank holds
 // docs/distributed.md describes the protocol these files implement.
@@ -133,72 +135,59 @@ struct Run {
   int64_t step_peak = 0;
   bool release_retry_used = false;
   bool outside_retry_used = false;     // the redo after an OOM outside the micro-batches
-  Local local = Local::kOk;
-  Status failure;                      // why this rank failed (local == kFailed)
-  std::exception_ptr error;            // a non-OOM exception: rethrown once the others know
   std::vector<SumBuffer> buffers;      // what req.sync returned
   internal::VoteOutcome vote;
   ApplyOutcome applied = kApplied;
-  std::string rollback_why;            // the same text on every rank
-  int64_t rollback_size = 0;           // the micro-batch limit of the rank that asked
   Status status;                       // what Step returns
   IncidentOutcome outcome = IncidentOutcome::kRecovered;
+
+  // This rank's own verdict on the step (what it votes), and the agreed
+  // rollback. Each is written only through the methods below.
+  Local local() const { return local_; }
+  const Status& failure() const { return failure_; }          // why (local() == kFailed)
+  const std::exception_ptr& error() const { return error_; }  // rethrown once the others know
+  // What this rank tells the others about its own failure.
+  std::string FailureText() const { return error_ ? DescribeException(error_) : failure_.ToString(); }
+  // This rank cannot finish the step; `why` travels to the others.
+  void Fail(Status why) {
+    local_ = Local::kFailed;
+    failure_ = std::move(why);
+  }
+  // An exception that is not the SDK's to swallow (not an OOM, or the host
+  // language's own): this rank fails with it, `context` first.
+  void FailWith(std::exception_ptr e, const std::string& context = {}) {
+    error_ = std::move(e);
+    Fail(Status::Cancelled(context + DescribeException(error_)));
+  }
+  // Such an exception after the step committed (a save callback's): the
+  // step stands, and Step rethrows it at the end.
+  void RaiseAfterCommit(std::exception_ptr e) { error_ = std::move(e); }
+  // An OOM that a smaller micro-batch cannot fix: this rank votes rollback.
+  void AskRollback() {
+    if (local_ == Local::kOk) local_ = Local::kRollback;
+  }
+  // The ranks agreed to roll back: why (the same text on every rank) and the
+  // micro-batch limit of the rank that asked.
+  void AgreeRollback(std::string why, int64_t size) {
+    rollback_why_ = std::move(why);
+    rollback_size_ = size;
+  }
+  const std::string& rollback_why() const { return rollback_why_; }
+  int64_t rollback_size() const { return rollback_size_; }
+
+ private:
+  Local local_ = Local::kOk;
+  Status failure_;
+  std::exception_ptr error_;
+  std::string rollback_why_;
+  int64_t rollback_size_ = 0;
 };
 
 class GuardImpl final : public Guard {
  public:
-  explicit GuardImpl(const GuardOptions& o)
-      : options_(o),
-        controller_(ControllerOptions(o)),
-        run_id_(o.run_id),
-        own_coordinator_(o.coordinator == nullptr ? MakeLocalCoordinator() : nullptr),
-        coordinator_(o.coordinator != nullptr ? o.coordinator : own_coordinator_.get()),
-        channel_(coordinator_, std::chrono::milliseconds(o.vote_deadline_ms)),
-        commits_(o.recovery, coordinator_->rank(), coordinator_->size()) {
-    // One job, one run: every rank takes the group's id when nobody named the run.
-    if (run_id_.empty()) run_id_ = coordinator_->job_id();
-    if (run_id_.empty()) run_id_ = internal::RandomHex16();
-    prior_key_ = PriorKey(options_.workload, coordinator_->rank(), coordinator_->size());
-    if (options_.priors != nullptr && !options_.workload.empty()) {
-      // A learned model gives the size that fits on this device at the first
-      // step's figures; without one (or a device), the learned size.
-      std::optional<SizeModel> model;
-      if (controller_.options().policy == SizePolicy::kPredictive && options_.device != nullptr)
-        model = options_.priors->PriorModel(prior_key_);
-      if (model && model->unit_bytes > 0) {
-        controller_.AdoptPrior(*model);
-        // Until the first step's figures give the size for this device, the
-        // learned size is the best guess (what micro_limit() reports).
-        if (auto prior = options_.priors->PriorMicroBatch(prior_key_);
-            prior && *prior >= 1 && *prior < controller_.limit())
-          controller_.SetLimit(*prior);
-        Logger()->info("workload '{}': starting from the learned memory model ({} per unit)",
-                       options_.workload, FormatBytes(model->unit_bytes));
-      } else if (auto prior = options_.priors->PriorMicroBatch(prior_key_);
-                 prior && *prior >= 1 && *prior < controller_.limit()) {
-        controller_.AdoptPrior(*prior);
-        Logger()->info("workload '{}': starting at the learned micro-batch {}", options_.workload, controller_.limit());
-      }
-    }
-    // The guard is created on its training thread: its log lines carry its rank.
-    SetLogRank(coordinator_->rank());
-  }
+  explicit GuardImpl(const GuardOptions& o);
 
-  static SizeControllerOptions ControllerOptions(const GuardOptions& o) {
-    SizeControllerOptions c;
-    c.min = o.min_micro_batch;
-    c.max = o.max_micro_batch > 0 ? o.max_micro_batch : INT64_MAX;
-    c.initial = o.initial_micro_batch > 0 ? std::min(o.initial_micro_batch, c.max) : c.max;
-    c.grow_after = o.grow_after;
-    c.tolerance = o.grow_tolerance;
-    c.forget_bad_after = o.forget_bad_after;
-    // Ranks that must use equal sizes agree on the limit once per step, at
-    // the vote: they stay equal as long as they grow together, on the
-    // search's probe schedule. Predictions differ by rank (a protocol that
-    // agrees on them is for later).
-    c.policy = o.uniform_micro_batch ? SizePolicy::kSearch : o.controller;
-    return c;
-  }
+  static SizeControllerOptions ControllerOptions(const GuardOptions& o);
 
   Status Step(const StepRequest& req, StepReport* report) override;
   Status Evaluate(const EvalRequest& req, StepReport* report) override;
@@ -245,19 +234,11 @@ class GuardImpl final : public Guard {
   // with a device). Before: the base and a fresh peak. After: the figures go
   // to the controller; true when it changed the limit and the rest of the
   // step was re-planned.
-  void BeforeMicroBatch(Run& run) {
-    Device* device = options_.device;
-    if (run.mem_base < 0) {
-      const MemoryStats st = device->Stats();
-      run.mem_base = st.allocated;
-      run.mem_retries = st.num_alloc_retries;
-    }
-    device->ResetPeak();
-  }
+  void BeforeMicroBatch(Run& run);
   void AfterMicroBatch(Run& run, const MicroBatch& mb);
   // The one OOM handler before the apply: records the incident, releases
   // caches and walks the ladder. True when the work was re-planned and can be
-  // retried; false when this rank stops (run.local says how).
+  // retried; false when this rank stops (run.local() says how).
   bool HandleOom(Run& run, std::exception_ptr error, Where where);
   // An exception in the apply: parameters may be half-updated.
   void HandleApplyFailure(Run& run, std::exception_ptr error);
@@ -268,21 +249,11 @@ class GuardImpl final : public Guard {
   // After a halve or a retry: plans the rest of the step again, from the
   // failed micro-batch when earlier work is kept (`keep`), else from scratch
   // after the reset hook (an OOM in a local phase). False when the reset
-  // hook threw (this rank fails; run.local says so).
+  // hook threw (this rank fails; run.local() says so).
   bool Replan(Run& run, bool keep, const MicroBatch& failed, Where where);
   // Calls the reset hook. Its own exception makes this rank fail (kept to be
   // rethrown once the others know); false then.
-  bool Reset(Run& run) {
-    try {
-      run.reset();
-      return true;
-    } catch (...) {
-      run.error = std::current_exception();
-      run.local = Local::kFailed;
-      run.failure = Status::Cancelled("the reset hook raised: " + FailureText(run));
-      return false;
-    }
-  }
+  bool Reset(Run& run);
   // Every rank ends the step because some rank failed: the reasons travel,
   // the failing ranks return their own error, the others name the first.
   State EndFailed(Run& run);
@@ -311,152 +282,39 @@ class GuardImpl final : public Guard {
   // The limit as it applies to this request: "whole step" when it is larger.
   // The costs' sum saturates (a request whose sum overflows is refused, but
   // its report is still filled in).
-  int64_t EffectiveLimit(const StepRequest& req) const {
-    int64_t whole = req.samples;
-    if (!req.costs.empty()) {
-      whole = 0;
-      for (int64_t c : req.costs)
-        if (__builtin_add_overflow(whole, std::max<int64_t>(c, 0), &whole)) whole = INT64_MAX;
-    }
-    return std::min(controller_.limit(), std::max<int64_t>(whole, 1));
-  }
+  int64_t EffectiveLimit(const StepRequest& req) const;
 
   // Plans samples [begin, n) and weighs each micro-batch by its share of
   // this rank's samples or units.
-  StatusOr<std::vector<MicroBatch>> MakePlan(const Run& run, int64_t begin, int first_index) const {
-    const StepRequest& req = run.req;
-    StatusOr<std::vector<MicroBatch>> plan =
-        !req.costs.empty()
-            ? PlanByCost(req.costs, controller_.limit(), begin, first_index)
-            : StatusOr<std::vector<MicroBatch>>(PlanBySamples(
-                  req.samples, std::max<int64_t>(1, std::min(controller_.limit(), req.samples)), begin, first_index));
-    if (plan.ok() && !run.unit_prefix.empty()) {
-      for (MicroBatch& mb : *plan) {
-        const int64_t u = run.unit_prefix[static_cast<size_t>(mb.offset + mb.size)] -
-                          run.unit_prefix[static_cast<size_t>(mb.offset)];
-        mb.weight = run.local_units > 0 ? static_cast<double>(u) / static_cast<double>(run.local_units) : 0.0;
-      }
-    }
-    return plan;
-  }
+  StatusOr<std::vector<MicroBatch>> MakePlan(const Run& run, int64_t begin, int first_index) const;
 
   // Re-plans the whole step from its first sample.
-  void PlanAnew(Run& run) {
-    auto plan = MakePlan(run, 0, 0);
-    if (plan.ok()) run.plan = std::move(plan).value();  // the first plan succeeded, so this one does
-    run.pos = 0;
-    run.largest = 0;
-  }
+  void PlanAnew(Run& run);
 
   // Rung 1: the retry must see the memory. User releasers first (they drop
   // references), then the device's allocator cache. Returns the time spent in
   // user releasers, which recovery time excludes.
   // A releaser's std::exception is logged and the next releaser runs; any
   // other exception (the host language's own: a Python KeyboardInterrupt) is
-  // not the SDK's to swallow: this rank fails the step with it (run.error),
+  // not the SDK's to swallow: this rank fails the step with it (run.error()),
   // rethrown once the others know, and no further releaser runs.
-  double ReleaseCaches(Run& run) {
-    std::string name;
-    const double user_ms = ReleaseCaches(&run.error, &name);
-    if (run.error) {
-      run.local = Local::kFailed;
-      run.failure = Status::Cancelled("cache releaser '" + name + "' raised: " + FailureText(run));
-    }
-    return user_ms;
-  }
+  double ReleaseCaches(Run& run);
   // The same outside a step: *foreign receives the exception a releaser
   // raised that is not a std::exception (and *who its name), for the caller
   // to rethrow.
-  double ReleaseCaches(std::exception_ptr* foreign, std::string* who) {
-    auto t0 = Clock::now();
-    for (auto& [name, fn] : releasers_) {
-      try {
-        fn();
-      } catch (const std::exception& e) {
-        Logger()->warn("cache releaser '{}' threw: {}", name, e.what());
-      } catch (...) {
-        *foreign = std::current_exception();
-        *who = name;
-        break;
-      }
-    }
-    double user_ms = MsSince(t0);
-    if (options_.device != nullptr) options_.device->ReleaseCaches();
-    return user_ms;
-  }
+  double ReleaseCaches(std::exception_ptr* foreign, std::string* who);
 
   Incident NewIncident(const OomInfo& info, const MemoryStats& mem, const MicroBatch& mb,
                        const StepRequest& req) const {
     return NewIncident(info, mem, mb, req.costs);
   }
   Incident NewIncident(const OomInfo& info, const MemoryStats& mem, const MicroBatch& mb,
-                       std::span<const int64_t> costs) const {
-    Incident inc;
-    inc.id = internal::RandomHex16();
-    inc.run_id = run_id_;
-    inc.time_unix_ms = internal::NowUnixMs();
-    inc.host = internal::HostName();
-    inc.rank = coordinator_->rank();
-    inc.world_size = coordinator_->size();
-    inc.step = step_;
-    inc.micro_index = mb.index;
-    inc.phase = phase_;
-    inc.kind = internal::IncidentKindOf(info.kind);
-    inc.exception_type = info.exception_type;
-    inc.message = info.message;
-    inc.requested_bytes = info.requested_bytes;
-    inc.memory = mem;
-    inc.step_peaks.assign(peaks_.begin(), peaks_.end());
-    inc.steps_ok_before = steps_ok_since_oom_;
-    if (!costs.empty()) {
-      std::vector<int64_t> c(costs.begin(), costs.end());
-      auto mid = c.begin() + static_cast<std::ptrdiff_t>(c.size() / 2);
-      std::nth_element(c.begin(), mid, c.end());
-      inc.sample_cost_median = static_cast<double>(*mid);
-      int64_t top = 0;
-      for (int64_t i = mb.offset; i < mb.offset + mb.size; ++i) top = std::max(top, costs[static_cast<size_t>(i)]);
-      inc.sample_cost_this = static_cast<double>(top);
-    }
-    inc.micro_before = mb.cost;
-    inc.workload = options_.workload;
-    inc.injected = info.injected;
-    inc.framework = info.framework;
-    inc.outcome = IncidentOutcome::kPending;
-    return inc;
-  }
+                       std::span<const int64_t> costs) const;
 
   void RecordIncident(Run& run, Incident inc) { RecordIncident(run.rep, std::move(inc)); }
-  void RecordIncident(StepReport& rep, Incident inc) {
-    if (options_.incidents != nullptr) {
-      try {
-        options_.incidents->Record(inc);
-      } catch (...) {
-        // A failing knowledge base must never stop training.
-        Logger()->warn("incident sink failed to record incident {}", inc.id);
-      }
-    }
-    rep.incidents.push_back(std::move(inc));
-  }
+  void RecordIncident(StepReport& rep, Incident inc);
 
-  void FinishIncidents(std::vector<Incident>& incs, IncidentOutcome outcome) {
-    for (auto& inc : incs) {
-      if (inc.outcome != IncidentOutcome::kPending) continue;
-      inc.outcome = outcome;
-      if (options_.incidents != nullptr) {
-        try {
-          options_.incidents->UpdateOutcome(inc);
-        } catch (...) {
-          Logger()->warn("incident sink failed to update incident {}", inc.id);
-        }
-      }
-    }
-  }
-
-  // What this rank tells the others about its own failure.
-  std::string FailureText(const Run& run) const {
-    if (run.error) return DescribeException(run.error);
-    return run.failure.ToString();
-  }
+  void FinishIncidents(std::vector<Incident>& incs, IncidentOutcome outcome);
 
   GuardOptions options_;
   SizeController controller_;

@@ -61,14 +61,14 @@ StatusOr<int64_t> GuardImpl::RestoreAgreed(const std::vector<internal::RankPoint
 
 State GuardImpl::Rollback(Run& run) {
   const int world = coordinator_->size();
-  const std::string& why = run.rollback_why;
+  const std::string& why = run.rollback_why();
   // The abandoned step's gradients must not leak into the redo. A reset that
   // raises leaves this rank with nothing to offer: every rank then stops.
   const bool reset_ok = !run.reset || Reset(run);
   auto points = channel_.ExchangePoints(reset_ok ? MyPoints() : internal::RankPoints{});
   if (!points.ok()) return EndCoordination(run, points.status());
   const std::vector<int64_t> candidates = RestorableSteps(*points, step_);
-  const std::string size = "micro-batch " + std::to_string(run.rollback_size);
+  const std::string size = "micro-batch " + std::to_string(run.rollback_size());
   if (candidates.empty())
     return Done(run,
                 Status::ResourceExhausted(why + "; no checkpoint to roll back to" + (world > 1 ? " on every rank" : "") +

@@ -264,26 +264,31 @@ Classification ClassifyIncident(const Incident& incident) {
   // imports) is decided by its figures and fields alone: the text model was
   // trained on reports and has only a short message to read there. A report
   // whose rules decide strongly keeps them too; otherwise the text model's
-  // reading and the rules' candidates are combined, and the combined score is
-  // mapped to the share of validation reports answered right at that score.
+  // reading and the rules' candidates are combined, and the best class's
+  // margin over the next is mapped to the share of validation reports answered
+  // right at that margin.
   const kb::TextModelInfo& model = kb::TextModel();
   const bool rules_alone = incident.context.empty() || (rules.best != nullptr && rules.best->confidence >= model.strong_rule);
   if (model.trained && !rules_alone) {
     const std::vector<double> p = kb::TextProbabilities(kb::ModelText(incident));
     const std::vector<std::string_view> ruled_out = kb::RuledOut(f);
-    size_t top = 0;
-    double top_score = -1;
-    std::vector<double> score(p.size());
+    // The calibration reads the margin of the best class over the next: a
+    // report two classes fit about equally is not a confident answer.
+    std::vector<double> score(p.size(), -1.0);  // a ruled-out class scores -1, as in the training script
     for (size_t c = 0; c < p.size(); ++c) {
       if (std::find(ruled_out.begin(), ruled_out.end(), model.classes[c]) != ruled_out.end()) continue;
       double rule = 0;
       for (const Candidate& cand : all)
         if (cand.pattern == model.classes[c]) rule = std::max(rule, cand.confidence);
       score[c] = p[c] + model.combine_rule_weight * rule;
-      if (score[c] > top_score) top_score = score[c], top = c;
     }
+    const size_t top = static_cast<size_t>(std::max_element(score.begin(), score.end()) - score.begin());
+    const double top_score = score[top];
+    double second_score = -1;
+    for (size_t c = 0; c < score.size(); ++c)
+      if (c != top) second_score = std::max(second_score, score[c]);
     pattern = model.classes[top];
-    deciding = confidence = kb::CalibratedConfidence(top_score);
+    deciding = confidence = kb::CalibratedConfidence(top_score - second_score);
     floor = model.decision_floor;
     const Candidate* agreeing = nullptr;
     for (const Candidate& cand : all)

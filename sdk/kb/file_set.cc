@@ -9,15 +9,24 @@
 #include <map>
 #include <set>
 
+#include "sdk/kb/store.h"
+
 namespace oomguard::kb {
 
-StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& specs) {
+StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& given) {
+  std::vector<std::string> specs = given;
+  if (specs.empty()) {
+    if (const char* url = std::getenv("OOMGUARD_KB_URL"); url != nullptr && *url != '\0') specs.push_back(url);
+  }
   if (specs.empty())
-    return Status::InvalidArgument("--db is required (repeat it, or use a glob, to read several files)");
+    return Status::InvalidArgument(
+        "--db is required (repeat it, or use a glob, to read several files; or set OOMGUARD_KB_URL to a "
+        "postgresql:// URL)");
   std::vector<std::string> out;
   std::set<std::string> seen;
   for (const std::string& spec : specs) {
-    if (spec.find_first_of("*?[") == std::string::npos) {
+    // A server's URL is no glob ('?' starts its parameters).
+    if (spec.find_first_of("*?[") == std::string::npos || IsServerUrl(spec)) {
       if (seen.insert(spec).second) out.push_back(spec);
       continue;
     }
@@ -118,14 +127,21 @@ StatusOr<KnowledgeBaseSet> KnowledgeBaseSet::Open(const std::vector<std::string>
     auto kb = KnowledgeBase::Open(path, o);
     if (!kb.ok()) return kb.status();
     set.files_.push_back(std::move(kb).value());
+    set.specs_.push_back(path);
   }
   return set;
 }
 
 StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& query) {
+  // One store pages itself (a server answers only the page); several are
+  // merged first: each gives its first offset + limit, the merge is sliced.
+  if (files_.size() == 1) return files_[0]->Query(query);
+  IncidentQuery each = query;
+  each.offset = 0;
+  if (query.limit > 0) each.limit = query.limit + query.offset;
   std::vector<Incident> all;
   for (auto& kb : files_) {
-    auto r = kb->Query(query);  // each file already limited, so the merge is too
+    auto r = kb->Query(each);  // each file already limited, so the merge is too
     if (!r.ok()) return r.status();
     if (all.empty()) {
       all = std::move(r).value();
@@ -133,7 +149,9 @@ StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& que
       for (auto& inc : *r) all.push_back(std::move(inc));
     }
   }
-  if (files_.size() > 1) std::stable_sort(all.begin(), all.end(), NewerFirst);
+  std::stable_sort(all.begin(), all.end(), NewerFirst);
+  const size_t skip = std::min(all.size(), static_cast<size_t>(query.offset));
+  all.erase(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(skip));
   if (query.limit > 0 && all.size() > static_cast<size_t>(query.limit))
     all.resize(static_cast<size_t>(query.limit));
   return all;
@@ -168,6 +186,19 @@ StatusOr<FileSetStats> KnowledgeBaseSet::Stats() {
   out.by_pattern = sorted(by_pattern);
   out.by_outcome = sorted(by_outcome);
   out.by_kind = sorted(by_kind);
+  return out;
+}
+
+StatusOr<std::map<std::string, GroupNote>> KnowledgeBaseSet::Notes() {
+  std::map<std::string, GroupNote> out;
+  for (auto& kb : files_) {
+    auto notes = kb->Notes();
+    if (!notes.ok()) return notes.status();
+    for (GroupNote& n : *notes) {
+      auto it = out.find(n.fingerprint);
+      if (it == out.end() || it->second.updated_unix_ms < n.updated_unix_ms) out[n.fingerprint] = std::move(n);
+    }
+  }
   return out;
 }
 

@@ -12,6 +12,7 @@
 #define OOMGUARD_SDK_KB_FILE_SET_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -24,7 +25,8 @@
 namespace oomguard::kb {
 
 // Expands --db specs: a spec with '*', '?' or '[' is a glob (it must match at
-// least one file), any other is a path. Duplicates are dropped, order kept.
+// least one file), a postgresql:// URL is a server, any other is a path.
+// Duplicates are dropped, order kept. No spec: $OOMGUARD_KB_URL when set.
 // kInvalidArgument names the spec that matched nothing, or says none was given.
 StatusOr<std::vector<std::string>> ExpandPaths(const std::vector<std::string>& specs);
 
@@ -71,17 +73,25 @@ class KnowledgeBaseSet {
   // not open, with KnowledgeBase::Open's code and message (naming the path).
   static StatusOr<KnowledgeBaseSet> Open(const std::vector<std::string>& specs);
 
-  // Every file's matches, merged newest first; query.limit applies to the merge.
+  // Every file's matches, merged newest first; query.offset and query.limit
+  // apply to the merge (one server answers just that page).
   StatusOr<std::vector<Incident>> Query(const IncidentQuery& query);
   // GroupIncidents over Query(filters) with the limit cleared.
   StatusOr<std::vector<IncidentGroup>> Groups(IncidentQuery filters);
   StatusOr<FileSetStats> Stats();
+  // Every file's group notes by fingerprint; where two files note one group,
+  // the newer note wins.
+  StatusOr<std::map<std::string, GroupNote>> Notes();
 
+  // What each file is called in messages (a server's URL without its password).
   std::vector<std::string> paths() const;
+  // What opens each again (a server's URL as given, with its password).
+  const std::vector<std::string>& specs() const { return specs_; }
   size_t size() const { return files_.size(); }
 
  private:
   std::vector<std::unique_ptr<KnowledgeBase>> files_;
+  std::vector<std::string> specs_;
 };
 
 }  // namespace oomguard::kb

@@ -6,10 +6,17 @@
 //   waits for the writer, never throws.
 // - Operations are written in the order they were queued, so an UpdateOutcome
 //   always lands after the Record it completes.
-// - processed_ counts queued operations the writer has finished (written or
-//   lost); Flush waits for processed_ to reach the count at its call.
+// - processed_ counts queued operations the writer has finished (written,
+//   spooled or lost); Flush waits for processed_ to reach the count at its call.
+// - With a server (spool_ set): while this process's spool holds incidents,
+//   new incidents join it rather than overtake it, so an UpdateOutcome still
+//   lands after its Record; the writer retries the server every
+//   retry_interval_ms and sends the spool (its own file first) when it answers.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <cmath>
 #include <condition_variable>
 #include <deque>
@@ -20,6 +27,7 @@
 #include "oomguard/faults.h"
 #include "oomguard/knowledge_base.h"
 #include "oomguard/logging.h"
+#include "sdk/kb/spool.h"
 #include "sdk/kb/store.h"
 
 namespace oomguard {
@@ -48,12 +56,14 @@ class QueueSink final : public IncidentSink {
 class KnowledgeBaseImpl final : public KnowledgeBase {
  public:
   KnowledgeBaseImpl(std::string path, KnowledgeBaseOptions options, std::unique_ptr<kb::Store> writer_store,
-                    std::unique_ptr<kb::Store> reader_store)
+                    std::unique_ptr<kb::Store> reader_store, std::unique_ptr<kb::Spool> spool = nullptr)
       : path_(std::move(path)),
         options_(options),
         sink_(this),
+        spool_(std::move(spool)),
         writer_store_(std::move(writer_store)),
         reader_store_(std::move(reader_store)) {
+    if (spool_ != nullptr && spool_->orphans()) spool_has_data_ = true;
     // A reader (options.read_only) has no writer store and no writer thread.
     if (writer_store_ != nullptr) writer_ = std::thread([this] { WriterLoop(); });
   }
@@ -97,11 +107,24 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
     // Bounded: a writer stuck on another process's lock gives up each batch
     // after busy_timeout_ms, so this returns in a few busy timeouts at most.
     auto limit = std::chrono::milliseconds(10000 + 4LL * options_.busy_timeout_ms);
-    if (!done_cv_.wait_for(lock, limit, [&] { return processed_ >= target; }))
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    if (!done_cv_.wait_until(lock, deadline, [&] { return processed_ >= target; }))
       return Status::DeadlineExceeded("knowledge base " + path_ + ": flush timed out; " +
                                       std::to_string(queued_ - processed_) + " operations still queued");
     Status s = std::move(flush_error_);
     flush_error_ = Status::Ok();
+    if (s.ok() && spool_has_data_) {
+      // One more try at the server for what waits in the spool.
+      const uint64_t attempt = drain_attempts_;
+      drain_requested_ = true;
+      work_cv_.notify_all();
+      done_cv_.wait_until(lock, deadline, [&] { return drain_attempts_ > attempt || stop_; });
+      if (spool_has_data_)
+        return Status::Unavailable("knowledge base " + path_ + ": " + std::to_string(stats_.spool_pending) +
+                                   " incident(s) wait in the spool " + spool_->dir() +
+                                   " for the server; they are sent when it answers (by this job, or the next "
+                                   "one using that spool)");
+    }
     return s;
   }
 
@@ -192,6 +215,19 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
     std::lock_guard<std::mutex> lock(reader_mu_);
     return reader_store_->Stats();
   }
+  StatusOr<int64_t> Count(const IncidentQuery& q) override {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    return reader_store_->Count(q);
+  }
+  Status SetNote(const GroupNote& note) override {
+    if (options_.read_only) return ReadOnlyError();
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    return reader_store_->SetNote(note);
+  }
+  StatusOr<std::vector<GroupNote>> Notes() override {
+    std::lock_guard<std::mutex> lock(reader_mu_);
+    return reader_store_->Notes();
+  }
   const std::string& path() const override { return path_; }
 
  private:
@@ -244,13 +280,34 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
     }
   }
 
+  // Writer thread: sends what waits in the spool; true when it is empty now.
+  bool TryDrain() {
+    int64_t sent = 0;
+    Status s = spool_->Drain(
+        [&](const std::vector<Incident>& part) { return writer_store_->Write(part, {}, 0); }, kMaxBatch, &sent);
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.written += sent;
+    stats_.spool_pending = spool_->pending();
+    spool_has_data_ = !s.ok() || spool_->pending() > 0 || spool_->orphans();
+    if (!s.ok()) stats_.last_error = s.ToString();
+    ++drain_attempts_;
+    done_cv_.notify_all();
+    return !spool_has_data_;
+  }
+
   void WriterLoop() {
     std::vector<Op> batch;
+    auto next_retry = std::chrono::steady_clock::now();
     for (;;) {
       int64_t drops = 0;
+      bool drain_now = false;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [&] { return stop_ || !queue_.empty() || unrecorded_drops_ > 0; });
+        auto ready = [&] { return stop_ || !queue_.empty() || unrecorded_drops_ > 0 || drain_requested_; };
+        if (spool_has_data_)
+          work_cv_.wait_until(lock, next_retry, ready);
+        else
+          work_cv_.wait(lock, ready);
         if (stop_ && queue_.empty()) return;
         size_t n = std::min(kMaxBatch, queue_.size());
         batch.clear();
@@ -260,6 +317,12 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
         }
         drops = unrecorded_drops_;
         unrecorded_drops_ = 0;
+        drain_now = spool_has_data_ && (drain_requested_ || std::chrono::steady_clock::now() >= next_retry);
+        drain_requested_ = false;
+      }
+      if (drain_now) {
+        TryDrain();
+        next_retry = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.retry_interval_ms);
       }
       std::vector<Incident> incidents;
       std::vector<kb::PriorUpdate> priors;
@@ -271,6 +334,16 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
           incidents.push_back(std::move(op.incident));
         }
       }
+      int64_t spooled = 0;
+      Status spool_error;
+      // Behind a spool that still holds this process's incidents, new ones
+      // queue up there too (in order).
+      auto to_spool = [&] {
+        spool_error = spool_->Append(incidents);
+        if (spool_error.ok()) spooled = static_cast<int64_t>(incidents.size());
+        incidents.clear();
+      };
+      if (spool_ != nullptr && spool_->pending() > 0 && !incidents.empty()) to_spool();
       Status s;
       try {
         // The kb_write fault site: a kill tests that a half-written batch
@@ -278,20 +351,39 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
         // counts as a failed write, like a full disk.
         FaultPoint(FaultSite::kKbWrite, FaultContext{});
         s = writer_store_->Write(incidents, priors, drops);
+        if (!s.ok() && spool_ != nullptr && s.code() == StatusCode::kUnavailable && !incidents.empty()) {
+          // The server is away: the incidents wait on disk; the priors and
+          // the drop count of this batch are lost (a later session relearns).
+          to_spool();
+          s = priors.empty() ? Status::Ok() : s;
+        }
       } catch (const std::exception& e) {
         s = Status::ResourceExhausted(std::string("knowledge base writer: ") + e.what());
       }
+      if (!spool_error.ok() && s.ok()) s = spool_error;
       std::lock_guard<std::mutex> lock(mu_);
       processed_ += batch.size();
+      if (spooled > 0) {
+        stats_.spooled += spooled;
+        stats_.spool_pending = spool_->pending();
+        if (!spool_has_data_) next_retry = std::chrono::steady_clock::now() +
+                                           std::chrono::milliseconds(options_.retry_interval_ms);
+        spool_has_data_ = true;
+      }
+      const int64_t lost_here = static_cast<int64_t>(batch.size()) - spooled;
       if (s.ok()) {
-        stats_.written += static_cast<int64_t>(batch.size());
+        stats_.written += lost_here;
       } else {
-        stats_.write_errors += static_cast<int64_t>(batch.size());
+        // What did not reach the spool (or, without a spool, the store).
+        const int64_t lost = spool_error.ok() ? (spooled > 0 ? static_cast<int64_t>(priors.size()) : lost_here)
+                                              : lost_here;
+        stats_.write_errors += lost;
+        stats_.written += lost_here - lost;
         stats_.last_error = s.ToString();
         if (flush_error_.ok()) flush_error_ = s;
         // The first failure and then every 100th, so a dead disk does not flood the log.
         if (failures_++ % 100 == 0)
-          Logger()->warn("knowledge base: {} incident operation(s) lost: {}", batch.size(), s.ToString());
+          Logger()->warn("knowledge base: {} incident operation(s) lost: {}", lost, s.ToString());
       }
       done_cv_.notify_all();
     }
@@ -311,6 +403,11 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
   SinkStats stats_;
   Status flush_error_;
   std::map<std::string, SessionPrior> session_priors_;
+  bool spool_has_data_ = false;  // the spool holds incidents (ours or orphans)
+  bool drain_requested_ = false;  // Flush asks the writer to try the server now
+  uint64_t drain_attempts_ = 0;
+
+  std::unique_ptr<kb::Spool> spool_;  // writer thread only; set for a server
 
   std::unique_ptr<kb::Store> writer_store_;  // writer thread only
   std::mutex reader_mu_;                     // guards reader_store_
@@ -327,6 +424,26 @@ KnowledgeBase::~KnowledgeBase() = default;
 
 int KnowledgeBase::SchemaVersion() { return kb::kSchemaVersion; }
 
+namespace {
+
+// KnowledgeBaseOptions.spool_dir's default for a server URL.
+std::string DefaultSpoolDir(const std::string& redacted_url) {
+  if (const char* env = std::getenv("OOMGUARD_KB_SPOOL"); env != nullptr && *env != '\0') return env;
+  std::string base;
+  if (const char* state = std::getenv("XDG_STATE_HOME"); state != nullptr && *state == '/') {
+    base = state;
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home == '/') {
+    base = std::string(home) + "/.local/state";
+  } else {
+    base = "/tmp";
+  }
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016zx", std::hash<std::string>{}(redacted_url));
+  return base + "/oomguard/kb-spool/" + hash;
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<KnowledgeBase>> KnowledgeBase::Open(const std::string& path,
                                                              const KnowledgeBaseOptions& options) {
   if (options.queue_capacity == 0)
@@ -334,8 +451,24 @@ StatusOr<std::unique_ptr<KnowledgeBase>> KnowledgeBase::Open(const std::string& 
   if (options.read_only) {
     auto reader = kb::Store::OpenReadOnly(path, options.busy_timeout_ms);
     if (!reader.ok()) return reader.status();
+    const std::string shown = (*reader)->path();
     return std::unique_ptr<KnowledgeBase>(
-        new KnowledgeBaseImpl(path, options, nullptr, std::move(reader).value()));
+        new KnowledgeBaseImpl(shown, options, nullptr, std::move(reader).value()));
+  }
+  if (kb::IsServerUrl(path)) {
+    if (options.retry_interval_ms < 1)
+      return Status::InvalidArgument("KnowledgeBaseOptions.retry_interval_ms must be >= 1");
+    // A job starts while the server is away: it spools until the server answers.
+    auto writer = kb::Store::Open(path, options.busy_timeout_ms, options.create_if_missing, true);
+    if (!writer.ok()) return writer.status();
+    auto reader = kb::Store::Open(path, options.busy_timeout_ms, false, true);
+    if (!reader.ok()) return reader.status();
+    const std::string shown = (*writer)->path();
+    auto spool = kb::Spool::Open(options.spool_dir.empty() ? DefaultSpoolDir(shown) : options.spool_dir,
+                                 options.spool_max_bytes);
+    if (!spool.ok()) return Status(spool.status().code(), "knowledge base " + shown + ": " + spool.status().message());
+    return std::unique_ptr<KnowledgeBase>(new KnowledgeBaseImpl(
+        shown, options, std::move(writer).value(), std::move(reader).value(), std::move(spool).value()));
   }
   auto writer = kb::Store::Open(path, options.busy_timeout_ms, options.create_if_missing);
   if (!writer.ok()) return writer.status();

@@ -73,7 +73,9 @@ bool FormatMarker(std::string_view l) {
                          "return code = -9", "return code -9", "exitcode: -9", "exit code -9", "错误码-9",
                          "cudnn_status_not_supported", "cublas_status_not_initialized",
                          "less than desired gpu memory utilization", "no available memory for the cache blocks",
-                         "could not create cudnn handle"});
+                         "could not create cudnn handle",
+                         // PaddlePaddle 1.x: "Insufficient GPU memory to allocation."
+                         "insufficient gpu memory"});
 }
 
 // A byte size in words: "286GB", "~4 GiB", "512 MiB".
@@ -111,8 +113,13 @@ bool Mention(std::string_view l) {
                       // Hugging Face datasets' report of a map() worker the kernel killed.
                       "subprocesses has abruptly died",
                       // "Increase batch size causes Cudamalloc error"
-                      "cudamalloc error", "cuda malloc error", "cudamalloc failed"}))
+                      "cudamalloc error", "cuda malloc error", "cudamalloc failed",
+                      // A title naming the shell's kill: "# Killed error".
+                      "killed error"}))
     return true;
+  // "为什么会out memory": "out memory" as words (not the end of "without memory").
+  for (size_t at = l.find("out memory"); at != std::string_view::npos; at = l.find("out memory", at + 1))
+    if (at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]))) return true;
   // "it will try to allocate 28MB and fail", "Cannot malloc 49 MB GPU memory"
   if (size_t at = l.find("allocate"); at != std::string_view::npos && Contains(l.substr(at), " fail")) return true;
   for (std::string_view verb : {"cannot allocate", "can't allocate", "cannot malloc", "failed to allocate",

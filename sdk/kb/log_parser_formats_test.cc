@@ -197,5 +197,20 @@ TEST(LogParserFormatsTest, GrowthToldInWordsIsGradualGrowth) {
   EXPECT_EQ(incs[0].pattern, "gradual_growth") << incs[0].evidence;
 }
 
+TEST(LogParserFormatsTest, PaddleShortfallAKilledTitleAndOutMemoryInWords) {
+  // PaddlePaddle/Paddle#15458
+  auto incs = Parse(
+      "paddle.fluid.core.EnforceNotMet: Enforce failed. Expected allocating <= available, but received "
+      "allocating:20998686233 > available:19587333888.\n"
+      "Insufficient GPU memory to allocation. at [/paddle/paddle/fluid/platform/gpu_info.cc:170]\n");
+  ASSERT_EQ(incs.size(), 1u);
+  // SharifAmit/RVGAN#14
+  EXPECT_EQ(Parse("# Killed error\nI got this error. I tried to drop batch size, it didn't work.\n").size(), 1u);
+  // megvii-research/tf-tutorials#69
+  EXPECT_EQ(Parse("# 请问一下为什么会out memory？\n![image](https://example.invalid/a.png)\n").size(), 1u);
+  // "without memory" is not "out memory".
+  EXPECT_TRUE(Parse("The model runs without memory problems on the CPU.\n").empty());
+}
+
 }  // namespace
 }  // namespace oomguard::kb

@@ -1,6 +1,7 @@
-// Store (store.h): the SQLite schema, its migrations and the statements the
-// knowledge base runs. The JSON forms it stores (incidents, SizeModel) are in
-// incident_json.cc.
+// Store (store.h): the statements the knowledge base runs, on either backend,
+// and the SQLite backend (its schema, migrations and connection). The JSON
+// forms it stores (incidents, SizeModel) are in incident_json.cc; the
+// PostgreSQL backend is pg_store.cc.
 #include "sdk/kb/store.h"
 
 #include <sys/stat.h>
@@ -55,6 +56,12 @@ const char* const kMigrations[] = {
     "  workload TEXT PRIMARY KEY,"
     "  model TEXT NOT NULL,"
     "  updated_unix_ms INTEGER NOT NULL);",
+    // 3 -> 4: a team's notes on fingerprint groups.
+    "CREATE TABLE notes ("
+    "  fingerprint TEXT PRIMARY KEY,"
+    "  text TEXT NOT NULL,"
+    "  author TEXT NOT NULL DEFAULT '',"
+    "  updated_unix_ms INTEGER NOT NULL);",
 };
 static_assert(sizeof(kMigrations) / sizeof(kMigrations[0]) == kSchemaVersion);
 
@@ -88,9 +95,314 @@ bool FileExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+class SqliteRow final : public Store::Row {
+ public:
+  explicit SqliteRow(Stmt* st) : st_(st) {}
+  std::string Text(int col) const override { return st_->Text(col); }
+  int64_t Int(int col) const override { return st_->Int(col); }
+  bool Null(int col) const override { return sqlite3_column_type(st_->get(), col) == SQLITE_NULL; }
+
+ private:
+  Stmt* st_;
+};
+
+constexpr const char* kIncidentColumns =
+    "id, run_id, time_unix_ms, host, rank, step, phase, kind, workload, pattern, confidence, fingerprint, outcome, "
+    "body";
+
 }  // namespace
 
-Status Store::Error(int rc, const char* what) const {
+// ---- the statements, one for both backends ----
+
+Store::~Store() = default;
+
+bool IsServerUrl(std::string_view spec) {
+  return spec.substr(0, 13) == "postgresql://" || spec.substr(0, 11) == "postgres://";
+}
+
+StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_timeout_ms, bool create,
+                                             bool offline_ok) {
+  if (IsServerUrl(path)) return OpenPgStore(path, busy_timeout_ms, create, false, offline_ok);
+  return SqliteStore::Open(path, busy_timeout_ms, create);
+}
+
+StatusOr<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path, int busy_timeout_ms) {
+  if (IsServerUrl(path)) return OpenPgStore(path, busy_timeout_ms, false, true, false);
+  return SqliteStore::OpenReadOnly(path, busy_timeout_ms);
+}
+
+Status Store::Write(const std::vector<Incident>& incidents, const std::vector<PriorUpdate>& priors,
+                    int64_t dropped) {
+  if (incidents.empty() && priors.empty() && dropped == 0) return Status::Ok();
+  if (read_only_) return Status::FailedPrecondition("knowledge base " + path_ + " is open for reading only");
+  OOMGUARD_RETURN_IF_ERROR(Begin());
+  auto fail = [&](Status s) {
+    Rollback();
+    return s;
+  };
+  // An upsert by id: a record sent twice (a spool resent after a crash) is
+  // one row, and UpdateOutcome replaces the record it completes.
+  static const std::string kUpsert =
+      std::string("INSERT INTO incidents(") + kIncidentColumns +
+      ") VALUES(?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14) ON CONFLICT(id) DO UPDATE SET"
+      " run_id = excluded.run_id, time_unix_ms = excluded.time_unix_ms, host = excluded.host,"
+      " rank = excluded.rank, step = excluded.step, phase = excluded.phase, kind = excluded.kind,"
+      " workload = excluded.workload, pattern = excluded.pattern, confidence = excluded.confidence,"
+      " fingerprint = excluded.fingerprint, outcome = excluded.outcome, body = excluded.body";
+  for (const Incident& inc : incidents) {
+    Status s = Run(kUpsert,
+                   {inc.id, inc.run_id, inc.time_unix_ms, inc.host, static_cast<int64_t>(inc.rank), inc.step,
+                    std::string(PhaseName(inc.phase)), std::string(IncidentKindName(inc.kind)), inc.workload,
+                    inc.pattern, inc.confidence, inc.fingerprint, std::string(IncidentOutcomeName(inc.outcome)),
+                    IncidentToJson(inc)},
+                   nullptr, "insert incident");
+    if (!s.ok()) return fail(s);
+  }
+  for (const PriorUpdate& p : priors) {
+    if (p.micro_batch > 0) {
+      const char* sql = p.replace ? "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES(?1, ?2, ?3)"
+                                    " ON CONFLICT(workload) DO UPDATE SET micro_batch = excluded.micro_batch,"
+                                    " updated_unix_ms = excluded.updated_unix_ms"
+                                  : "UPDATE priors SET micro_batch = ?2, updated_unix_ms = ?3"
+                                    " WHERE workload = ?1 AND micro_batch < ?2";
+      Status s = Run(sql, {p.workload, p.micro_batch, internal::NowUnixMs()}, nullptr, "update prior");
+      if (!s.ok()) return fail(s);
+    }
+    if (p.model) {
+      Status s = Run("INSERT INTO prior_models(workload, model, updated_unix_ms) VALUES(?1, ?2, ?3)"
+                     " ON CONFLICT(workload) DO UPDATE SET model = excluded.model,"
+                     " updated_unix_ms = excluded.updated_unix_ms",
+                     {p.workload, SizeModelToJson(*p.model), internal::NowUnixMs()}, nullptr, "update prior model");
+      if (!s.ok()) return fail(s);
+    }
+  }
+  if (dropped > 0) {
+    Status s = Run("INSERT INTO sink_drops(time_unix_ms, pid, dropped) VALUES(?1, ?2, ?3)",
+                   {internal::NowUnixMs(), static_cast<int64_t>(::getpid()), dropped}, nullptr, "record drops");
+    if (!s.ok()) return fail(s);
+  }
+  Status s = Commit();
+  if (!s.ok()) return fail(s);
+  return Status::Ok();
+}
+
+namespace {
+
+// The WHERE clause of a query and its parameters (?1...).
+std::string Where(const IncidentQuery& q, std::vector<std::variant<std::string, int64_t, double>>* params) {
+  std::string sql = " WHERE 1=1";
+  auto add = [&](const char* cond, auto value) {
+    params->push_back(value);
+    const std::string n = "?" + std::to_string(params->size());
+    std::string c = cond;
+    for (size_t at; (at = c.find('@')) != std::string::npos;) c.replace(at, 1, n);
+    sql += c;
+  };
+  if (!q.pattern.empty()) add(" AND pattern = @", q.pattern);
+  if (q.rank) add(" AND rank = @", static_cast<int64_t>(*q.rank));
+  if (!q.run_id.empty()) add(" AND run_id = @", q.run_id);
+  if (!q.workload.empty()) add(" AND workload = @", q.workload);
+  if (!q.fingerprint.empty()) add(" AND fingerprint = @", q.fingerprint);
+  if (!q.id_prefix.empty()) add(" AND substr(id, 1, length(@)) = @", q.id_prefix);
+  if (q.since_unix_ms > 0) add(" AND time_unix_ms >= @", q.since_unix_ms);
+  return sql;
+}
+
+}  // namespace
+
+StatusOr<std::vector<Incident>> Store::QueryOnce(const IncidentQuery& q) {
+  std::vector<Param> params;
+  std::string sql = "SELECT body FROM incidents" + Where(q, &params) + " ORDER BY time_unix_ms DESC, id";
+  if (q.limit > 0 || q.offset > 0) {
+    // SQLite needs a LIMIT before an OFFSET; -1 is none there, and NULL is none in PostgreSQL.
+    params.push_back(q.limit > 0 ? q.limit : int64_t{1} << 62);
+    sql += " LIMIT ?" + std::to_string(params.size());
+  }
+  if (q.offset > 0) {
+    params.push_back(q.offset);
+    sql += " OFFSET ?" + std::to_string(params.size());
+  }
+  std::vector<Incident> out;
+  Status bad;
+  OOMGUARD_RETURN_IF_ERROR(Run(sql, params, [&](const Row& r) {
+    if (!bad.ok()) return;
+    StatusOr<Incident> inc = IncidentFromJson(r.Text(0));
+    if (!inc.ok()) {
+      bad = Status::DataLoss("knowledge base " + path_ + ": a stored incident does not parse: " +
+                             inc.status().message());
+      return;
+    }
+    out.push_back(std::move(inc).value());
+  }, "query"));
+  if (!bad.ok()) return bad;
+  return out;
+}
+
+StatusOr<int64_t> Store::Count(const IncidentQuery& q) {
+  std::vector<Param> params;
+  const std::string sql = "SELECT COUNT(*) FROM incidents" + Where(q, &params);
+  int64_t n = 0;
+  Status s;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { s = Run(sql, params, [&](const Row& r) { n = r.Int(0); }, "count"); }));
+  OOMGUARD_RETURN_IF_ERROR(s);
+  return n;
+}
+
+StatusOr<std::vector<IncidentGroup>> Store::GroupsOnce() {
+  // The fingerprint hashes pattern, kind, phase and workload, so they are
+  // one value per group (MAX only says so to PostgreSQL).
+  std::vector<IncidentGroup> out;
+  OOMGUARD_RETURN_IF_ERROR(Run(
+      "SELECT fingerprint, MAX(pattern), MAX(kind), MAX(phase), MAX(workload), COUNT(*), COUNT(DISTINCT run_id),"
+      " MIN(time_unix_ms), MAX(time_unix_ms),"
+      " (SELECT id FROM incidents j WHERE j.fingerprint = i.fingerprint ORDER BY time_unix_ms DESC, id LIMIT 1)"
+      " FROM incidents i GROUP BY fingerprint ORDER BY COUNT(*) DESC, MAX(time_unix_ms) DESC",
+      {}, [&](const Row& r) {
+        IncidentGroup g;
+        g.fingerprint = r.Text(0);
+        g.pattern = r.Text(1);
+        // The columns hold the names IncidentToJson writes (incident.h).
+        g.kind = ParseIncidentKind(r.Text(2)).value_or(IncidentKind::kUnknown);
+        g.phase = ParseStoredPhase(r.Text(3)).value_or(Phase::kUnknown);
+        g.workload = r.Text(4);
+        g.count = r.Int(5);
+        g.runs = r.Int(6);
+        g.first_seen_unix_ms = r.Int(7);
+        g.last_seen_unix_ms = r.Int(8);
+        g.last_id = r.Text(9);
+        out.push_back(std::move(g));
+      },
+      "groups"));
+  return out;
+}
+
+StatusOr<KnowledgeBaseStats> Store::StatsOnce() {
+  KnowledgeBaseStats s;
+  s.schema_version = version_;
+  auto counts = [&](const char* col, std::vector<std::pair<std::string, int64_t>>* out) -> Status {
+    std::string sql = std::string("SELECT ") + col + ", COUNT(*) FROM incidents GROUP BY " + col +
+                      " ORDER BY COUNT(*) DESC, " + col;
+    return Run(sql, {}, [&](const Row& r) { out->emplace_back(r.Text(0), r.Int(1)); }, "stats");
+  };
+  OOMGUARD_RETURN_IF_ERROR(counts("pattern", &s.by_pattern));
+  OOMGUARD_RETURN_IF_ERROR(counts("outcome", &s.by_outcome));
+  OOMGUARD_RETURN_IF_ERROR(counts("kind", &s.by_kind));
+  for (const auto& [k, n] : s.by_pattern) s.incidents += n;
+  if (version_ < 2) return s;  // a reader of a version-1 file: no priors, no drops yet
+  OOMGUARD_RETURN_IF_ERROR(Run("SELECT COALESCE(SUM(dropped), 0) FROM sink_drops", {},
+                               [&](const Row& r) { s.dropped_recorded = r.Int(0); }, "stats"));
+  // A reader of a version-2 file: sizes, no models yet.
+  OOMGUARD_RETURN_IF_ERROR(Run(
+      version_ < 3 ? "SELECT p.workload, p.micro_batch, p.updated_unix_ms, NULL FROM priors p ORDER BY p.workload"
+                   : "SELECT p.workload, p.micro_batch, p.updated_unix_ms, m.model FROM priors p"
+                     " LEFT JOIN prior_models m ON m.workload = p.workload ORDER BY p.workload",
+      {}, [&](const Row& r) {
+        MicroBatchPrior p{r.Text(0), r.Int(1), r.Int(2), std::nullopt};
+        if (!r.Null(3)) p.model = SizeModelFromJson(r.Text(3));
+        s.priors.push_back(std::move(p));
+      },
+      "stats"));
+  return s;
+}
+
+// Readers go through Reading (the SQLite reader rereads when the file
+// changed underneath an immutable connection); other stores read once.
+StatusOr<std::vector<Incident>> Store::Query(const IncidentQuery& q) {
+  std::optional<StatusOr<std::vector<Incident>>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = QueryOnce(q); }));
+  return std::move(*r);
+}
+
+StatusOr<std::vector<IncidentGroup>> Store::Groups() {
+  std::optional<StatusOr<std::vector<IncidentGroup>>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = GroupsOnce(); }));
+  return std::move(*r);
+}
+
+StatusOr<KnowledgeBaseStats> Store::Stats() {
+  std::optional<StatusOr<KnowledgeBaseStats>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = StatsOnce(); }));
+  return std::move(*r);
+}
+
+StatusOr<std::optional<int64_t>> Store::Prior(const std::string& workload) {
+  std::optional<int64_t> out;
+  if (version_ < 2) return out;
+  Status s;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] {
+    out.reset();
+    s = Run("SELECT micro_batch FROM priors WHERE workload = ?1", {workload},
+            [&](const Row& r) { out = r.Int(0); }, "read prior");
+  }));
+  OOMGUARD_RETURN_IF_ERROR(s);
+  return out;
+}
+
+StatusOr<std::optional<SizeModel>> Store::PriorModel(const std::string& workload) {
+  std::optional<SizeModel> out;
+  if (version_ < 3) return out;
+  Status s;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] {
+    out.reset();
+    // A model that does not parse (written by a later build, say) is no prior.
+    s = Run("SELECT model FROM prior_models WHERE workload = ?1", {workload},
+            [&](const Row& r) { out = SizeModelFromJson(r.Text(0)); }, "read prior model");
+  }));
+  OOMGUARD_RETURN_IF_ERROR(s);
+  return out;
+}
+
+Status Store::SetNote(const GroupNote& note) {
+  if (read_only_) return Status::FailedPrecondition("knowledge base " + path_ + " is open for reading only");
+  if (note.fingerprint.empty()) return Status::InvalidArgument("a note needs the fingerprint of its group");
+  if (note.text.size() > 4096) return Status::InvalidArgument("a note is at most 4096 bytes");
+  if (version_ < 4) return Status::FailedPrecondition("knowledge base " + path_ + " has no notes (schema " +
+                                                      std::to_string(version_) + "); open it once to migrate");
+  if (note.text.empty())
+    return Run("DELETE FROM notes WHERE fingerprint = ?1", {note.fingerprint}, nullptr, "remove note");
+  return Run("INSERT INTO notes(fingerprint, text, author, updated_unix_ms) VALUES(?1, ?2, ?3, ?4)"
+             " ON CONFLICT(fingerprint) DO UPDATE SET text = excluded.text, author = excluded.author,"
+             " updated_unix_ms = excluded.updated_unix_ms",
+             {note.fingerprint, note.text, note.author,
+              note.updated_unix_ms > 0 ? note.updated_unix_ms : internal::NowUnixMs()},
+             nullptr, "write note");
+}
+
+StatusOr<std::vector<GroupNote>> Store::Notes() {
+  std::vector<GroupNote> out;
+  if (version_ < 4) return out;
+  Status s;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] {
+    out.clear();
+    s = Run("SELECT fingerprint, text, author, updated_unix_ms FROM notes ORDER BY fingerprint", {},
+            [&](const Row& r) { out.push_back({r.Text(0), r.Text(1), r.Text(2), r.Int(3)}); }, "read notes");
+  }));
+  OOMGUARD_RETURN_IF_ERROR(s);
+  return out;
+}
+
+// ---- SQLite ----
+
+Status SqliteStore::Run(const std::string& sql, const std::vector<Param>& params,
+                        const std::function<void(const Row&)>& on_row, const char* what) {
+  Stmt st(db_, sql.c_str());
+  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), what);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int at = static_cast<int>(i + 1);
+    std::visit([&](const auto& v) { st.Bind(at, v); }, params[i]);
+  }
+  SqliteRow row(&st);
+  int rc;
+  while ((rc = st.Step()) == SQLITE_ROW)
+    if (on_row) on_row(row);
+  return rc == SQLITE_DONE ? Status::Ok() : Error(rc, what);
+}
+
+Status SqliteStore::Begin() { return Exec("BEGIN IMMEDIATE", "begin write"); }
+
+void SqliteStore::Rollback() { sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr); }
+
+Status SqliteStore::Error(int rc, const char* what) const {
   std::string msg = "knowledge base " + path_ + ": " + what + ": " +
                     (db_ != nullptr ? sqlite3_errmsg(db_) : sqlite3_errstr(rc));
   switch (rc & 0xff) {
@@ -112,12 +424,12 @@ Status Store::Error(int rc, const char* what) const {
   }
 }
 
-Status Store::Exec(const char* sql, const char* what) {
+Status SqliteStore::Exec(const char* sql, const char* what) {
   int rc = sqlite3_exec(db_, sql, nullptr, nullptr, nullptr);
   return rc == SQLITE_OK ? Status::Ok() : Error(rc, what);
 }
 
-StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_timeout_ms, bool create) {
+StatusOr<std::unique_ptr<Store>> SqliteStore::Open(const std::string& path, int busy_timeout_ms, bool create) {
   if (path.empty()) return Status::InvalidArgument("knowledge base path is empty");
   if (busy_timeout_ms < 0) return Status::InvalidArgument("KnowledgeBaseOptions.busy_timeout_ms must be >= 0");
   if (!create && !FileExists(path))
@@ -137,7 +449,7 @@ StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_t
   sqlite3* db = nullptr;
   int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX | (create ? SQLITE_OPEN_CREATE : 0);
   int rc = sqlite3_open_v2(path.c_str(), &db, flags, nullptr);
-  std::unique_ptr<Store> store(new Store(path, db));
+  std::unique_ptr<SqliteStore> store(new SqliteStore(path, db));
   if (rc != SQLITE_OK) return store->Error(rc, "open");
   sqlite3_busy_timeout(db, busy_timeout_ms);
   sqlite3_extended_result_codes(db, 1);
@@ -164,12 +476,12 @@ StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path, int busy_t
   // loss may lose the last transactions, which is acceptable for incidents.
   OOMGUARD_RETURN_IF_ERROR(store->Exec("PRAGMA synchronous=NORMAL", "set synchronous"));
   OOMGUARD_RETURN_IF_ERROR(store->Migrate());
-  return store;
+  return std::unique_ptr<Store>(std::move(store));
 }
 
-Store::~Store() { sqlite3_close_v2(db_); }
+SqliteStore::~SqliteStore() { sqlite3_close_v2(db_); }
 
-Status Store::ReadVersion(int* version) {
+Status SqliteStore::ReadVersion(int* version) {
   *version = 0;
   Stmt has(db_, "SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'");
   if (has.prepare_rc() != SQLITE_OK) return Error(has.prepare_rc(), "read schema");
@@ -204,7 +516,7 @@ Status Store::ReadVersion(int* version) {
   return Status::Ok();
 }
 
-Status Store::Migrate() {
+Status SqliteStore::Migrate() {
   auto read_version = [&](int* version) { return ReadVersion(version); };
   int version = 0;
   // Read first without a write lock: an up-to-date file (the common case, and
@@ -236,242 +548,6 @@ Status Store::Migrate() {
   s = Exec("COMMIT", "commit migration");
   if (!s.ok()) return fail(s);
   return Status::Ok();
-}
-
-Status Store::Write(const std::vector<Incident>& incidents, const std::vector<PriorUpdate>& priors,
-                    int64_t dropped) {
-  if (incidents.empty() && priors.empty() && dropped == 0) return Status::Ok();
-  if (read_only_) return Status::FailedPrecondition("knowledge base " + path_ + " is open for reading only");
-  OOMGUARD_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "begin write"));
-  auto fail = [&](Status s) {
-    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
-    return s;
-  };
-  if (!incidents.empty()) {
-    Stmt ins(db_,
-             "INSERT OR REPLACE INTO incidents(id, run_id, time_unix_ms, host, rank, step, phase, kind, workload,"
-             " pattern, confidence, fingerprint, outcome, body) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
-    if (ins.prepare_rc() != SQLITE_OK) return fail(Error(ins.prepare_rc(), "prepare insert"));
-    for (const Incident& inc : incidents) {
-      sqlite3_reset(ins.get());
-      ins.Bind(1, inc.id);
-      ins.Bind(2, inc.run_id);
-      ins.Bind(3, inc.time_unix_ms);
-      ins.Bind(4, inc.host);
-      ins.Bind(5, static_cast<int64_t>(inc.rank));
-      ins.Bind(6, inc.step);
-      ins.Bind(7, PhaseName(inc.phase));
-      ins.Bind(8, IncidentKindName(inc.kind));
-      ins.Bind(9, inc.workload);
-      ins.Bind(10, inc.pattern);
-      ins.Bind(11, inc.confidence);
-      ins.Bind(12, inc.fingerprint);
-      ins.Bind(13, IncidentOutcomeName(inc.outcome));
-      ins.Bind(14, IncidentToJson(inc));
-      int rc = ins.Step();
-      if (rc != SQLITE_DONE) return fail(Error(rc, "insert incident"));
-    }
-  }
-  if (!priors.empty()) {
-    Stmt up(db_,
-            "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES(?1, ?2, ?3)"
-            " ON CONFLICT(workload) DO UPDATE SET micro_batch = excluded.micro_batch,"
-            " updated_unix_ms = excluded.updated_unix_ms");
-    if (up.prepare_rc() != SQLITE_OK) return fail(Error(up.prepare_rc(), "prepare prior"));
-    Stmt raise(db_,
-               "UPDATE priors SET micro_batch = ?2, updated_unix_ms = ?3 WHERE workload = ?1 AND micro_batch < ?2");
-    if (raise.prepare_rc() != SQLITE_OK) return fail(Error(raise.prepare_rc(), "prepare prior raise"));
-    Stmt model(db_,
-               "INSERT INTO prior_models(workload, model, updated_unix_ms) VALUES(?1, ?2, ?3)"
-               " ON CONFLICT(workload) DO UPDATE SET model = excluded.model,"
-               " updated_unix_ms = excluded.updated_unix_ms");
-    if (model.prepare_rc() != SQLITE_OK) return fail(Error(model.prepare_rc(), "prepare prior model"));
-    for (const PriorUpdate& p : priors) {
-      if (p.micro_batch > 0) {
-        Stmt& st = p.replace ? up : raise;
-        sqlite3_reset(st.get());
-        st.Bind(1, p.workload);
-        st.Bind(2, p.micro_batch);
-        st.Bind(3, internal::NowUnixMs());
-        int rc = st.Step();
-        if (rc != SQLITE_DONE) return fail(Error(rc, "update prior"));
-      }
-      if (p.model) {
-        sqlite3_reset(model.get());
-        model.Bind(1, p.workload);
-        model.Bind(2, SizeModelToJson(*p.model));
-        model.Bind(3, internal::NowUnixMs());
-        int rc = model.Step();
-        if (rc != SQLITE_DONE) return fail(Error(rc, "update prior model"));
-      }
-    }
-  }
-  if (dropped > 0) {
-    Stmt d(db_, "INSERT INTO sink_drops(time_unix_ms, pid, dropped) VALUES(?,?,?)");
-    d.Bind(1, internal::NowUnixMs());
-    d.Bind(2, static_cast<int64_t>(::getpid()));
-    d.Bind(3, dropped);
-    int rc = d.Step();
-    if (rc != SQLITE_DONE) return fail(Error(rc, "record drops"));
-  }
-  Status s = Exec("COMMIT", "commit write");
-  if (!s.ok()) return fail(s);
-  return Status::Ok();
-}
-
-StatusOr<std::vector<Incident>> Store::QueryOnce(const IncidentQuery& q) {
-  std::string sql = "SELECT body FROM incidents WHERE 1=1";
-  if (!q.pattern.empty()) sql += " AND pattern = ?1";
-  if (q.rank) sql += " AND rank = ?2";
-  if (!q.run_id.empty()) sql += " AND run_id = ?3";
-  if (!q.workload.empty()) sql += " AND workload = ?4";
-  if (!q.fingerprint.empty()) sql += " AND fingerprint = ?5";
-  if (!q.id_prefix.empty()) sql += " AND substr(id, 1, length(?6)) = ?6";
-  if (q.since_unix_ms > 0) sql += " AND time_unix_ms >= ?7";
-  sql += " ORDER BY time_unix_ms DESC, id";
-  if (q.limit > 0) sql += " LIMIT ?8";
-  Stmt st(db_, sql.c_str());
-  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "query");
-  if (!q.pattern.empty()) st.Bind(1, q.pattern);
-  if (q.rank) st.Bind(2, static_cast<int64_t>(*q.rank));
-  if (!q.run_id.empty()) st.Bind(3, q.run_id);
-  if (!q.workload.empty()) st.Bind(4, q.workload);
-  if (!q.fingerprint.empty()) st.Bind(5, q.fingerprint);
-  if (!q.id_prefix.empty()) st.Bind(6, q.id_prefix);
-  if (q.since_unix_ms > 0) st.Bind(7, q.since_unix_ms);
-  if (q.limit > 0) st.Bind(8, q.limit);
-  std::vector<Incident> out;
-  int rc;
-  while ((rc = st.Step()) == SQLITE_ROW) {
-    StatusOr<Incident> inc = IncidentFromJson(st.Text(0));
-    if (!inc.ok())
-      return Status::DataLoss("knowledge base " + path_ + ": a stored incident does not parse: " +
-                              inc.status().message());
-    out.push_back(std::move(inc).value());
-  }
-  if (rc != SQLITE_DONE) return Error(rc, "query");
-  return out;
-}
-
-StatusOr<std::vector<IncidentGroup>> Store::GroupsOnce() {
-  Stmt st(db_,
-          "SELECT fingerprint, pattern, kind, phase, workload, COUNT(*), COUNT(DISTINCT run_id),"
-          " MIN(time_unix_ms), MAX(time_unix_ms),"
-          " (SELECT id FROM incidents j WHERE j.fingerprint = i.fingerprint ORDER BY time_unix_ms DESC LIMIT 1)"
-          " FROM incidents i GROUP BY fingerprint ORDER BY COUNT(*) DESC, MAX(time_unix_ms) DESC");
-  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "groups");
-  std::vector<IncidentGroup> out;
-  int rc;
-  while ((rc = st.Step()) == SQLITE_ROW) {
-    IncidentGroup g;
-    g.fingerprint = st.Text(0);
-    g.pattern = st.Text(1);
-    // The columns hold the names IncidentToJson writes (incident.h).
-    g.kind = ParseIncidentKind(st.Text(2)).value_or(IncidentKind::kUnknown);
-    g.phase = ParseStoredPhase(st.Text(3)).value_or(Phase::kUnknown);
-    g.workload = st.Text(4);
-    g.count = st.Int(5);
-    g.runs = st.Int(6);
-    g.first_seen_unix_ms = st.Int(7);
-    g.last_seen_unix_ms = st.Int(8);
-    g.last_id = st.Text(9);
-    out.push_back(std::move(g));
-  }
-  if (rc != SQLITE_DONE) return Error(rc, "groups");
-  return out;
-}
-
-StatusOr<KnowledgeBaseStats> Store::StatsOnce() {
-  KnowledgeBaseStats s;
-  s.schema_version = version_;
-  auto counts = [&](const char* col, std::vector<std::pair<std::string, int64_t>>* out) -> Status {
-    std::string sql = std::string("SELECT ") + col + ", COUNT(*) FROM incidents GROUP BY " + col +
-                      " ORDER BY COUNT(*) DESC, " + col;
-    Stmt st(db_, sql.c_str());
-    if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
-    int rc;
-    while ((rc = st.Step()) == SQLITE_ROW) out->emplace_back(st.Text(0), st.Int(1));
-    return rc == SQLITE_DONE ? Status::Ok() : Error(rc, "stats");
-  };
-  OOMGUARD_RETURN_IF_ERROR(counts("pattern", &s.by_pattern));
-  OOMGUARD_RETURN_IF_ERROR(counts("outcome", &s.by_outcome));
-  OOMGUARD_RETURN_IF_ERROR(counts("kind", &s.by_kind));
-  for (const auto& [k, n] : s.by_pattern) s.incidents += n;
-  if (version_ < 2) return s;  // a reader of a version-1 file: no priors, no drops yet
-  {
-    Stmt st(db_, "SELECT COALESCE(SUM(dropped), 0) FROM sink_drops");
-    if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
-    if (st.Step() == SQLITE_ROW) s.dropped_recorded = st.Int(0);
-  }
-  // A reader of a version-2 file: sizes, no models yet.
-  Stmt st(db_, version_ < 3 ? "SELECT p.workload, p.micro_batch, p.updated_unix_ms, NULL FROM priors p"
-                              " ORDER BY p.workload"
-                            : "SELECT p.workload, p.micro_batch, p.updated_unix_ms, m.model FROM priors p"
-                              " LEFT JOIN prior_models m ON m.workload = p.workload ORDER BY p.workload");
-  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "stats");
-  int rc;
-  while ((rc = st.Step()) == SQLITE_ROW) {
-    MicroBatchPrior p{st.Text(0), st.Int(1), st.Int(2), std::nullopt};
-    if (sqlite3_column_type(st.get(), 3) != SQLITE_NULL) p.model = SizeModelFromJson(st.Text(3));
-    s.priors.push_back(std::move(p));
-  }
-  if (rc != SQLITE_DONE) return Error(rc, "stats");
-  return s;
-}
-
-StatusOr<std::optional<int64_t>> Store::PriorOnce(const std::string& workload) {
-  if (version_ < 2) return std::optional<int64_t>();
-  Stmt st(db_, "SELECT micro_batch FROM priors WHERE workload = ?");
-  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "read prior");
-  st.Bind(1, workload);
-  int rc = st.Step();
-  if (rc == SQLITE_ROW) return std::optional<int64_t>(st.Int(0));
-  if (rc == SQLITE_DONE) return std::optional<int64_t>();
-  return Error(rc, "read prior");
-}
-
-// Readers go through Reading (store_reader.cc), which rereads when the file
-// changed underneath an immutable connection; a writer's store reads once.
-StatusOr<std::vector<Incident>> Store::Query(const IncidentQuery& q) {
-  std::optional<StatusOr<std::vector<Incident>>> r;
-  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = QueryOnce(q); }));
-  return std::move(*r);
-}
-
-StatusOr<std::vector<IncidentGroup>> Store::Groups() {
-  std::optional<StatusOr<std::vector<IncidentGroup>>> r;
-  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = GroupsOnce(); }));
-  return std::move(*r);
-}
-
-StatusOr<KnowledgeBaseStats> Store::Stats() {
-  std::optional<StatusOr<KnowledgeBaseStats>> r;
-  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = StatsOnce(); }));
-  return std::move(*r);
-}
-
-StatusOr<std::optional<int64_t>> Store::Prior(const std::string& workload) {
-  std::optional<StatusOr<std::optional<int64_t>>> r;
-  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = PriorOnce(workload); }));
-  return std::move(*r);
-}
-
-StatusOr<std::optional<SizeModel>> Store::PriorModel(const std::string& workload) {
-  std::optional<StatusOr<std::optional<SizeModel>>> r;
-  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = PriorModelOnce(workload); }));
-  return std::move(*r);
-}
-
-StatusOr<std::optional<SizeModel>> Store::PriorModelOnce(const std::string& workload) {
-  if (version_ < 3) return std::optional<SizeModel>();
-  Stmt st(db_, "SELECT model FROM prior_models WHERE workload = ?");
-  if (st.prepare_rc() != SQLITE_OK) return Error(st.prepare_rc(), "read prior model");
-  st.Bind(1, workload);
-  int rc = st.Step();
-  // A model that does not parse (written by a later build, say) is no prior.
-  if (rc == SQLITE_ROW) return SizeModelFromJson(st.Text(0));
-  if (rc == SQLITE_DONE) return std::optional<SizeModel>();
-  return Error(rc, "read prior model");
 }
 
 }  // namespace oomguard::kb

@@ -1,13 +1,15 @@
-// Store: one SQLite connection to a knowledge-base file, with the schema, its
-// migrations and every statement the knowledge base runs.
+// Store: one connection to a knowledge base (an SQLite file or a PostgreSQL
+// server), with the schema, its migrations and every statement the knowledge
+// base runs.
 //
-// File format (schema version 3):
+// File format (schema version 4; PostgreSQL has the same tables, pg_store.cc):
 //   schema_version(version)                    one row
 //   incidents(id PRIMARY KEY, indexed columns..., body)  body: the JSON exchange record
 //   priors(workload PRIMARY KEY, micro_batch, updated_unix_ms)
 //   prior_models(workload PRIMARY KEY, model, updated_unix_ms)  model: SizeModel as
 //                                              JSON ({"fixed_bytes", "unit_bytes", ...})
 //   sink_drops(time_unix_ms, pid, dropped)     incidents lost to full queues
+//   notes(fingerprint PRIMARY KEY, text, author, updated_unix_ms)  (version 4)
 // The indexed columns duplicate fields of body for filtering and grouping;
 // body is the source of truth, so new Incident fields need no migration.
 //
@@ -37,6 +39,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "oomguard/knowledge_base.h"
@@ -48,7 +51,7 @@ namespace oomguard::kb {
 // incident_json.cc, which reads the body; the grouping reads the column.
 std::optional<Phase> ParseStoredPhase(std::string_view name);
 
-inline constexpr int kSchemaVersion = 3;
+inline constexpr int kSchemaVersion = 4;
 
 // A prior update produced by KnowledgeBase::RecordCleanMicroBatch or
 // RecordModel.
@@ -66,19 +69,29 @@ struct PriorUpdate {
 std::string SizeModelToJson(const SizeModel& model);
 std::optional<SizeModel> SizeModelFromJson(const std::string& text);
 
+// The knowledge base's store: one connection to an SQLite file or to a
+// PostgreSQL server. Every query (filters, groups, stats, priors, notes) is
+// written once here, in SQL both dialects run; a backend supplies the
+// connection (Run, transactions), the DDL of its migrations and its error
+// mapping. Statements use ?N placeholders; the PostgreSQL backend turns
+// them into $N.
 class Store {
  public:
-  // See KnowledgeBase::Open for the error codes. Refuses an SQLite file
+  // A postgresql:// (or postgres://) URL selects PostgreSQL, anything else
+  // is an SQLite file. See KnowledgeBase::Open for the error codes. Refuses an SQLite file
   // that holds other tables and no schema_version (someone else's database),
   // a file this user cannot write, and -wal/-shm files beside it that this
   // user cannot write (writes would fail later, one incident at a time).
-  static StatusOr<std::unique_ptr<Store>> Open(const std::string& path, int busy_timeout_ms, bool create);
+  // `offline_ok` (PostgreSQL only): a server that cannot be reached is no
+  // error; the store connects (and migrates) on its first use.
+  static StatusOr<std::unique_ptr<Store>> Open(const std::string& path, int busy_timeout_ms, bool create,
+                                               bool offline_ok = false);
   // Opens for reading only (see above). kNotFound when missing;
   // kFailedPrecondition for an empty file, an SQLite database that is not a
   // knowledge base, a schema newer than this build, or a -wal without its
   // -shm; kDataLoss for a file that is not an SQLite database.
   static StatusOr<std::unique_ptr<Store>> OpenReadOnly(const std::string& path, int busy_timeout_ms);
-  ~Store();
+  virtual ~Store();
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
@@ -86,41 +99,101 @@ class Store {
   Status Write(const std::vector<Incident>& incidents, const std::vector<PriorUpdate>& priors, int64_t dropped);
 
   StatusOr<std::vector<Incident>> Query(const IncidentQuery& q);
+  // How many incidents pass the filters of `q` (its limit and offset ignored).
+  StatusOr<int64_t> Count(const IncidentQuery& q);
   StatusOr<std::vector<IncidentGroup>> Groups();
   StatusOr<KnowledgeBaseStats> Stats();
   StatusOr<std::optional<int64_t>> Prior(const std::string& workload);
   StatusOr<std::optional<SizeModel>> PriorModel(const std::string& workload);
+  // Sets (or, with empty text, removes) the note of a fingerprint group.
+  Status SetNote(const GroupNote& note);
+  StatusOr<std::vector<GroupNote>> Notes();
 
+  // The file, or the URL with its password replaced (safe to print).
   const std::string& path() const { return path_; }
   bool read_only() const { return read_only_; }
+  // A server (PostgreSQL): writes may fail for a while and succeed later.
+  virtual bool remote() const { return false; }
+  // A server's answer to "did anything change?": differs after any commit
+  // that inserted or updated an incident or a note. A file has none ("": its
+  // readers look at the file itself).
+  virtual StatusOr<std::string> ChangeStamp() { return std::string(); }
+
+  using Param = std::variant<std::string, int64_t, double>;
+  // One result row of a backend; columns from 0.
+  class Row {
+   public:
+    virtual ~Row() = default;
+    virtual std::string Text(int col) const = 0;
+    virtual int64_t Int(int col) const = 0;
+    virtual bool Null(int col) const = 0;
+  };
+
+ protected:
+
+  Store(std::string path, bool read_only) : path_(std::move(path)), read_only_(read_only) {}
+  // Runs one statement with ?N placeholders bound to params[N-1], calling
+  // on_row for each row. `what` names the operation in errors.
+  virtual Status Run(const std::string& sql, const std::vector<Param>& params,
+                     const std::function<void(const Row&)>& on_row, const char* what) = 0;
+  virtual Status Begin() = 0;  // a write transaction
+  virtual Status Commit() { return Run("COMMIT", {}, nullptr, "commit"); }
+  virtual void Rollback() = 0;
+  // Runs `read` (the read queries); see the SQLite reader for why it may rerun.
+  virtual Status Reading(const std::function<void()>& read) {
+    read();
+    return Status::Ok();
+  }
+
+  std::string path_;
+  bool read_only_ = false;
+  int version_ = kSchemaVersion;  // of the store; a reader may see an older one
 
  private:
-  Store(std::string path, sqlite3* db) : path_(std::move(path)), db_(db) {}
-  Status Migrate();
-  // (Re)opens the read-only connection, choosing immutable or WAL reading.
-  Status ConnectReadOnly();
-  // Runs `read`; on a read-only store whose file changed while an immutable
-  // connection read it, reconnects and runs it again (a few times at most).
-  // Fails only when reconnecting fails.
-  Status Reading(const std::function<void()>& read);
   StatusOr<std::vector<Incident>> QueryOnce(const IncidentQuery& q);
   StatusOr<std::vector<IncidentGroup>> GroupsOnce();
   StatusOr<KnowledgeBaseStats> StatsOnce();
-  StatusOr<std::optional<int64_t>> PriorOnce(const std::string& workload);
-  StatusOr<std::optional<SizeModel>> PriorModelOnce(const std::string& workload);
+};
+
+// The SQLite file (store.cc, store_reader.cc).
+class SqliteStore final : public Store {
+ public:
+  static StatusOr<std::unique_ptr<Store>> Open(const std::string& path, int busy_timeout_ms, bool create);
+  static StatusOr<std::unique_ptr<Store>> OpenReadOnly(const std::string& path, int busy_timeout_ms);
+  ~SqliteStore() override;
+
+ protected:
+  Status Run(const std::string& sql, const std::vector<Param>& params, const std::function<void(const Row&)>& on_row,
+             const char* what) override;
+  Status Begin() override;
+  void Rollback() override;
+  Status Reading(const std::function<void()>& read) override;
+
+ private:
+  SqliteStore(std::string path, sqlite3* db) : Store(std::move(path), false), db_(db) {}
+  Status Migrate();
+  // (Re)opens the read-only connection, choosing immutable or WAL reading.
+  Status ConnectReadOnly();
   Status ReadVersion(int* version);
   Status Exec(const char* sql, const char* what);
   // A Status for the connection's last error, naming the file and the operation.
   Status Error(int rc, const char* what) const;
 
-  std::string path_;
   sqlite3* db_;
-  bool read_only_ = false;
   bool immutable_ = false;  // read-only, opened with immutable=1 (no -wal existed)
   int busy_timeout_ms_ = 0;
-  int version_ = kSchemaVersion;  // of the file; a reader may see an older one
-  std::string signature_;         // read-only: the file as it was when connected
+  std::string signature_;  // read-only: the file as it was when connected
 };
+
+// True for a postgresql:// or postgres:// URL.
+bool IsServerUrl(std::string_view spec);
+// The URL with its password (user:PASSWORD@ or password=...) replaced by
+// "***"; anything else unchanged.
+std::string RedactUrl(const std::string& spec);
+
+// The PostgreSQL server (pg_store.cc).
+StatusOr<std::unique_ptr<Store>> OpenPgStore(const std::string& url, int busy_timeout_ms, bool create,
+                                             bool read_only, bool offline_ok);
 
 }  // namespace oomguard::kb
 

@@ -1,4 +1,4 @@
-// The read-only side of Store (store.h): connecting without creating,
+// The read-only side of SqliteStore (store.h): connecting without creating,
 // migrating or writing anything, and rereading when an immutable
 // connection's file changed underneath it.
 #include <fcntl.h>
@@ -61,18 +61,18 @@ std::string NotSqliteReason(const std::string& path) {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path, int busy_timeout_ms) {
+StatusOr<std::unique_ptr<Store>> SqliteStore::OpenReadOnly(const std::string& path, int busy_timeout_ms) {
   if (path.empty()) return Status::InvalidArgument("knowledge base path is empty");
   if (busy_timeout_ms < 0)
     return Status::InvalidArgument("KnowledgeBaseOptions.busy_timeout_ms must be >= 0");
-  std::unique_ptr<Store> store(new Store(path, nullptr));
+  std::unique_ptr<SqliteStore> store(new SqliteStore(path, nullptr));
   store->read_only_ = true;
   store->busy_timeout_ms_ = busy_timeout_ms;
   OOMGUARD_RETURN_IF_ERROR(store->ConnectReadOnly());
-  return store;
+  return std::unique_ptr<Store>(std::move(store));
 }
 
-Status Store::ConnectReadOnly() {
+Status SqliteStore::ConnectReadOnly() {
   if (db_ != nullptr) sqlite3_close_v2(db_);
   db_ = nullptr;
   const std::string where = "knowledge base " + path_;
@@ -117,7 +117,7 @@ Status Store::ConnectReadOnly() {
   return Status::Ok();
 }
 
-Status Store::Reading(const std::function<void()>& read) {
+Status SqliteStore::Reading(const std::function<void()>& read) {
   for (int attempt = 0;; ++attempt) {
     read();
     // An immutable connection trusts that nothing changes the file. When

@@ -440,9 +440,12 @@ OomInfo ClassifyMessage(std::string_view message) {
              Has(m, "bad_alloc") || Has(m, "bad allocation")) {
     kind = OomKind::kHost;
   } else if (Has(m, "less than desired gpu memory utilization") ||
-             Has(m, "no available memory for the cache blocks")) {
+             Has(m, "no available memory for the cache blocks") ||
+             // PaddlePaddle 1.x: "Insufficient GPU memory to allocation."
+             Has(m, "insufficient gpu memory")) {
     // vLLM at startup: the card's free memory does not cover the share it
-    // was told to take, or nothing is left for the KV cache.
+    // was told to take, or nothing is left for the KV cache; Paddle's
+    // allocator refusing a chunk larger than the card has free.
     kind = OomKind::kDevice;
   } else if (out_of_memory) {
     kind = device_words ? OomKind::kDevice : OomKind::kHost;

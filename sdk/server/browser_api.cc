@@ -329,10 +329,35 @@ std::string SimilarJson(const Incident& target, const IncidentIndex& index) {
 BrowserApi::BrowserApi(SnapshotFn snapshot, ApiLimits limits)
     : snapshot_(std::move(snapshot)), limits_(limits) {}
 
-HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target) const {
+void BrowserApi::EnableNoteWrites(std::string token, NoteWriter write) {
+  token_ = std::move(token);
+  write_note_ = std::move(write);
+}
+
+namespace {
+
+json NoteJson(const GroupNote& n) {
+  return {{"fingerprint", n.fingerprint}, {"text", n.text}, {"author", n.author},
+          {"updated_unix_ms", n.updated_unix_ms}};
+}
+
+// Compares in time independent of where the texts first differ (the length is no secret).
+bool SameSecret(std::string_view a, std::string_view b) {
+  if (a.size() != b.size() || b.empty()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target,
+                                std::string_view authorization) const {
+  constexpr std::string_view kNotes = "/api/notes";
   HttpResponse r = [&]() -> HttpResponse {
-    if (method != "GET" && method != "HEAD") {
-      HttpResponse e = Error(405, "only GET and HEAD are served (the browser is read-only)");
+    const bool post_note = method == "POST" && target.substr(0, kNotes.size() + 1) == "/api/notes/";
+    if (method != "GET" && method != "HEAD" && !post_note) {
+      HttpResponse e = Error(405, "only GET and HEAD are served, and POST to /api/notes/<fingerprint>");
       e.headers.emplace_back("Allow", "GET, HEAD");
       return e;
     }
@@ -347,6 +372,32 @@ HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target
     std::string path;
     if (!PercentDecode(raw_path, &path) || path.find('\0') != std::string::npos)
       return Error(400, "bad percent-encoding in the path");
+
+    if (post_note) {
+      // The one write: a team's note on a fingerprint group, with the token.
+      if (write_note_ == nullptr)
+        return Error(403, "notes are read-only here: start `oomguard kb serve` with --notes-token-file to "
+                          "let the page write them");
+      constexpr std::string_view kBearer = "Bearer ";
+      if (authorization.substr(0, kBearer.size()) != kBearer ||
+          !SameSecret(authorization.substr(kBearer.size()), token_))
+        return Error(401, "writing a note needs the token given to `oomguard kb serve` (Authorization: Bearer)");
+      if (auto e = CheckAllowed(params, {"text", "author"}); !e.empty()) return Error(400, e);
+      GroupNote note;
+      note.fingerprint = path.substr(kNotes.size() + 1);
+      if (note.fingerprint.empty() || note.fingerprint.size() > 64)
+        return Error(400, "a note needs the fingerprint of its group in the path");
+      if (auto it = params.values.find("text"); it != params.values.end()) note.text = it->second;
+      if (auto it = params.values.find("author"); it != params.values.end()) note.author = it->second;
+      std::shared_ptr<const IncidentIndex> snap = snapshot_();
+      bool known = false;
+      for (const IncidentGroup& g : snap->groups()) known = known || g.fingerprint == note.fingerprint;
+      if (!known && !note.text.empty()) return Error(404, "no incident has fingerprint " + Quote(note.fingerprint));
+      Status s = write_note_(note);
+      if (!s.ok())
+        return Error(s.code() == StatusCode::kInvalidArgument ? 400 : 503, "the note was not written: " + s.message());
+      return Json(200, Dump(json{{"written", true}, {"note", note.text.empty() ? json(nullptr) : NoteJson(note)}}));
+    }
 
     // Static files: a fixed list of names; nothing maps a path to the disk.
     if (path == "/" || path == "/index.html") return Asset("index.html");
@@ -391,6 +442,18 @@ HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target
       for (const Incident& i : index.incidents())
         if (kb::MatchesQuery(i, q)) matching.push_back(i);
       return Json(200, GroupsJson(kb::GroupIncidents(matching)));
+    }
+    if (p == kNotes) {
+      if (auto e = no_params(); !e.empty()) return Error(400, e);
+      json all = json::object();
+      for (const auto& [fp, n] : index.notes()) all[fp] = NoteJson(n);
+      return Json(200, Dump(all));
+    }
+    if (p.substr(0, kNotes.size() + 1) == "/api/notes/") {
+      if (auto e = no_params(); !e.empty()) return Error(400, e);
+      auto it = index.notes().find(std::string(p.substr(kNotes.size() + 1)));
+      if (it == index.notes().end()) return Error(404, "no note on group " + Quote(p.substr(kNotes.size() + 1)));
+      return Json(200, Dump(NoteJson(it->second)));
     }
     if (p == "/api/patterns") {
       if (auto e = no_params(); !e.empty()) return Error(400, e);

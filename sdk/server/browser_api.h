@@ -56,11 +56,24 @@ class BrowserApi {
 
   // `method` as sent ("GET"); `target` the request target ("/api/incidents?q=x").
   // HEAD gets GET's status and headers; the caller drops the body.
-  HttpResponse Handle(std::string_view method, std::string_view target) const;
+  // `authorization`: the Authorization header, for the one write (notes).
+  HttpResponse Handle(std::string_view method, std::string_view target,
+                      std::string_view authorization = {}) const;
+
+  // Lets POST /api/notes/<fingerprint>?text=...&author=... write a group's
+  // note through `write` when the request carries "Authorization: Bearer
+  // <token>" (token: at least 16 characters). Without this call every POST
+  // is a 403: reading needs no token, writing does. A token in a header
+  // also keeps other sites' pages out: a cross-origin request with it needs
+  // a CORS preflight this server never grants.
+  using NoteWriter = std::function<Status(const GroupNote&)>;
+  void EnableNoteWrites(std::string token, NoteWriter write);
 
  private:
   SnapshotFn snapshot_;
   ApiLimits limits_;
+  std::string token_;
+  NoteWriter write_note_;
 };
 
 // The JSON documents of the API, shared with the HTML report (which embeds

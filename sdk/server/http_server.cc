@@ -193,7 +193,10 @@ class HttpServer::Impl::Session : public std::enable_shared_from_this<Session> {
     const bool head = req.method() == http::verb::head;
     std::string_view method(req.method_string().data(), req.method_string().size());
     std::string_view target(req.target().data(), req.target().size());
-    HttpResponse r = server_->handler_(method, target);
+    std::string_view authorization;
+    if (auto it = req.find(http::field::authorization); it != req.end())
+      authorization = std::string_view(it->value().data(), it->value().size());
+    HttpResponse r = server_->handler_(method, target, authorization);
     auto res = std::make_shared<http::response<http::string_body>>(static_cast<http::status>(r.status),
                                                                    req.version());
     res->set(http::field::server, "oomguard");

@@ -64,7 +64,9 @@ struct HttpServerOptions {
 
 class HttpServer {
  public:
-  using Handler = std::function<HttpResponse(std::string_view method, std::string_view target)>;
+  // `authorization`: the request's Authorization header ("" when none).
+  using Handler =
+      std::function<HttpResponse(std::string_view method, std::string_view target, std::string_view authorization)>;
 
   // Binds and listens (the port is known when this returns). Errors:
   // kInvalidArgument for a bad address, kUnavailable when the port is taken

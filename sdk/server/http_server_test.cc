@@ -28,7 +28,7 @@ class Served {
   explicit Served(HttpServerOptions o, std::string body = "hello") {
     o.bind = "127.0.0.1";
     o.port = 0;
-    server_ = HttpServer::Listen(o, [body = std::move(body)](std::string_view, std::string_view) {
+    server_ = HttpServer::Listen(o, [body = std::move(body)](std::string_view, std::string_view, std::string_view) {
                 return HttpResponse{200, "text/plain", body, {}};
               }).value();
     thread_ = std::thread([this] { server_->Run(); });

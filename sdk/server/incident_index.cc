@@ -36,8 +36,12 @@ bool IncidentContainsText(const Incident& i, std::string_view needle) {
   return false;
 }
 
-IncidentIndex::IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats files, int64_t loaded_unix_ms)
-    : incidents_(std::move(incidents)), stats_(std::move(files)), loaded_unix_ms_(loaded_unix_ms) {
+IncidentIndex::IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats files, int64_t loaded_unix_ms,
+                             std::map<std::string, GroupNote> notes)
+    : incidents_(std::move(incidents)),
+      stats_(std::move(files)),
+      loaded_unix_ms_(loaded_unix_ms),
+      notes_(std::move(notes)) {
   std::stable_sort(incidents_.begin(), incidents_.end(), kb::NewerFirst);
   by_id_.reserve(incidents_.size());
   std::map<std::string, int64_t> by_pattern, by_outcome, by_kind;

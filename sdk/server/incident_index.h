@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -58,7 +59,8 @@ class IncidentIndex {
   // per-file figures, recorded drops and priors; the counts by pattern, kind
   // and outcome are recomputed from `incidents` so every view of one snapshot
   // agrees.
-  IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats files, int64_t loaded_unix_ms);
+  IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats files, int64_t loaded_unix_ms,
+                std::map<std::string, GroupNote> notes = {});
 
   Page List(const ListQuery& query) const;
   // nullptr when no incident has exactly this id.
@@ -74,6 +76,8 @@ class IncidentIndex {
   // Incident counts by rank, ascending rank.
   const std::vector<std::pair<int, int64_t>>& by_rank() const { return by_rank_; }
   int64_t loaded_unix_ms() const { return loaded_unix_ms_; }
+  // The team's notes on fingerprint groups, by fingerprint.
+  const std::map<std::string, GroupNote>& notes() const { return notes_; }
 
  private:
   std::vector<Incident> incidents_;                     // newest first
@@ -84,6 +88,7 @@ class IncidentIndex {
   std::vector<std::pair<int, int64_t>> by_rank_;
   kb::FileSetStats stats_;
   int64_t loaded_unix_ms_ = 0;
+  std::map<std::string, GroupNote> notes_;
 };
 
 // True when `needle_lower` (already lower-case ASCII) occurs in one of the

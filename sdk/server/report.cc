@@ -10,7 +10,7 @@ namespace oomguard::server {
 namespace {
 
 constexpr std::string_view kStyleLink = "<link rel=\"stylesheet\" href=\"/app.css\">";
-constexpr std::string_view kScriptTag = "<script src=\"/app.js\"></script>";
+constexpr std::string_view kScriptTag = "<script type=\"module\" src=\"/app.js\"></script>";
 // No network at all from the file; inline style and script are the report's own.
 constexpr std::string_view kReportCsp =
     "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; script-src 'unsafe-inline'; "
@@ -70,7 +70,7 @@ StatusOr<std::string> RenderReport(const IncidentIndex& index, int64_t generated
   std::string page(html->data);
   std::string style = "<style>\n" + std::string(css->data) + "</style>";
   std::string script = "<script type=\"application/json\" id=\"oomguard-data\">" +
-                       ReportDataJson(index, generated_unix_ms) + "</script>\n<script>\n" +
+                       ReportDataJson(index, generated_unix_ms) + "</script>\n<script type=\"module\">\n" +
                        std::string(js->data) + "</script>";
   if (!ReplaceOnce(&page, kStyleLink, style) || !ReplaceOnce(&page, kScriptTag, script) ||
       !ReplaceOnce(&page, "<head>", "<head>\n" + std::string(kReportCsp)))

@@ -14,8 +14,10 @@ StatusOr<std::shared_ptr<const IncidentIndex>> LoadIndex(kb::KnowledgeBaseSet* f
   if (!stats.ok()) return stats.status();
   auto incidents = files->Query(IncidentQuery{});
   if (!incidents.ok()) return incidents.status();
+  auto notes = files->Notes();
+  if (!notes.ok()) return notes.status();
   return std::shared_ptr<const IncidentIndex>(std::make_shared<IncidentIndex>(
-      std::move(incidents).value(), std::move(stats).value(), internal::NowUnixMs()));
+      std::move(incidents).value(), std::move(stats).value(), internal::NowUnixMs(), std::move(notes).value()));
 }
 
 StatusOr<std::unique_ptr<SnapshotSource>> SnapshotSource::Open(const std::vector<std::string>& db_specs,
@@ -24,7 +26,7 @@ StatusOr<std::unique_ptr<SnapshotSource>> SnapshotSource::Open(const std::vector
   if (!files.ok()) return files.status();
   auto first = LoadIndex(&*files);
   if (!first.ok()) return first.status();
-  return std::unique_ptr<SnapshotSource>(new SnapshotSource(files->paths(), std::move(first).value(), poll_ms));
+  return std::unique_ptr<SnapshotSource>(new SnapshotSource(files->specs(), std::move(first).value(), poll_ms));
 }
 
 SnapshotSource::SnapshotSource(std::vector<std::string> paths, std::shared_ptr<const IncidentIndex> first,
@@ -55,6 +57,17 @@ std::string SnapshotSource::last_error() const {
 std::string SnapshotSource::Signature() const {
   std::string sig;
   for (const std::string& p : paths_) {
+    if (kb::IsServerUrl(p)) {
+      auto& store = servers_[p];
+      if (store == nullptr) {
+        auto opened = kb::Store::OpenReadOnly(p, 1000);
+        if (opened.ok()) store = std::move(opened).value();
+      }
+      auto stamp = store != nullptr ? store->ChangeStamp() : StatusOr<std::string>(Status::Unavailable(""));
+      // Unreachable: the same "-" each time, so the snapshot stays until it answers.
+      sig += (stamp.ok() ? *stamp : std::string("-")) + ";";
+      continue;
+    }
     for (const std::string& f : {p, p + "-wal"}) {
       struct stat st {};
       if (::stat(f.c_str(), &st) != 0) {

@@ -12,6 +12,10 @@
 // (shared_ptr), so a reload never tears a page; a failed reload keeps the
 // previous snapshot and remembers the error.
 //
+// A PostgreSQL server (a postgresql:// spec) has no file to look at: the
+// poller keeps one read-only connection to it and asks it for its change
+// stamp (kb::Store::ChangeStamp) instead.
+//
 // Thread-safety: Current(), last_error() and paths() may be called from any
 // thread. Only the poller reads the files after Open.
 #ifndef OOMGUARD_SDK_SERVER_SNAPSHOT_H_
@@ -19,6 +23,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -27,6 +32,7 @@
 
 #include "oomguard/status.h"
 #include "sdk/kb/file_set.h"
+#include "sdk/kb/store.h"
 #include "sdk/server/incident_index.h"
 
 namespace oomguard::server {
@@ -56,6 +62,7 @@ class SnapshotSource {
   void Poll();
 
   const std::vector<std::string> paths_;  // the --db specs, expanded once
+  mutable std::map<std::string, std::unique_ptr<kb::Store>> servers_;  // poller only: by URL
   const int poll_ms_;
   mutable std::mutex mu_;
   std::condition_variable stop_cv_;

@@ -117,12 +117,19 @@ def main():
                 check(ok and needle in err, "%s -> %d %r (want %d naming %r)" % (path[:60], status, err, code, needle))
             status, headers, _ = s.get("/api/stats", method="POST")
             check(status == 405 and "GET" in headers.get("Allow", ""), "POST is 405 with Allow")
+            # Notes: readable by anyone, written only by a server given a token (this one has none).
+            status, _, body = s.get("/api/notes/0123456789abcdef?text=x", method="POST",
+                                    headers={"Authorization": "Bearer whatever-token-here"})
+            check(status == 403 and b"notes-token-file" in body, "a note POST without a token configured is 403: %r" % body)
+            check(s.json("/api/notes") == {}, "no notes yet")
+            status, _, _ = s.get("/api/notes/0123456789abcdef")
+            check(status == 404, "an unknown group's note is 404")
             status, headers, body = s.get("/api/incidents", method="HEAD")
             check(status == 200 and body == b"" and int(headers["Content-Length"]) > 100, "HEAD: headers, no body")
 
             # Page and headers.
             status, headers, body = s.get("/")
-            check(status == 200 and b'<script src="/app.js">' in body, "the page")
+            check(status == 200 and b'<script type="module" src="/app.js">' in body, "the page")
             csp = headers.get("Content-Security-Policy", "")
             check("script-src 'self'" in csp and "default-src 'none'" in csp, "CSP: %s" % csp)
             check(headers.get("X-Content-Type-Options") == "nosniff", "nosniff")

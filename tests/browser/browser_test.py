@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Headless Chromium loads the knowledge-base browser and the test asserts the rendered DOM.
 
-Usage: browser_test.py --oomguard BIN [--db PATH ...] [--artifacts DIR] [--chromium PATH]
+Usage: browser_test.py --oomguard BIN [--db PATH ...] [--pg-server SCRIPT] [--artifacts DIR] [--chromium PATH]
+
+--pg-server (tests/kb/pg_server.sh) starts a PostgreSQL server for the test and browses the test data
+imported into it (a postgresql:// --db) beside the XSS incident's SQLite file: every view as on SQLite.
 
 --db (repeatable) is the knowledge base to browse, e.g. one that mlp_train wrote; without it the
 test imports tests/kb/testdata/patterns.jsonl and testdata/runs.jsonl. Either way a second file
@@ -14,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_fixture as fx  # noqa: E402
@@ -82,6 +86,7 @@ def main():
     ap.add_argument("--db", action="append", default=[])
     ap.add_argument("--artifacts", default=None)
     ap.add_argument("--chromium", default=None)
+    ap.add_argument("--pg-server", default=None)
     a = ap.parse_args()
     browser = a.chromium or shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if not browser or not os.access(browser, os.X_OK):
@@ -92,9 +97,21 @@ def main():
     profile = tempfile.mkdtemp()
     artifacts = a.artifacts or os.path.join(tmp, "artifacts")
     os.makedirs(artifacts, exist_ok=True)
+    pg_dir = None
     try:
+        if a.pg_server:
+            pg_dir = tempfile.mkdtemp(prefix="oomguard-pg-browser-", dir="/tmp")
+            os.chmod(pg_dir, 0o711)  # the server runs as nobody when the tests run as root
+            url = subprocess.run([a.pg_server, "start", os.path.join(pg_dir, "pg")], check=True, text=True,
+                                 capture_output=True, timeout=120).stdout.strip()
+            fx.import_jsonl(a.oomguard, url, fx.PATTERNS_JSONL, fx.RUNS_JSONL)
+            a.db = [url]
         dbs = (a.db or fx.default_dbs(a.oomguard, tmp)) + [fx.xss_db(a.oomguard, tmp)]
-        with fx.Server(a.oomguard, dbs) as s:
+        token = "browser-test-token-0123456789"
+        token_file = os.path.join(tmp, "notes.token")
+        with open(token_file, "w") as f:
+            f.write(token + "\n")
+        with fx.Server(a.oomguard, dbs, extra=["--notes-token-file", token_file]) as s:
             stats = s.json("/api/stats")
             total = stats["incidents"]
 
@@ -119,7 +136,21 @@ def main():
             items = s.json("/api/incidents?limit=1000")["items"]
             rich = sorted(items, key=lambda i: (len(i.get("ranks", [])) > 0, len(i["history"]["step_peaks"]) > 0,
                                                 bool(i["run_id"]), i["memory"]["total"] > 0), reverse=True)[0]
+            # The team's note on its group: written through the API with the token (as the page's
+            # form does), refused without it, shown on the incident after the next reload.
+            note_path = "/api/notes/%s?text=%s&author=ci" % (rich["fingerprint"], "fixed+by+expandable_segments")
+            status, _, _ = s.get(note_path, method="POST", headers={"Authorization": "Bearer wrong-token-0123456789"})
+            check(status == 401, "a note with a wrong token is 401, got %d" % status)
+            status, _, body = s.get(note_path, method="POST", headers={"Authorization": "Bearer " + token})
+            check(status == 200, "a note with the token is written: %d %r" % (status, body[:200]))
+            for _ in range(100):
+                if s.get("/api/notes/" + rich["fingerprint"])[0] == 200:
+                    break
+                time.sleep(0.1)
             dom = Dom(chromium(browser, profile, s.url + "#/incident/" + rich["id"], "--dump-dom"))
+            check(dom.text_by_id.get("team-note") == "fixed by expandable_segments",
+                  "the team note on the incident: %r" % dom.text_by_id.get("team-note"))
+            check(dom.count("form", "note-form") == 1 and dom.count("input") >= 3, "the note form is there")
             check(dom.count("svg", "chart-memory") == 1, "memory chart present")
             mem = rich["memory"]
             want_segments = sum(1 for v in (mem["allocated"], max(mem["reserved"], mem["allocated"]) - mem["allocated"],
@@ -149,7 +180,7 @@ def main():
                 dom = Dom(chromium(browser, profile, s.url + view, "--dump-dom"))
                 check(dom.count("img") == 0, view + ": an <img> was injected")
                 scripts = [at for t, at in dom.elements if t == "script"]
-                check(scripts == [{"src": "/app.js"}], view + ": scripts in the DOM: %r" % scripts)
+                check(scripts == [{"type": "module", "src": "/app.js"}], view + ": scripts in the DOM: %r" % scripts)
                 check(dom.count("svg") == sum(1 for t, at in dom.elements if t == "svg" and "chart" in (at.get("class") or "")),
                       view + ": an <svg> not drawn by the page")
                 check(not any(k.startswith("on") for t, at in dom.elements for k in at), view + ": an on* attribute")
@@ -178,6 +209,9 @@ def main():
         check(dom.text_by_id.get("message") == fx.XSS_MESSAGE, "report detail shows the payload as text")
         check(dom.count("img") == 0 and dom.count("svg", "chart-memory") == 1, "report detail renders safely")
     finally:
+        if pg_dir:
+            subprocess.run([a.pg_server, "stop", os.path.join(pg_dir, "pg")], capture_output=True, timeout=120)
+            shutil.rmtree(pg_dir, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(profile, ignore_errors=True)
     if FAILS:

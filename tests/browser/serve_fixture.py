@@ -69,9 +69,9 @@ class Server:
     def __exit__(self, *exc):
         self.stop()
 
-    def get(self, path, method="GET"):
+    def get(self, path, method="GET", headers=None):
         """(status, headers, body bytes) without raising on 4xx/5xx."""
-        req = urllib.request.Request(self.url.rstrip("/") + path, method=method)
+        req = urllib.request.Request(self.url.rstrip("/") + path, method=method, headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.status, r.headers, r.read()
