@@ -26,6 +26,13 @@
 // A caching allocator that hoards when it has room shows a larger share than
 // it needs under pressure, which the probes find. The headroom follows the
 // fit's residuals (allocator rounding), at least 0.2% of the room.
+// The room is capacity - base less the bytes an OOM showed stranded: when a
+// request fails although the device had that much free (capacity - reserved
+// at the failure), the allocator could not use that free memory (it grows
+// its reserve by whole segments, and the next one did not fit), so the
+// capacity it can reach is what it had reserved. Where segments are a
+// sizeable part of the capacity (a small budget) that tail is a large part
+// of the room; on a GPU it is under one segment.
 //
 // The limit jumps: after the first clean micro-batch of a run (the guard
 // re-plans the rest of the step), when a prediction rises by more than 1%, and
@@ -68,6 +75,7 @@
 #ifndef OOMGUARD_SIZE_CONTROLLER_H_
 #define OOMGUARD_SIZE_CONTROLLER_H_
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -105,11 +113,15 @@ struct MicroBatchMemory {
   int64_t base = 0;      // allocated when the micro-batch started (what it does not own)
   int64_t used = 0;      // clean: peak allocated during it; OOM: allocated at the failure + the request
   int64_t capacity = 0;  // what this process's allocator could hold then: reserved + free (0: unknown)
-  // Clean only: reserved after it (0: unknown).
+  // Clean: reserved after it; OOM: reserved at the failure (0: unknown).
   int64_t reserved = 0;
   // Clean only: the allocator released its cache and retried during it, so
   // its reserve was just compacted and says little.
   bool flushed = false;
+  // OOM only: the request that failed (0: unknown). With `reserved`, it says
+  // whether free memory the request would have fitted in was out of the
+  // allocator's reach (SizeController's stranded bytes).
+  int64_t requested = 0;
 };
 
 // SizeModel, the predictive policy's model, is in priors.h (the core): the
@@ -197,6 +209,7 @@ class OOMGUARD_EXPORT SizeController {
     int64_t size = 0;
     int64_t bytes = 0;  // largest peak - base
     int64_t over = -1;  // reserved - peak after the latest unflushed one (-1: none)
+    int64_t reserved = 0;  // what the allocator had reserved then, with `over`
   };
   struct Failure {
     int64_t size = 0;
@@ -216,7 +229,7 @@ class OOMGUARD_EXPORT SizeController {
   // kSearch's growth after grow_after clean, limit-bound steps.
   void SearchGrow();
   // The model (size_model.cc).
-  void AddPoint(int64_t size, int64_t bytes, int64_t over);
+  void AddPoint(int64_t size, int64_t bytes, int64_t over, int64_t reserved);
   void AddFailure(int64_t size, int64_t need);
   void Refit();
   // What the model's own memory is at `size`.
@@ -240,7 +253,14 @@ class OOMGUARD_EXPORT SizeController {
   // when the share believed to suffice is not above it, that too.
   void TooSmall(double share);
   bool ModelUsable() const { return fitted_ && capacity_ > 0; }
-  int64_t Room() const { return capacity_ - base_; }
+  // What a micro-batch may use: the capacity the allocator can reach, less the base.
+  int64_t Room() const { return capacity_ - std::min(stranded_, capacity_) - base_; }
+  // The allocator had reserved all it can reach: the capacity less the
+  // stranded tail, once an OOM showed one.
+  bool AtWall(int64_t reserved) const { return stranded_ > 0 && reserved >= capacity_ - stranded_; }
+  // An OOM's figures: learns the stranded bytes when the request failed
+  // although the device had free memory enough for it.
+  void LearnStranded(const MicroBatchMemory& memory);
   // Sets the limit to the largest size that fits with the share believed to suffice.
   void SetModelLimit();
   // Caps what the model may predict below a size that failed unexplained.
@@ -286,6 +306,9 @@ class OOMGUARD_EXPORT SizeController {
   std::optional<int64_t> cap_;
   int64_t base_ = 0;  // the latest figures
   int64_t capacity_ = 0;
+  // Free bytes at the capacity's end that the allocator could not use, as
+  // the latest OOM that showed them left them (0: none seen).
+  int64_t stranded_ = 0;
   int64_t room_at_limit_ = 0;  // Room() when the limit was last set by the model or proven
   bool model_limit_ = false;   // the limit is the model's (an OOM there is a miss)
   bool cold_ = false;          // the limit is a cold measurement (kColdShrink)

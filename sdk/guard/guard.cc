@@ -358,6 +358,8 @@ bool GuardImpl::HandleOom(Run& run, std::exception_ptr error, Where where) {
       info.requested_bytes > 0 && before.total > 0 && in_micro && run.mem_base >= 0) {
     figures = MicroBatchMemory{run.mem_base, before.allocated + info.requested_bytes,
                                before.reserved + before.free};
+    figures->reserved = before.reserved;
+    figures->requested = info.requested_bytes;
   }
   if (at_failure) run.step_peak = std::max(run.step_peak, before.peak_allocated);
   run.mem_base = -1;  // memory is released below: read the base again

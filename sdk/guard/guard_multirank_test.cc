@@ -9,6 +9,7 @@
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "oomguard/coordinator.h"
@@ -25,6 +26,31 @@ using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 using testing::RecordingRecovery;
+
+// Forwards to a coordinator and counts the collectives this rank runs.
+class CountingCoordinator : public Coordinator {
+ public:
+  explicit CountingCoordinator(std::unique_ptr<Coordinator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string engine() const override { return inner_->engine(); }
+  std::string job_id() const override { return inner_->job_id(); }
+  Status Allgather(std::span<const int64_t> mine, std::span<int64_t> all,
+                   std::chrono::milliseconds deadline) override {
+    ++allgathers;
+    return inner_->Allgather(mine, all, deadline);
+  }
+  Status AllreduceSum(std::span<const SumBuffer> buffers, std::chrono::milliseconds deadline) override {
+    ++sums;
+    return inner_->AllreduceSum(buffers, deadline);
+  }
+  void Abort() override { inner_->Abort(); }
+  int allgathers = 0;  // read after the rank's thread is joined
+  int sums = 0;
+
+ private:
+  std::unique_ptr<Coordinator> inner_;
+};
 
 struct Rank {
   std::unique_ptr<Coordinator> coord;
@@ -44,12 +70,13 @@ class MultiRank : public ::testing::Test {
  protected:
   void TearDown() override { ClearFaultRules(); }
 
-  void Make(int n, GuardOptions base = {}, bool with_recovery = true) {
+  void Make(int n, GuardOptions base = {}, bool with_recovery = true, bool count = false) {
     auto group = MakeThreadGroup(n).value();
     ranks_.clear();
     for (int r = 0; r < n; ++r) {
       auto rk = std::make_unique<Rank>();
       rk->coord = std::move(group[r]);
+      if (count) rk->coord = std::make_unique<CountingCoordinator>(std::move(rk->coord));
       GuardOptions o = base;
       o.coordinator = rk->coord.get();
       if (with_recovery) o.recovery = &rk->recovery;
@@ -134,6 +161,26 @@ TEST_F(MultiRank, OomOnOneRankOnlyEveryRankCommitsOnceWithTheMeanGradient) {
     // Every rank saves after a step with an OOM anywhere (agreed by the vote).
     for (int r = 0; r < 4; ++r) EXPECT_EQ(ranks_[r]->recovery.commits_after_recovery(), 1);
   }
+}
+
+// The collectives a step costs (issue 29 counts them before fusing any): on
+// the path without an OOM, and with an OOM one rank recovers from locally,
+// a step runs the vote (allgather), the gradient sum with its status words
+// (one sum) and the agreement after the apply (allgather): three.
+TEST_F(MultiRank, AStepRunsThreeCollectivesWhetherOrNotARankRecoversLocally) {
+  for (const char* rules : {"", "oom@step=2,rank=1,site=backward"}) {
+    ASSERT_TRUE(SetFaultRules(rules).ok());
+    Make(3, {}, /*with_recovery=*/true, /*count=*/true);
+    const int steps = 5;
+    Run(steps);
+    for (int r = 0; r < 3; ++r) {
+      for (const Status& st : ranks_[r]->statuses) ASSERT_TRUE(st.ok()) << rules << " rank " << r << ": " << st;
+      const auto* c = static_cast<const CountingCoordinator*>(ranks_[r]->coord.get());
+      EXPECT_EQ(c->allgathers, 2 * steps) << rules << " rank " << r << ": the vote and the agreement";
+      EXPECT_EQ(c->sums, steps) << rules << " rank " << r << ": one gradient sum";
+    }
+  }
+  ClearFaultRules();
 }
 
 // Issue 1: an OOM at the start of the commit phase, or in the guard's sync, on

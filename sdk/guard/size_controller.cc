@@ -75,6 +75,7 @@ bool SizeController::OnOom(int64_t size, const MicroBatchMemory& memory) {
   if (figures) {
     base_ = memory.base;
     capacity_ = memory.capacity;
+    LearnStranded(memory);
     AddFailure(size, memory.used - memory.base);
   } else if (predictive) {
     // What the model cannot explain it must not grow into again.
@@ -89,10 +90,12 @@ bool SizeController::OnOom(int64_t size, const MicroBatchMemory& memory) {
     // The share that would have let this size fit is not enough. A smaller
     // micro-batch than the limit fails among larger ones (a balanced split,
     // packing by cost) because of what they left behind: the bound is the
-    // limit's.
-    const double needed =
-        std::max(static_cast<double>(memory.used - memory.base), Bytes(std::max(size, limit_)));
-    TooSmall((static_cast<double>(memory.capacity - memory.base) - over_bytes_) / needed - 1.0);
+    // limit's. Not where segments are a sizeable part of the capacity (a
+    // stranded tail seen): there the failed size's own segments explain it,
+    // and the limit's bound would let the model predict that size again.
+    const int64_t at = stranded_ > 0 ? size : std::max(size, limit_);
+    const double needed = std::max(static_cast<double>(memory.used - memory.base), Bytes(at));
+    TooSmall((static_cast<double>(Room()) - over_bytes_) / needed - 1.0);
     if (was_probe) {
       TooSmall(probe_share_);
       ++probes_failed_;
@@ -124,6 +127,23 @@ bool SizeController::OnOom(int64_t size, const MicroBatchMemory& memory) {
   return true;
 }
 
+void SizeController::LearnStranded(const MicroBatchMemory& memory) {
+  if (memory.requested <= 0 || memory.reserved <= 0 || memory.reserved > memory.capacity) return;
+  const int64_t free = memory.capacity - memory.reserved;
+  // A request that the free memory could have held failed: the allocator
+  // grows its reserve by segments larger than what was free, so none of it
+  // was in reach. (A request larger than the free memory says nothing about
+  // the tail: it fails either way.)
+  if (memory.requested > free || free == stranded_) return;
+  stranded_ = free;
+  // The shares earlier OOMs showed too small were measured against a room
+  // that counted the tail: against the room there is, they overstate what
+  // is needed. This OOM (OnOom, next) sets the bracket again.
+  too_small_ = -INFINITY;
+  raised_ = -INFINITY;
+  Refit();
+}
+
 void SizeController::SearchOnOom(int64_t size) {
   if (probing_ && good_ > 0 && good_ < size) {
     limit_ = good_;  // the probe failed; the last proven size is known to fit
@@ -143,6 +163,10 @@ bool SizeController::OnMicroBatch(int64_t size, const MicroBatchMemory& memory) 
   }
   base_ = memory.base;
   capacity_ = memory.capacity;
+  // The allocator reached into bytes believed stranded (the room grew since,
+  // or the tail moved): only what it could not reach stays stranded.
+  const bool reached = stranded_ > 0 && memory.reserved > capacity_ - stranded_;
+  if (reached) stranded_ = std::max<int64_t>(0, capacity_ - memory.reserved);
   // What the allocator holds beyond the peak, settled over the steps at this
   // size: fragments, rounding and its cache. Holding it did not make the
   // allocator release anything, so it suffices. A micro-batch during which
@@ -150,7 +174,8 @@ bool SizeController::OnMicroBatch(int64_t size, const MicroBatchMemory& memory) 
   // (An allocator without a cache holds nothing beyond the peak.)
   const int64_t over =
       !memory.flushed && memory.reserved > 0 ? std::max<int64_t>(0, memory.reserved - memory.used) : -1;
-  AddPoint(size, memory.used - memory.base, over);
+  AddPoint(size, memory.used - memory.base, over, memory.reserved);
+  if (reached) Refit();  // which reserves were at the wall changed
   if (!predicting() || !KnowsOverhead()) return false;
   // A probe whose own figures show that more than it tries fits has nothing
   // left to prove.

@@ -44,20 +44,23 @@ constexpr double kHeadroomFloor = 0.002;
 
 }  // namespace
 
-void SizeController::AddPoint(int64_t size, int64_t bytes, int64_t over) {
+void SizeController::AddPoint(int64_t size, int64_t bytes, int64_t over, int64_t reserved) {
   for (int i = 0; i < n_points_; ++i) {
     Point& p = points_[static_cast<size_t>(i)];
     if (p.size != size) continue;
     // Steady state: the same sizes again. Only a new figure changes the fit.
-    if (bytes > p.bytes || (over >= 0 && over != p.over)) {
+    if (bytes > p.bytes || (over >= 0 && (over != p.over || reserved != p.reserved))) {
       p.bytes = std::max(p.bytes, bytes);
-      if (over >= 0) p.over = over;
+      if (over >= 0) {
+        p.over = over;
+        p.reserved = reserved;
+      }
       Refit();
     }
     return;
   }
   if (n_points_ < kPoints) {
-    points_[static_cast<size_t>(n_points_++)] = Point{size, bytes, over};
+    points_[static_cast<size_t>(n_points_++)] = Point{size, bytes, over, over >= 0 ? reserved : 0};
   } else {
     int nearest = 0;
     double best = INFINITY;
@@ -69,7 +72,7 @@ void SizeController::AddPoint(int64_t size, int64_t bytes, int64_t over) {
         nearest = i;
       }
     }
-    points_[static_cast<size_t>(nearest)] = Point{size, bytes, over};
+    points_[static_cast<size_t>(nearest)] = Point{size, bytes, over, over >= 0 ? reserved : 0};
   }
   Refit();
 }
@@ -168,11 +171,26 @@ void SizeController::Refit() {
   // The overhead, through the smallest and the largest point that have one.
   const Point* lo = nullptr;
   const Point* hi = nullptr;
+  bool below_wall = false;
   for (int i = 0; i < n_points_; ++i) {
     const Point& p = points_[static_cast<size_t>(i)];
     if (p.over < 0) continue;
     if (lo == nullptr || p.size < lo->size) lo = &p;
     if (hi == nullptr || p.size > hi->size) hi = &p;
+    below_wall = below_wall || !AtWall(p.reserved);
+  }
+  // Reserves that all reached the wall (all the capacity the allocator can
+  // reach, stranded tail known) show its cache filling the room, not what a
+  // size needs: at a small budget one segment's cache over a small
+  // micro-batch would read as a share that pins the limit where it is.
+  // Beside a reserve below the wall they are an upper bound like any other;
+  // alone they leave the overhead at nothing beyond the peak, which an OOM
+  // corrects (TooSmall) and the probes otherwise confirm.
+  if (hi != nullptr && !below_wall) {
+    has_over_ = true;
+    over_bytes_ = 0;
+    share_ = 0;
+    return;
   }
   if (hi == nullptr) {
     has_over_ = prior_.has_value();
