@@ -207,8 +207,11 @@ class PgStore final : public Store {
  private:
   // libpq's message without the password and the trailing newline.
   std::string Scrub(std::string msg) const {
+    // Searching on after each replacement: a password such as "*" must not
+    // find itself again in the "***" put in its place.
     if (!password_.empty())
-      for (size_t at; (at = msg.find(password_)) != std::string::npos;) msg.replace(at, password_.size(), "***");
+      for (size_t at = msg.find(password_); at != std::string::npos; at = msg.find(password_, at + 3))
+        msg.replace(at, password_.size(), "***");
     while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
     return msg;
   }
