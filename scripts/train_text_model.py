@@ -405,7 +405,11 @@ def fit(reports, classes, l2, buckets, class_power=None, prior=None):
     weights = [1.0 / count[y] ** class_power for y in ys]
     if prior > 0:
         mean = float(np.mean(weights))
-        for name, text in catalogue_rows():
+        rows = catalogue_rows()
+        if not rows:
+            raise SystemExit(f"no pattern sections read from {PATTERNS_MD} (its '### `name` — title' headings "
+                             "changed?): the catalogue's prior rows would be missing")
+        for name, text in rows:
             if name in index:
                 texts.append(text)
                 ys.append(index[name])
