@@ -26,6 +26,7 @@ from __future__ import annotations
 from .data import StepBatchSampler, StepLoader
 from .device import TorchDevice, memory_figures
 from .distributed import TorchDistributedCoordinator
+from . import fsdp
 from .fit import FitResult, fit
 from .state import StateReplacedError, flat_parameters, register_state
 from .step import TrainStep, batch_samples, evaluate, split_batch
