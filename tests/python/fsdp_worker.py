@@ -63,6 +63,23 @@ class UnitFaults:
             unit.register_forward_pre_hook(lambda m, args, name=name: self.hit(name, "forward"))
             unit.register_forward_hook(lambda m, args, out, name=name: self._on_output(name, out))
 
+    def wrap_allocations(self, model) -> None:
+        """OOMs inside FSDP's own buffer allocation of a unit's all-gather or
+        reduce-scatter ("all_gather"/"reduce_scatter" rules): after the last
+        check, before the collective."""
+        units = {str(i): b for i, b in enumerate(model.blocks)}
+        units["root"] = model
+        for name, unit in units.items():
+            group = unit._get_fsdp_state()._fsdp_param_group
+            for attr, phase in (("_all_gather_comm", "all_gather"), ("_reduce_scatter_comm", "reduce_scatter")):
+                comm = getattr(group, attr)
+                inner = comm.allocate
+
+                def allocate(*a, _inner=inner, _name=name, _phase=phase, **k):
+                    self.hit(_name, _phase)
+                    return _inner(*a, **k)
+                comm.allocate = allocate
+
     def _on_output(self, name, out):
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g, name=name: self.hit(name, "backward"))
@@ -114,6 +131,7 @@ def run_guarded(plan, rank, world, out_dir):
     step_fn = ogt.TrainStep(model, optimizer, train_gpt.token_loss, guard=guard, loss_units=train_gpt.valid_tokens,
                             scheduler=scheduler, clip_grad_norm=1.0, fsdp_sync=plan.get("sync", "every"))
     faults = UnitFaults(model, rank, plan.get("units", []))
+    faults.wrap_allocations(model)
     lo, hi = rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world
     oomguard.set_fault_rules(plan.get("faults", ""))
     budget = plan.get("budget")

@@ -101,6 +101,9 @@ def test_two_ranks_every_unit_forward_and_backward_the_sites_and_the_budget(tmp_
     for unit in UNITS:
         plans.append({"name": f"unit{unit}", "steps": steps, "micro": 4, "ckpt": 2,
                       "units": [[1, 1, unit, "forward", 1], [1, 2, unit, "backward", 0]]})
+    # Inside FSDP's own buffer allocation, after the last check and before the collective.
+    plans.append({"name": "alloc", "steps": steps, "micro": 8, "ckpt": 2,
+                  "units": [[1, 0, "1", "all_gather", 1], [1, 2, "0", "reduce_scatter", 0]]})
     plans.append({"name": "sites", "steps": steps, "micro": 4, "ckpt": 2, "sync": "last",
                   "faults": "oom@step=0,rank=0,site=sync;oom@step=1,rank=1,site=apply;"
                             "oom@step=2,rank=0,site=backward,micro=1"})
@@ -113,6 +116,7 @@ def test_two_ranks_every_unit_forward_and_backward_the_sites_and_the_budget(tmp_
     for unit in UNITS:
         s = summaries[f"unit{unit}"]
         assert s[1]["unit_faults"] == 2 and s[1]["ooms"] >= 2 and s[0]["abandoned"] == 2, (unit, s)
+    assert summaries["alloc"][1]["unit_faults"] == 2 and summaries["alloc"][0]["abandoned"] == 2, summaries["alloc"]
     assert summaries["sites"][1]["rollbacks"] == 1, summaries["sites"]
     assert summaries["budget"][1]["ooms"] >= 1, summaries["budget"]
 

@@ -395,6 +395,9 @@ class TrainStep:
         ``torch.no_grad()``. ``forward(model, *batch_slices)`` defaults to the
         TrainStep's loss; see ``oomguard.torch.evaluate`` for how outputs are
         combined. The model's train/eval mode is the caller's."""
+        if self._fsdp is not None:
+            raise ValueError("TrainStep.evaluate on a model sharded with fully_shard is not supported: the guarded "
+                             "evaluation is per rank, while FSDP's all-gathers need every rank in lockstep")
         return evaluate(self.model, *batch, forward=forward or self.forward, guard=self.guard,
                         loss_units=self._loss_units, split=self._split, costs=costs, samples=samples,
                         report_to=report_to)
