@@ -10,8 +10,11 @@ therefore runs every micro-batch under an *agreement*:
 * every collective FSDP issues is preceded, on every rank, by a **check**: one
   all-reduce of 7 float64 words on FSDP's own process group (through
   ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, after FSDP
-  allocated the collective's buffers, right before it is issued). A micro-batch
-  also begins with a check and the step's last micro-batch ends with one;
+  allocated the collective's buffers, right before it is issued; on the CPU
+  the collective itself is then an in-place all-reduce, which allocates
+  nothing, since gloo's all-gather and reduce-scatter allocate a temporary
+  after the check). A micro-batch also begins with a check and the step's
+  last micro-batch ends with one;
 * a rank that fails anywhere between two checks (an OOM in a unit's compute,
   in FSDP's own buffer allocation, in the loss) does not issue another
   collective: it answers the next check with its failure flag, which is the
@@ -92,7 +95,19 @@ def fsdp_modules(model: torch.nn.Module) -> List[Any]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def _inside(part: torch.Tensor, whole: torch.Tensor, index: int) -> bool:
+    """Whether ``part`` is chunk ``index`` of the contiguous 1-D ``whole``."""
+    return (whole.is_contiguous() and part.is_contiguous() and whole.dim() == 1 and part.dim() == 1
+            and part.dtype == whole.dtype and whole.numel() % max(part.numel(), 1) == 0
+            and part.data_ptr() == whole.data_ptr() + index * part.numel() * part.element_size())
+
+
 class _CheckedAllGather(AllGather):  # type: ignore[misc,valid-type]
+    """FSDP's all-gather after a check. On the CPU (gloo) it is an in-place
+    all-reduce of the output with the other ranks' chunks zeroed: gloo's own
+    all-gather allocates a temporary, and an OOM there, after the check,
+    would leave the peers inside the collective."""
+
     def __init__(self, agreement: "FsdpAgreement") -> None:
         self._agreement = agreement
 
@@ -102,10 +117,20 @@ class _CheckedAllGather(AllGather):  # type: ignore[misc,valid-type]
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self._agreement.check(group)
         self._agreement.collectives += 1
+        rank = dist.get_rank(group)
+        if output_tensor.device.type == "cpu" and _inside(input_tensor, output_tensor, rank):
+            n = input_tensor.numel()
+            output_tensor[:rank * n].zero_()
+            output_tensor[(rank + 1) * n:].zero_()
+            return dist.all_reduce(output_tensor, group=group, async_op=async_op)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
+    """FSDP's reduce-scatter after a check. On the CPU (gloo) an in-place
+    all-reduce of FSDP's scratch input, then this rank's chunk copied out:
+    nothing allocated after the check (gloo's reduce-scatter allocates)."""
+
     def __init__(self, agreement: "FsdpAgreement") -> None:
         self._agreement = agreement
 
@@ -115,6 +140,14 @@ class _CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self._agreement.check(group)
         self._agreement.collectives += 1
+        rank = dist.get_rank(group)
+        n = output_tensor.numel()
+        if input_tensor.device.type == "cpu" and input_tensor.is_contiguous() and output_tensor.is_contiguous() \
+                and input_tensor.numel() == n * dist.get_world_size(group):
+            flat = input_tensor.view(-1)
+            dist.all_reduce(flat, op=op, group=group)
+            output_tensor.view(-1).copy_(flat[rank * n:(rank + 1) * n])
+            return None
         return dist.reduce_scatter_tensor(output=output_tensor, input=input_tensor, group=group, op=op,
                                           async_op=async_op)
 
@@ -147,8 +180,10 @@ class FsdpAgreement:
             raise ValueError("no FSDP unit of the model holds parameters")
         self.world = dist.get_world_size(self.group)
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._words = torch.zeros(_WORDS, dtype=torch.float64, device=dev)
-        self._host = [0.0] * _WORDS
+        self._host_words = torch.zeros(_WORDS, dtype=torch.float64)
+        self._host = self._host_words.numpy()  # filled without allocating a tensor
+        self._words = self._host_words if dev.type == "cpu" else torch.zeros(_WORDS, dtype=torch.float64,
+                                                                             device=dev)
         self.backward = False   # this rank is inside a backward
         self.local_units = 0
         self.local_samples = 0
@@ -165,17 +200,17 @@ class FsdpAgreement:
 
     # ---- the check ----
     def _exchange(self, oom: bool, error: bool, group: Any = None) -> List[float]:
-        w = self._words
-        w.zero_()
-        vals = [0.0] * _WORDS
-        vals[_OOM] = float(oom)
-        vals[_ERROR] = float(error)
-        vals[_BACKWARD] = float(self.backward)
-        vals[_UNITS] = float(self.local_units)
-        vals[_SAMPLES] = float(self.local_samples)
-        vals[_SAMPLES_SQ] = float(self.local_samples) ** 2
-        vals[_SQ_NORM] = self.sq_norm_local
-        w.copy_(torch.tensor(vals, dtype=torch.float64))
+        # Allocation-free: the failing rank runs this while its OOM's frames still hold memory.
+        w, h = self._words, self._host
+        h[_OOM] = float(oom)
+        h[_ERROR] = float(error)
+        h[_BACKWARD] = float(self.backward)
+        h[_UNITS] = float(self.local_units)
+        h[_SAMPLES] = float(self.local_samples)
+        h[_SAMPLES_SQ] = float(self.local_samples) ** 2
+        h[_SQ_NORM] = self.sq_norm_local
+        if w is not self._host_words:
+            w.copy_(self._host_words)
         work = dist.all_reduce(w, group=group if group is not None else self.group, async_op=True)
         until = time.monotonic() + self.deadline_s
         pause = 20e-6
@@ -210,8 +245,8 @@ class FsdpAgreement:
                                            "every rank left it")
             else:
                 self._peer = FsdpPeerOutOfMemoryError(
-                    f"another rank ran out of memory inside this FSDP micro-batch ({int(out[_OOM])} rank(s)); "
-                    "every rank abandons it")
+                    f"{int(out[_OOM])} other rank(s) failed to allocate inside this FSDP micro-batch; every rank "
+                    "abandons it (a peer's OOM, not this rank's)")
             raise self._peer
 
     def answer(self, oom: bool) -> None:
