@@ -14,6 +14,7 @@ guard) within 1e-10; compare two runs with ``--dump-params`` and ``--json``.
         --steps 10 --budget-mib 6 --dtype float64 --json
     ... --ranks 2 --ckpt-dir /tmp/gpt-ckpt        # two processes, DDP over gloo
     ... --faults 'oom@step=2,rank=1,site=apply'   # injected OOMs (OOMGUARD_FAULTS too)
+    ... --ranks 2 --parallel fsdp                 # FSDP2: fully_shard per block and on the model
     ... --plain                                   # the reference run
 
 Data for step k is a pure function of (seed, k), so a rolled-back or resumed

@@ -16,6 +16,8 @@ One module a job:
 ``device``          torch's memory figures for the guard (``TorchDevice``)
 ``distributed``     torch.distributed as the guard's transport
                     (``TorchDistributedCoordinator``)
+``fsdp``            FSDP2 (``fully_shard``) under TrainStep: the agreement that
+                    keeps every rank's micro-batches in lockstep
 ==================  ============================================================
 
 Supported: torch 2.4 and later (see the README).

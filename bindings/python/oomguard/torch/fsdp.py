@@ -13,8 +13,7 @@ therefore runs every micro-batch under an *agreement*:
   allocated the collective's buffers, right before it is issued; on the CPU
   the collective itself is then an in-place all-reduce, which allocates
   nothing, since gloo's all-gather and reduce-scatter allocate a temporary
-  after the check). A micro-batch also begins with a check and the step's
-  last micro-batch ends with one;
+  after the check). The step's last micro-batch ends with a check;
 * a rank that fails anywhere between two checks (an OOM in a unit's compute,
   in FSDP's own buffer allocation, in the loss) does not issue another
   collective: it answers the next check with its failure flag, which is the
@@ -38,8 +37,8 @@ batch's gradient; unequal sample counts are refused, since the ranks must run
 the same micro-batches) and, in the last check of a step, the sum of squares of
 this rank's gradient shards (gradient clipping without a collective in apply).
 
-Checks per step: one per FSDP collective, plus one per micro-batch, plus one;
-see docs/distributed.md for the measured cost.
+Checks per step: one per FSDP collective, plus one; see docs/distributed.md
+for the measured cost.
 """
 
 from __future__ import annotations
@@ -191,6 +190,7 @@ class FsdpAgreement:
         self.sq_norm_local = 0.0
         self.sq_norm = 0.0
         self.checks = 0
+        self._checks_at_start = 0
         self.collectives = 0
         self.abandoned = 0
         self._peer: Optional[BaseException] = None  # the abandonment this rank saw, until reset
@@ -249,6 +249,12 @@ class FsdpAgreement:
                     "abandons it (a peer's OOM, not this rank's)")
             raise self._peer
 
+    def ensure_checked(self) -> None:
+        """Before this micro-batch's weight is used: a check of this micro-batch
+        has given the global units (an explicit check if no FSDP collective ran)."""
+        if self.checks == self._checks_at_start:
+            self.check()
+
     def answer(self, oom: bool) -> None:
         """The failing rank's side: answers the check the others are about to run."""
         out = self._exchange(oom, not oom)
@@ -263,9 +269,10 @@ class FsdpAgreement:
 
     def run_micro(self, body: Callable[[], None], last: bool, sq_norm: Optional[Callable[[], float]],
                   mark_phase: Callable[[str], None]) -> None:
-        """One micro-batch under the agreement: a check first, ``body`` (forward
-        and backward; it sets ``self.backward`` before backward), a check at
-        the end of the step's last micro-batch (with the gradient's squared
+        """One micro-batch under the agreement: ``body`` (forward and backward;
+        it sets ``self.backward`` before backward and calls ``ensure_checked``
+        before it needs the global units), a check at the end of the step's
+        last micro-batch (with the gradient's squared
         norm when ``sq_norm`` is given)."""
         self.backward = False
         self._peer = None
@@ -273,8 +280,12 @@ class FsdpAgreement:
         for m in self.modules:
             m.set_requires_gradient_sync(True, recurse=False) if self._sync_every or last else \
                 m.set_requires_gradient_sync(False, recurse=False)
+        self._checks_at_start = self.checks
         try:
-            self.check()
+            # No check of its own at the start: the first FSDP collective's check comes before anything
+            # of this micro-batch that needs other ranks (see ensure_checked), and a failure since the
+            # previous check is answered there (its phase word makes every rank redo the step when the
+            # failing rank was in backward of the micro-batch before).
             body()
             if last:
                 if sq_norm is not None:

@@ -365,6 +365,7 @@ class TrainStep:
                 weighted = loss * mb.weight
                 if fsdp is not None:
                     # FSDP averages over ranks: weigh by this rank's share of the global units.
+                    fsdp.ensure_checked()
                     weighted = weighted * (fsdp.world * fsdp.local_units / fsdp.global_units)
                     fsdp.backward = True
                 (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
