@@ -10,10 +10,10 @@ therefore runs every micro-batch under an *agreement*:
 * every collective FSDP issues is preceded, on every rank, by a **check**: one
   all-reduce of 7 float64 words on FSDP's own process group (through
   ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, after FSDP
-  allocated the collective's buffers, right before it is issued; on the CPU
-  the collective itself is then an in-place all-reduce, which allocates
-  nothing, since gloo's all-gather and reduce-scatter allocate a temporary
-  after the check). The step's last micro-batch ends with a check;
+  allocated the collective's buffers, right before it is issued; on the CPU,
+  where gloo's all-gather and reduce-scatter allocate a temporary, the
+  all-gather's is reserved before the check and the reduce-scatter is an
+  in-place all-reduce, so nothing fails after a check). The step's last micro-batch ends with a check;
 * a rank that fails anywhere between two checks (an OOM in a unit's compute,
   in FSDP's own buffer allocation, in the loss) does not issue another
   collective: it answers the next check with its failure flag, which is the
@@ -94,34 +94,31 @@ def fsdp_modules(model: torch.nn.Module) -> List[Any]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _inside(part: torch.Tensor, whole: torch.Tensor, index: int) -> bool:
-    """Whether ``part`` is chunk ``index`` of the contiguous 1-D ``whole``."""
-    return (whole.is_contiguous() and part.is_contiguous() and whole.dim() == 1 and part.dim() == 1
-            and part.dtype == whole.dtype and whole.numel() % max(part.numel(), 1) == 0
-            and part.data_ptr() == whole.data_ptr() + index * part.numel() * part.element_size())
-
-
 class _CheckedAllGather(AllGather):  # type: ignore[misc,valid-type]
-    """FSDP's all-gather after a check. On the CPU (gloo) it is an in-place
-    all-reduce of the output with the other ranks' chunks zeroed: gloo's own
-    all-gather allocates a temporary, and an OOM there, after the check,
-    would leave the peers inside the collective."""
+    """FSDP's all-gather after a check. On the CPU, gloo's all-gather allocates
+    a temporary as large as the output after the check, where an OOM would
+    leave the peers inside the collective: ``allocate`` therefore reserves as
+    much next to the output (before the check, where an OOM is answered) and
+    the reserve is released right before the collective, so that gloo's
+    temporary takes its place (the peak is the same as without the reserve)."""
 
     def __init__(self, agreement: "FsdpAgreement") -> None:
         self._agreement = agreement
+        self._reserve: Optional[torch.Tensor] = None
 
     def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
+        out = torch.empty(*size, dtype=dtype, device=device)
+        if out.device.type == "cpu":
+            self._reserve = None
+            self._reserve = torch.empty_like(out)
+        return out
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self._agreement.check(group)
+        try:
+            self._agreement.check(group)
+        finally:
+            self._reserve = None
         self._agreement.collectives += 1
-        rank = dist.get_rank(group)
-        if output_tensor.device.type == "cpu" and _inside(input_tensor, output_tensor, rank):
-            n = input_tensor.numel()
-            output_tensor[:rank * n].zero_()
-            output_tensor[(rank + 1) * n:].zero_()
-            return dist.all_reduce(output_tensor, group=group, async_op=async_op)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
