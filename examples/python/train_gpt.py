@@ -14,6 +14,7 @@ guard) within 1e-10; compare two runs with ``--dump-params`` and ``--json``.
         --steps 10 --budget-mib 6 --dtype float64 --json
     ... --ranks 2 --ckpt-dir /tmp/gpt-ckpt        # two processes, DDP over gloo
     ... --faults 'oom@step=2,rank=1,site=apply'   # injected OOMs (OOMGUARD_FAULTS too)
+    ... --ranks 2 --parallel fsdp                 # FSDP2: fully_shard per block and on the model
     ... --plain                                   # the reference run
 
 Data for step k is a pure function of (seed, k), so a rolled-back or resumed
@@ -107,6 +108,15 @@ def valid_tokens(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (labels != -1).sum(dim=1)
 
 
+def shard_per_block(model: TinyGPT) -> None:
+    """FSDP2: one unit per block, the rest (embeddings, final norm, head) in the root's unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
 # ---- data ----
 
 def make_batch(seed: int, step: int, batch: int, context: int, vocab: int):
@@ -156,6 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grow-after", type=int, default=10, help="clean steps before the micro-batch grows")
     p.add_argument("--budget-mib", type=float, default=0, help="CPU allocator budget per rank in MiB (0: none)")
     p.add_argument("--ranks", type=int, default=1, help="processes, DDP over gloo (1: no DDP)")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                   help="with --ranks > 1: DDP, or FSDP2 (fully_shard per block and on the model)")
     p.add_argument("--plain", action="store_true", help="the reference: whole batch, no guard (one process)")
     p.add_argument("--ckpt-dir", default="", help="checkpoint directory (empty: no checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=0,
@@ -272,8 +284,9 @@ def run_guarded(args, rank, world, model, optimizer, scheduler):
     coordinator = ogt.TorchDistributedCoordinator() if world > 1 else None
     guard = oomguard.Guard(initial_micro_batch=args.micro_batch, grow_after=args.grow_after, recovery=ckpt,
                            coordinator=coordinator, vote_deadline_ms=args.deadline_ms,
-                           workload=f"train_gpt-w{args.width}-l{args.layers}-c{args.context}-{args.dtype}")
-    if world > 1:
+                           workload=f"train_gpt-w{args.width}-l{args.layers}-c{args.context}-{args.dtype}",
+                           **(ogt.fsdp.GUARD_OPTIONS if world > 1 and args.parallel == "fsdp" else {}))
+    if world > 1 and args.parallel == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     train_step = ogt.TrainStep(model, optimizer, token_loss, guard=guard, loss_units=valid_tokens,
                                scheduler=scheduler, clip_grad_norm=args.clip or None)
@@ -322,6 +335,8 @@ def train(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     model = TinyGPT(args.vocab, args.width, args.layers, args.heads, args.context).to(dtype)
+    if world > 1 and args.parallel == "fsdp":
+        shard_per_block(model)  # before the optimizer: fully_shard replaces the parameters
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
