@@ -188,6 +188,7 @@ TEST_F(MultiRank, AStepRunsTwoCollectivesWhenTheSumRidesInTheVoteElseThree) {
   } cases[] = {
       {"", 0, 2 * steps, 0},
       {"oom@step=2,rank=1,site=backward", 0, 2 * steps, 0},
+      {"", internal::kVoteSumWords - 1, 2 * steps, 0},  // kVoteSumWords in all: still in the vote
       {"", internal::kVoteSumWords, 2 * steps, steps},
       {"oom@step=2,rank=1,site=backward", internal::kVoteSumWords, 2 * steps, steps},
       {"oom@step=2,rank=1,site=sync", 0, 2 * steps + 1, 0},
