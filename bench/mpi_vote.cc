@@ -12,6 +12,7 @@
 //            the vote (Allgather of 29) and the agreement
 //   step     a whole Guard::Step with the guard-owned sync, over MPI, and the
 //            same step with the local coordinator (no collectives)
+// The three, fused and atomic patterns are interleaved round by round.
 // Each with a gradient of `--grad N` float64 (default 4417: mlp_train's
 // parameters at --hidden 64) and with none (the loss alone: the guarded step
 // then takes the fused path). Rank 0 prints JSON lines.
@@ -98,22 +99,24 @@ int main(int argc, char** argv) {
       bufs[0].scale = 0.25;
       if (!co.AllreduceSum(bufs, deadline).ok()) std::abort();
     };
-    auto three = Time(rounds, [&] {
-      if (!co.Allgather(vote19, votes19, deadline).ok()) std::abort();
-      sum(4);
-      if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
-    });
-    MPI_Barrier(comm);
-    auto atomic = Time(rounds, [&] {
-      if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
-      sum(2);
-      if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
-    });
-    MPI_Barrier(comm);
-    auto fused = Time(rounds, [&] {
-      if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
-      if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
-    });
+    // Interleaved round by round, so that the three face the same load.
+    std::vector<double> three, atomic, fused;
+    for (int i = 0; i < rounds; ++i) {
+      three.push_back(Time(1, [&] {
+        if (!co.Allgather(vote19, votes19, deadline).ok()) std::abort();
+        sum(4);
+        if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
+      })[0]);
+      atomic.push_back(Time(1, [&] {
+        if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
+        sum(2);
+        if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
+      })[0]);
+      fused.push_back(Time(1, [&] {
+        if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
+        if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
+      })[0]);
+    }
     MPI_Barrier(comm);
     // A whole guarded step with the guard-owned sync: MPI, and local.
     auto step_us = [&](oomguard::Coordinator* coord) {
