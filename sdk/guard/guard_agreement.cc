@@ -154,6 +154,8 @@ State GuardImpl::Apply(Run& run) {
 }
 
 
+// Its own collective, not folded into the next step's vote: Step returns OK
+// only once every rank applied (step_protocol.h says why the fold is unsafe).
 State GuardImpl::Agree(Run& run) {
   const int64_t mine[2] = {run.applied, controller_.limit()};
   auto all = channel_.Agree(mine);

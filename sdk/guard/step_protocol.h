@@ -28,7 +28,8 @@
 // rank then sums the gathered values itself, in rank order and in float64
 // (what ThreadGroup does), so the result is the same on every rank. Which
 // path a step takes is decided from the gathered records, the same on every
-// rank. What cannot be fused without losing a guarantee:
+// rank, and the sequence check is the vote's tag, as on every all-gather.
+// What cannot be fused without losing a guarantee:
 //   - the vote into a sum of large buffers: a rank that failed before its
 //     sync() has no buffers of the shape the others sum (a collective needs
 //     the same shapes on every rank, and the guard cannot allocate device
