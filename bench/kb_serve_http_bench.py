@@ -5,7 +5,10 @@ process to the first page, then the page's requests (first page, a deep page,
 a filtered page, a text search, groups, stats, runs, one run, one incident and
 its similar cases), each answered by the store (no load into memory).
 
-  bench/kb_serve_http_bench.py [BUILD_DIR] [--n 100000]
+  bench/kb_serve_http_bench.py [BUILD_DIR] [--n 100000] [--work DIR]
+
+--work DIR keeps the SQLite file and the server's data there and reuses them
+on the next run (the imports take minutes).
 
 Starts its own PostgreSQL (tests/kb/pg_server.sh) and prints a Markdown
 section for bench/RESULTS.md on stdout.
@@ -129,35 +132,48 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build", nargs="?", default=os.path.join(ROOT, "build"))
     ap.add_argument("--n", type=int, default=100_000)
+    ap.add_argument("--work", default=None)
     a = ap.parse_args()
     oomguard = os.path.join(a.build, "bin", "oomguard")
-    tmp = tempfile.mkdtemp(prefix="oomguard-serve-bench-", dir="/tmp")
+    tmp = a.work or tempfile.mkdtemp(prefix="oomguard-serve-bench-", dir="/tmp")
+    os.makedirs(tmp, exist_ok=True)
     os.chmod(tmp, 0o711)  # the server runs as nobody under root
     pg = os.path.join(tmp, "pg")
+    t_lite = t_pg = 0
     try:
-        jsonl = os.path.join(tmp, "incidents.jsonl")
-        with open(jsonl, "w") as f:
-            for i in incidents(a.n):
-                f.write(json.dumps(i) + "\n")
         lite = os.path.join(tmp, "bench.db")
-        t_lite = ms(lambda: subprocess.run([oomguard, "kb", "import", "--db", lite, jsonl], check=True,
-                                           stdout=subprocess.DEVNULL))[0]
-        url = subprocess.run([PG, "start", pg], check=True, text=True, capture_output=True,
-                             timeout=120).stdout.strip()
-        # The same incidents as classified into the file (kb import --from copies them as stored).
-        t_pg = ms(lambda: subprocess.run([oomguard, "kb", "import", "--db", url, "--from", lite], check=True,
-                                         stdout=subprocess.DEVNULL))[0]
+        if not os.path.exists(lite):
+            jsonl = os.path.join(tmp, "incidents.jsonl")
+            with open(jsonl, "w") as f:
+                for i in incidents(a.n):
+                    f.write(json.dumps(i) + "\n")
+            t_lite = ms(lambda: subprocess.run([oomguard, "kb", "import", "--db", lite, jsonl], check=True,
+                                               stdout=subprocess.DEVNULL))[0]
+        fresh = not os.path.exists(os.path.join(pg, "data"))
+        url = subprocess.run([PG, "start" if fresh else "restart", pg], check=True, text=True,
+                             capture_output=True, timeout=120).stdout.strip()
+        if not fresh:
+            url = subprocess.run([PG, "url", pg], check=True, text=True, capture_output=True,
+                                 timeout=60).stdout.strip()
+        if fresh:
+            # The same incidents as classified into the file (kb import --from copies them as stored).
+            t_pg = ms(lambda: subprocess.run([oomguard, "kb", "import", "--db", url, "--from", lite], check=True,
+                                             stdout=subprocess.DEVNULL))[0]
         n_lite, lite_res = measure(oomguard, lite)
         n_pg, pg_res = measure(oomguard, url)
     finally:
         subprocess.run([PG, "stop", pg], capture_output=True, timeout=120)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not a.work:
+            shutil.rmtree(tmp, ignore_errors=True)
     print("## kb serve over %d incidents, over HTTP (issue 26)\n" % n_lite)
     print("`oomguard kb serve` answers every request with the store's SQL (no load into memory);")
     print("bench/kb_serve_http_bench.py, one run, median of 5 requests (3 starts for the first rows), ms,")
-    print("client and server on the same machine. Import of the %d incidents: into SQLite from JSONL"
-          % n_lite)
-    print("(classified) %.0f s, copied into PostgreSQL (kb import --from) %.0f s.\n" % (t_lite / 1000, t_pg / 1000))
+    print("client and server on the same machine.")
+    if t_lite and t_pg:
+        print("Import of the %d incidents: into SQLite from JSONL (classified) %.0f s, copied into PostgreSQL"
+              % (n_lite, t_lite / 1000))
+        print("(kb import --from) %.0f s." % (t_pg / 1000))
+    print()
     print("| request | SQLite | PostgreSQL |\n|---|---:|---:|")
     for k in lite_res:
         print("| %s | %.1f | %.1f |" % (k, lite_res[k], pg_res[k]))

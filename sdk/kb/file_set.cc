@@ -135,7 +135,9 @@ std::vector<IncidentGroup> GroupIncidents(const std::vector<Incident>& incidents
     out.push_back(std::move(acc.g));
   }
   std::sort(out.begin(), out.end(), [](const IncidentGroup& x, const IncidentGroup& y) {
-    return x.count != y.count ? x.count > y.count : x.last_seen_unix_ms > y.last_seen_unix_ms;
+    if (x.count != y.count) return x.count > y.count;
+    if (x.last_seen_unix_ms != y.last_seen_unix_ms) return x.last_seen_unix_ms > y.last_seen_unix_ms;
+    return x.fingerprint < y.fingerprint;  // the store's order too (Store::Groups)
   });
   return out;
 }

@@ -51,7 +51,7 @@ std::string LowerAscii(std::string_view text);
 bool NewerFirst(const Incident& a, const Incident& b);
 
 // Groups by fingerprint: count, distinct runs, first/last seen and the newest
-// id; most frequent first, ties newest first.
+// id; most frequent first, ties newest first, then by fingerprint.
 std::vector<IncidentGroup> GroupIncidents(const std::vector<Incident>& incidents);
 
 // Totals over several files.

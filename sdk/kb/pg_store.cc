@@ -72,11 +72,12 @@ const char* const kPgMigrations[] = {
     "UPDATE incidents SET search = lower(concat_ws(chr(31), id, run_id, host,"
     "  COALESCE(body::jsonb->>'message', ''), COALESCE(body::jsonb->>'exception_type', ''), pattern, workload,"
     "  phase, kind, outcome, fingerprint, COALESCE(body::jsonb->>'evidence', '')));"
+    "CREATE INDEX incidents_pattern_newest ON incidents(pattern, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_outcome_newest ON incidents(outcome, time_unix_ms DESC, id);"
     "CREATE INDEX incidents_groups ON incidents(fingerprint, time_unix_ms, run_id, id);"
-    "CREATE INDEX incidents_outcome ON incidents(outcome, time_unix_ms);"
     "CREATE INDEX incidents_kind ON incidents(kind);"
     "CREATE INDEX incidents_rank ON incidents(rank);"
-    "CREATE INDEX incidents_runs ON incidents(run_id, time_unix_ms, host);",
+    "CREATE INDEX incidents_run_hosts ON incidents(run_id, host);",
 };
 static_assert(sizeof(kPgMigrations) / sizeof(kPgMigrations[0]) == kSchemaVersion);
 

@@ -74,12 +74,16 @@ const char* const kMigrations[] = {
     "  COALESCE(json_extract(body, '$.exception_type'), '') || char(31) || pattern || char(31) ||"
     "  workload || char(31) || phase || char(31) || kind || char(31) || outcome || char(31) ||"
     "  fingerprint || char(31) || COALESCE(json_extract(body, '$.evidence'), ''));"
+    // The page's order (newest first, ties by id) read straight from an
+    // index, alone and under the filters the page offers.
+    "CREATE INDEX incidents_newest ON incidents(time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_pattern_newest ON incidents(pattern, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_workload_newest ON incidents(workload, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_outcome_newest ON incidents(outcome, time_unix_ms DESC, id);"
     "CREATE INDEX incidents_groups ON incidents(fingerprint, time_unix_ms, run_id, id);"
-    "CREATE INDEX incidents_outcome ON incidents(outcome, time_unix_ms);"
     "CREATE INDEX incidents_kind ON incidents(kind);"
     "CREATE INDEX incidents_rank ON incidents(rank);"
-    "CREATE INDEX incidents_workload ON incidents(workload, time_unix_ms);"
-    "CREATE INDEX incidents_runs ON incidents(run_id, time_unix_ms, host);",
+    "CREATE INDEX incidents_run_hosts ON incidents(run_id, host);",
 };
 static_assert(sizeof(kMigrations) / sizeof(kMigrations[0]) == kSchemaVersion);
 
@@ -354,8 +358,10 @@ StatusOr<std::vector<RunSummary>> Store::RunsOnce() {
   std::vector<RunSummary> out;
   std::map<std::string, size_t> at;
   OOMGUARD_RETURN_IF_ERROR(Run(
+      // The workload of each run's newest incident (ties: the smallest id, the store's order).
       "SELECT run_id, COUNT(*), SUM(CASE WHEN outcome = 'failed' THEN 1 ELSE 0 END), MIN(time_unix_ms),"
-      " MAX(time_unix_ms), MIN(step), MAX(step) FROM incidents WHERE run_id <> '' GROUP BY run_id",
+      " MAX(time_unix_ms), MIN(step), MAX(step), (SELECT j.workload FROM incidents j WHERE j.run_id = i.run_id"
+      " ORDER BY j.time_unix_ms DESC, j.id LIMIT 1) FROM incidents i WHERE run_id <> '' GROUP BY run_id",
       {}, [&](const Row& r) {
         RunSummary run;
         run.run_id = r.Text(0);
@@ -365,19 +371,12 @@ StatusOr<std::vector<RunSummary>> Store::RunsOnce() {
         run.last_unix_ms = r.Int(4);
         run.first_step = r.Int(5);
         run.last_step = r.Int(6);
+        run.workload = r.Text(7);
         at[run.run_id] = out.size();
         out.push_back(std::move(run));
       },
       "runs"));
-  // The workload of each run's newest incident (ties: the smallest id, the
-  // store's order), and its hosts.
-  OOMGUARD_RETURN_IF_ERROR(Run(
-      "SELECT i.run_id, i.workload FROM incidents i WHERE i.run_id <> '' AND i.id = (SELECT j.id FROM incidents j"
-      " WHERE j.run_id = i.run_id ORDER BY j.time_unix_ms DESC, j.id LIMIT 1)",
-      {}, [&](const Row& r) {
-        if (auto it = at.find(r.Text(0)); it != at.end()) out[it->second].workload = r.Text(1);
-      },
-      "runs"));
+  // Each run's hosts (the (run_id, host) index).
   OOMGUARD_RETURN_IF_ERROR(Run(
       "SELECT DISTINCT run_id, host FROM incidents WHERE run_id <> '' ORDER BY run_id, host", {},
       [&](const Row& r) {

@@ -135,7 +135,8 @@ TEST_F(KbPgTest, MigratesAnOlderSchemaAndRefusesANewerOne) {
   // Back to version 2 (no models, no notes, no search column or browser indexes), with a prior.
   ASSERT_EQ(Sql(server_.url(),
                 "DROP TABLE prior_models; DROP TABLE notes; ALTER TABLE incidents DROP COLUMN search;"
-                "DROP INDEX incidents_groups, incidents_outcome, incidents_kind, incidents_rank, incidents_runs;"
+                "DROP INDEX incidents_pattern_newest, incidents_outcome_newest, incidents_groups, incidents_kind,"
+                " incidents_rank, incidents_run_hosts;"
                 "UPDATE schema_version SET version=2; INSERT INTO priors VALUES('w', 48, 1)"),
             "");
   {
