@@ -346,7 +346,7 @@ TEST_F(KnowledgeBaseTest, MigratesVersionTwoKeepingItsPriors) {
                          "DROP TABLE prior_models; DROP TABLE notes; DROP INDEX incidents_newest;"
                          "DROP INDEX incidents_pattern_newest; DROP INDEX incidents_workload_newest;"
                          "DROP INDEX incidents_outcome_newest; DROP INDEX incidents_groups; DROP INDEX incidents_kind;"
-                         "DROP INDEX incidents_rank; DROP INDEX incidents_run_hosts;"
+                         "DROP INDEX incidents_rank; DROP INDEX incidents_run_hosts; DROP INDEX incidents_runs;"
                          "ALTER TABLE incidents DROP COLUMN search; UPDATE schema_version SET version=2;"
                          "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES('w', 48, 1);",
                          nullptr, nullptr, nullptr),

@@ -77,7 +77,9 @@ const char* const kPgMigrations[] = {
     "CREATE INDEX incidents_groups ON incidents(fingerprint, time_unix_ms, run_id, id);"
     "CREATE INDEX incidents_kind ON incidents(kind);"
     "CREATE INDEX incidents_rank ON incidents(rank);"
-    "CREATE INDEX incidents_run_hosts ON incidents(run_id, host);",
+    "CREATE INDEX incidents_run_hosts ON incidents(run_id, host);"
+    // Covers the runs' totals and each run's newest incident (Store::Runs).
+    "CREATE INDEX incidents_runs ON incidents(run_id, time_unix_ms DESC, id, step, outcome, workload);",
 };
 static_assert(sizeof(kPgMigrations) / sizeof(kPgMigrations[0]) == kSchemaVersion);
 

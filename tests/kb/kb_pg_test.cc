@@ -136,7 +136,7 @@ TEST_F(KbPgTest, MigratesAnOlderSchemaAndRefusesANewerOne) {
   ASSERT_EQ(Sql(server_.url(),
                 "DROP TABLE prior_models; DROP TABLE notes; ALTER TABLE incidents DROP COLUMN search;"
                 "DROP INDEX incidents_pattern_newest, incidents_outcome_newest, incidents_groups, incidents_kind,"
-                " incidents_rank, incidents_run_hosts;"
+                " incidents_rank, incidents_run_hosts, incidents_runs;"
                 "UPDATE schema_version SET version=2; INSERT INTO priors VALUES('w', 48, 1)"),
             "");
   {
