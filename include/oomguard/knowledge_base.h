@@ -128,7 +128,7 @@ struct SinkStats {
   int64_t dropped = 0;       // rejected because the queue was full
   int64_t written = 0;       // operations committed to the file
   int64_t write_errors = 0;  // operations lost because a write failed
-  int64_t spooled = 0;       // incidents put in the spool while the server was unreachable
+  int64_t spooled = 0;       // records (incidents, prior updates) put in the spool while the server was unreachable
   int64_t spool_pending = 0; // of those, still in the spool (sent later, by this job or the next)
   std::string last_error;    // the last write failure ("" when none)
 
@@ -145,6 +145,12 @@ struct IncidentQuery {
   std::string workload;
   std::string fingerprint;
   std::string id_prefix;
+  std::string id;             // exactly this id
+  std::string outcome;        // IncidentOutcomeName: "recovered", "rolled_back", "failed", ...
+  // Case-insensitive (ASCII) substring of the searchable fields: id, run,
+  // host, message, exception type, pattern, workload, phase, kind, outcome,
+  // fingerprint, evidence (the browser's search box).
+  std::string text;
   int64_t since_unix_ms = 0;  // time_unix_ms >= since
   int64_t limit = 0;          // newest first; 0: all
   int64_t offset = 0;         // skip this many of the newest first (paging)

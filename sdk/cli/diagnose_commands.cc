@@ -15,7 +15,7 @@
 
 #include "oomguard/knowledge_base.h"
 #include "sdk/cli/command.h"
-#include "sdk/cli/input.h"
+#include "sdk/core/input.h"
 #include "sdk/cli/table.h"
 #include "sdk/kb/file_set.h"
 #include "sdk/kb/log_parser.h"
@@ -57,7 +57,7 @@ std::vector<Incident> ParseFiles(const DiagnoseArgs& a, std::vector<std::pair<st
     std::ifstream in(path, std::ios::binary);
     if (!in) throw Failure{path + ": cannot open: " + std::strerror(errno)};
     std::string text;
-    if (!ReadAllCapped(in, kMaxFileBytes, &text))
+    if (!internal::ReadAllCapped(in, kMaxFileBytes, &text))
       throw Failure{path + ": more than the 256 MiB a log may have (stopped reading there)"};
     if (in.bad()) throw Failure{path + ": read error"};
     kb::LogParseOptions o;

@@ -15,7 +15,7 @@
 
 #include "oomguard/knowledge_base.h"
 #include "sdk/cli/command.h"
-#include "sdk/cli/input.h"
+#include "sdk/kb/jsonl.h"
 #include "sdk/cli/table.h"
 #include "sdk/core/ids.h"
 #include "sdk/kb/file_set.h"
@@ -26,8 +26,6 @@ namespace oomguard::cli {
 namespace {
 
 using nlohmann::json;
-
-constexpr size_t kMaxLineBytes = 1 << 20;
 
 struct KbArgs {
   std::vector<std::string> dbs;
@@ -375,23 +373,9 @@ void CmdPatterns(const KbArgs& a) {
 
 // Reads a JSONL file completely; the first bad line is an error that names it.
 std::vector<Incident> ReadJsonl(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Failure{path + ": cannot open: " + std::strerror(errno)};
-  std::vector<Incident> out;
-  std::string line;
-  int64_t n = 0;
-  for (LineRead r; (r = ReadLineCapped(in, kMaxLineBytes, &line)) != LineRead::kEnd;) {
-    ++n;
-    if (r == LineRead::kTooLong)
-      throw Failure{path + ":" + std::to_string(n) + ": line is longer than 1 MiB (stopped reading it there)"};
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line.find_first_not_of(" \t") == std::string::npos) continue;
-    auto inc = IncidentFromJson(line);
-    if (!inc.ok()) throw Failure{path + ":" + std::to_string(n) + ": " + inc.status().message()};
-    out.push_back(std::move(inc).value());
-  }
-  if (in.bad()) throw Failure{path + ": read error"};
-  return out;
+  auto r = kb::ReadIncidentsJsonlFile(path, kb::BadLine::kError);
+  if (!r.ok()) throw Failure{r.status().message()};
+  return std::move(r->incidents);
 }
 
 // The one knowledge base a writing command writes: --db, or $OOMGUARD_KB_URL.

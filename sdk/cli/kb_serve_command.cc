@@ -15,6 +15,9 @@
 #include "sdk/server/browser_api.h"
 #include "sdk/server/http_server.h"
 #include "sdk/server/report.h"
+#include "sdk/kb/file_set.h"
+#include "sdk/kb/store.h"
+#include "sdk/server/browser_data.h"
 #include "sdk/server/snapshot.h"
 
 namespace oomguard::cli {
@@ -27,6 +30,7 @@ struct ServeArgs {
   int poll_ms = 1000;
   std::string html;
   std::string notes_token_file;
+  std::string notes_db;
 };
 
 // The token that lets the page write notes: the file's first line (a token
@@ -47,13 +51,15 @@ std::string ReadToken(const std::string& path, std::string* error) {
 }
 
 int Serve(const ServeArgs& a) {
-  auto source = server::SnapshotSource::Open(a.dbs, a.poll_ms);
-  if (!source.ok()) {
-    std::fprintf(stderr, "oomguard kb serve: %s\n", source.status().ToString().c_str());
+  // No load: every request is answered by the stores (browser_data.h).
+  auto opened = server::StoreData::Open(a.dbs, a.poll_ms);
+  if (!opened.ok()) {
+    std::fprintf(stderr, "oomguard kb serve: %s\n", opened.status().ToString().c_str());
     return 1;
   }
-  server::SnapshotSource* src = source->get();
-  server::BrowserApi api([src] { return src->Current(); });
+  std::shared_ptr<server::StoreData> data = std::move(opened).value();
+  server::BrowserApi api(data);
+  std::string notes_to;
   if (!a.notes_token_file.empty()) {
     std::string error;
     std::string token = ReadToken(a.notes_token_file, &error);
@@ -61,17 +67,32 @@ int Serve(const ServeArgs& a) {
       std::fprintf(stderr, "oomguard kb serve: --notes-token-file %s\n", error.c_str());
       return 1;
     }
-    // Notes go to the first --db (a team's server, typically); the poller
-    // shows them with the next snapshot. One writer at a time.
-    const std::string target = src->paths().front();
+    // Which store a note goes to: --notes-db, or the one store served.
+    if (!a.notes_db.empty()) {
+      notes_to = a.notes_db;
+    } else if (data->specs().size() == 1) {
+      notes_to = data->specs().front();
+    } else {
+      std::fprintf(stderr,
+                   "oomguard kb serve: --notes-token-file with %zu stores: name the one notes are written to "
+                   "with --notes-db (e.g. the team's server); the page shows the notes of every store\n",
+                   data->specs().size());
+      return 1;
+    }
+    // Opened now, so that a store notes cannot be written to is said at the
+    // start, not on the first note; then again per note (nothing held open).
+    const int busy_ms = KnowledgeBaseOptions{}.busy_timeout_ms;
+    if (auto check = kb::Store::Open(notes_to, busy_ms, false); !check.ok()) {
+      std::fprintf(stderr, "oomguard kb serve: notes go to %s: %s\n", kb::RedactUrl(notes_to).c_str(),
+                   check.status().ToString().c_str());
+      return 1;
+    }
     auto mu = std::make_shared<std::mutex>();
-    api.EnableNoteWrites(std::move(token), [target, mu](const GroupNote& note) -> Status {
+    api.EnableNoteWrites(std::move(token), [target = notes_to, busy_ms, mu](const GroupNote& note) -> Status {
       std::lock_guard<std::mutex> lock(*mu);
-      KnowledgeBaseOptions o;
-      o.create_if_missing = false;
-      auto kb = KnowledgeBase::Open(target, o);
-      if (!kb.ok()) return kb.status();
-      return (*kb)->SetNote(note);
+      auto store = kb::Store::Open(target, busy_ms, false);
+      if (!store.ok()) return store.status();
+      return (*store)->SetNote(note);
     });
   }
   server::HttpServerOptions o;
@@ -89,10 +110,9 @@ int Serve(const ServeArgs& a) {
   // The first line on stdout is the contract scripts and tests read (port 0).
   std::printf("Serving %s\n", (*srv)->url().c_str());
   std::fflush(stdout);
-  auto snap = src->Current();
-  std::fprintf(stderr, "oomguard kb serve: %zu incident(s) from %zu file(s); %s; Ctrl-C stops\n",
-               snap->incidents().size(), src->paths().size(),
-               a.notes_token_file.empty() ? "read-only" : "notes writable with the token");
+  std::fprintf(stderr, "oomguard kb serve: %zu store(s); %s%s; Ctrl-C stops\n", data->specs().size(),
+               a.notes_token_file.empty() ? "read-only" : "notes written with the token to ",
+               a.notes_token_file.empty() ? "" : kb::RedactUrl(notes_to).c_str());
   if (a.bind != "127.0.0.1" && a.bind != "::1" && a.bind != "localhost")
     std::fprintf(
         stderr,
@@ -105,12 +125,14 @@ int Serve(const ServeArgs& a) {
 }
 
 int Report(const ServeArgs& a) {
-  auto source = server::SnapshotSource::Open(a.dbs, 0);
-  if (!source.ok()) {
-    std::fprintf(stderr, "oomguard kb report: %s\n", source.status().ToString().c_str());
+  auto files = kb::KnowledgeBaseSet::Open(a.dbs);
+  auto loaded = files.ok() ? server::LoadIndex(&*files) : StatusOr<std::shared_ptr<const server::IncidentIndex>>(
+                                                               files.status());
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "oomguard kb report: %s\n", loaded.status().ToString().c_str());
     return 1;
   }
-  auto snap = (*source)->Current();
+  auto snap = std::move(loaded).value();
   auto html = server::RenderReport(*snap, internal::NowUnixMs());
   if (!html.ok()) {
     std::fprintf(stderr, "oomguard kb report: %s\n", html.status().ToString().c_str());
@@ -155,12 +177,17 @@ void AddKbServeCommands(CLI::App* kb, CommandResult* result) {
   serve->add_option("--port", args.port, "TCP port; 0 picks a free one")
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
-  serve->add_option("--poll-ms", args.poll_ms, "how often to look for new incidents in the files (0: never)")
+  serve->add_option("--poll-ms", args.poll_ms,
+                    "how often, at most, to ask the stores whether they changed (cached totals, runs and groups "
+                    "are read again then; 0: on every request)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   serve->add_option("--notes-token-file", args.notes_token_file,
-                    "let the page write notes on groups (into the first --db) when it sends the token in this "
-                    "file (first line, 16+ characters); reading needs none");
+                    "let the page write notes on groups when it sends the token in this file (first line, 16+ "
+                    "characters); reading needs none");
+  serve->add_option("--notes-db", args.notes_db,
+                    "where the page's notes are written (a knowledge-base file or postgresql:// URL; required "
+                    "with several --db, default the one --db)");
   serve->callback([result] { result->exit_code = Serve(args); });
 
   CLI::App* report =

@@ -1,6 +1,7 @@
 #include "sdk/kb/file_set.h"
 
 #include <glob.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -69,6 +70,26 @@ StatusOr<int64_t> ParseSince(std::string_view text, int64_t now_unix_ms) {
       "'" + s + "': expected a duration (30m, 12h, 7d), a date (2024-05-01) or unix milliseconds");
 }
 
+std::string LowerAscii(std::string_view text) {
+  std::string out(text);
+  for (char& c : out)
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  return out;
+}
+
+std::string SearchText(const Incident& i) {
+  std::string out;
+  for (std::string_view f : {std::string_view(i.id), std::string_view(i.run_id), std::string_view(i.host),
+                             std::string_view(i.message), std::string_view(i.exception_type),
+                             std::string_view(i.pattern), std::string_view(i.workload), PhaseName(i.phase),
+                             IncidentKindName(i.kind), IncidentOutcomeName(i.outcome),
+                             std::string_view(i.fingerprint), std::string_view(i.evidence)}) {
+    if (!out.empty()) out += '\x1f';
+    out += f;
+  }
+  return LowerAscii(out);
+}
+
 bool MatchesQuery(const Incident& i, const IncidentQuery& q) {
   if (!q.pattern.empty() && i.pattern != q.pattern) return false;
   if (q.rank && i.rank != *q.rank) return false;
@@ -76,7 +97,10 @@ bool MatchesQuery(const Incident& i, const IncidentQuery& q) {
   if (!q.workload.empty() && i.workload != q.workload) return false;
   if (!q.fingerprint.empty() && i.fingerprint != q.fingerprint) return false;
   if (!q.id_prefix.empty() && i.id.compare(0, q.id_prefix.size(), q.id_prefix) != 0) return false;
+  if (!q.id.empty() && i.id != q.id) return false;
+  if (!q.outcome.empty() && IncidentOutcomeName(i.outcome) != q.outcome) return false;
   if (q.since_unix_ms > 0 && i.time_unix_ms < q.since_unix_ms) return false;
+  if (!q.text.empty() && SearchText(i).find(LowerAscii(q.text)) == std::string::npos) return false;
   return true;
 }
 
@@ -111,7 +135,9 @@ std::vector<IncidentGroup> GroupIncidents(const std::vector<Incident>& incidents
     out.push_back(std::move(acc.g));
   }
   std::sort(out.begin(), out.end(), [](const IncidentGroup& x, const IncidentGroup& y) {
-    return x.count != y.count ? x.count > y.count : x.last_seen_unix_ms > y.last_seen_unix_ms;
+    if (x.count != y.count) return x.count > y.count;
+    if (x.last_seen_unix_ms != y.last_seen_unix_ms) return x.last_seen_unix_ms > y.last_seen_unix_ms;
+    return x.fingerprint < y.fingerprint;  // the store's order too (Store::Groups)
   });
   return out;
 }
@@ -121,16 +147,19 @@ StatusOr<KnowledgeBaseSet> KnowledgeBaseSet::Open(const std::vector<std::string>
   if (!paths.ok()) return paths.status();
   KnowledgeBaseSet set;
   for (const std::string& path : *paths) {
-    KnowledgeBaseOptions o;
-    o.create_if_missing = false;
-    o.read_only = true;  // reading never creates, migrates or writes a file (nor leaves -wal/-shm)
-    auto kb = KnowledgeBase::Open(path, o);
-    if (!kb.ok()) return kb.status();
-    set.files_.push_back(std::move(kb).value());
+    // Reading never creates, migrates or writes a file (nor leaves -wal/-shm).
+    auto store = Store::OpenReadOnly(path, KnowledgeBaseOptions{}.busy_timeout_ms);
+    if (!store.ok()) return store.status();
+    set.files_.push_back(std::move(store).value());
     set.specs_.push_back(path);
   }
   return set;
 }
+
+KnowledgeBaseSet::KnowledgeBaseSet() = default;
+KnowledgeBaseSet::~KnowledgeBaseSet() = default;
+KnowledgeBaseSet::KnowledgeBaseSet(KnowledgeBaseSet&&) noexcept = default;
+KnowledgeBaseSet& KnowledgeBaseSet::operator=(KnowledgeBaseSet&&) noexcept = default;
 
 StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& query) {
   // One store pages itself (a server answers only the page); several are
@@ -140,8 +169,8 @@ StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& que
   each.offset = 0;
   if (query.limit > 0) each.limit = query.limit + query.offset;
   std::vector<Incident> all;
-  for (auto& kb : files_) {
-    auto r = kb->Query(each);  // each file already limited, so the merge is too
+  for (auto& store : files_) {
+    auto r = store->Query(each);  // each file already limited, so the merge is too
     if (!r.ok()) return r.status();
     if (all.empty()) {
       all = std::move(r).value();
@@ -157,20 +186,136 @@ StatusOr<std::vector<Incident>> KnowledgeBaseSet::Query(const IncidentQuery& que
   return all;
 }
 
+StatusOr<int64_t> KnowledgeBaseSet::Count(const IncidentQuery& query) {
+  int64_t n = 0;
+  for (auto& store : files_) {
+    auto c = store->Count(query);
+    if (!c.ok()) return c.status();
+    n += *c;
+  }
+  return n;
+}
+
 StatusOr<std::vector<IncidentGroup>> KnowledgeBaseSet::Groups(IncidentQuery filters) {
   filters.limit = 0;
-  auto all = Query(filters);
-  if (!all.ok()) return all.status();
-  return GroupIncidents(*all);
+  filters.offset = 0;
+  if (files_.size() == 1) return files_[0]->Groups(filters);
+  // Each store groups its own; the merge adds counts, takes the extremes and
+  // counts a group's runs over the union of the stores' (fingerprint, run)
+  // pairs, so a run spanning two stores counts once.
+  std::map<std::string, IncidentGroup> merged;
+  std::set<std::pair<std::string, std::string>> runs;
+  for (auto& store : files_) {
+    auto groups = store->Groups(filters);
+    if (!groups.ok()) return groups.status();
+    for (IncidentGroup& g : *groups) {
+      auto [it, fresh] = merged.emplace(g.fingerprint, g);
+      if (fresh) continue;
+      IncidentGroup& m = it->second;
+      m.count += g.count;
+      m.first_seen_unix_ms = std::min(m.first_seen_unix_ms, g.first_seen_unix_ms);
+      if (g.last_seen_unix_ms > m.last_seen_unix_ms ||
+          (g.last_seen_unix_ms == m.last_seen_unix_ms && g.last_id < m.last_id)) {
+        const int64_t count = m.count, first = m.first_seen_unix_ms;
+        m = g;
+        m.count = count;
+        m.first_seen_unix_ms = first;
+      }
+    }
+    auto pairs = store->GroupRuns(filters);
+    if (!pairs.ok()) return pairs.status();
+    runs.insert(pairs->begin(), pairs->end());
+  }
+  std::map<std::string, int64_t> run_counts;
+  for (const auto& [fp, run] : runs) ++run_counts[fp];
+  std::vector<IncidentGroup> out;
+  out.reserve(merged.size());
+  for (auto& [fp, g] : merged) {
+    g.runs = run_counts[fp];
+    out.push_back(std::move(g));
+  }
+  std::sort(out.begin(), out.end(), [](const IncidentGroup& x, const IncidentGroup& y) {
+    if (x.count != y.count) return x.count > y.count;
+    if (x.last_seen_unix_ms != y.last_seen_unix_ms) return x.last_seen_unix_ms > y.last_seen_unix_ms;
+    return x.fingerprint < y.fingerprint;
+  });
+  return out;
+}
+
+StatusOr<std::vector<RunSummary>> KnowledgeBaseSet::Runs() {
+  // A run spanning stores (ranks on several hosts) is one run: its counts
+  // add up, its hosts join, its workload is that of its newest incident.
+  std::map<std::string, RunSummary> merged;
+  for (auto& store : files_) {
+    auto runs = store->Runs();
+    if (!runs.ok()) return runs.status();
+    for (RunSummary& r : *runs) {
+      auto [it, fresh] = merged.emplace(r.run_id, r);
+      if (fresh) continue;
+      RunSummary& m = it->second;
+      m.incidents += r.incidents;
+      m.failed += r.failed;
+      if (r.last_unix_ms > m.last_unix_ms) m.workload = r.workload;
+      m.first_unix_ms = std::min(m.first_unix_ms, r.first_unix_ms);
+      m.last_unix_ms = std::max(m.last_unix_ms, r.last_unix_ms);
+      m.first_step = std::min(m.first_step, r.first_step);
+      m.last_step = std::max(m.last_step, r.last_step);
+      std::set<std::string> hosts(m.hosts.begin(), m.hosts.end());
+      hosts.insert(r.hosts.begin(), r.hosts.end());
+      m.hosts.assign(hosts.begin(), hosts.end());
+    }
+  }
+  std::vector<RunSummary> out;
+  out.reserve(merged.size());
+  for (auto& [id, r] : merged) out.push_back(std::move(r));
+  // Newest activity first.
+  std::sort(out.begin(), out.end(), [](const RunSummary& a, const RunSummary& b) {
+    return a.last_unix_ms != b.last_unix_ms ? a.last_unix_ms > b.last_unix_ms : a.run_id < b.run_id;
+  });
+  return out;
+}
+
+StatusOr<std::vector<std::pair<int, int64_t>>> KnowledgeBaseSet::RankCounts() {
+  std::map<int, int64_t> by_rank;
+  for (auto& store : files_) {
+    auto ranks = store->RankCounts();
+    if (!ranks.ok()) return ranks.status();
+    for (const auto& [rank, n] : *ranks) by_rank[rank] += n;
+  }
+  return std::vector<std::pair<int, int64_t>>(by_rank.begin(), by_rank.end());
+}
+
+StatusOr<std::string> KnowledgeBaseSet::ChangeStamp() {
+  std::string sig;
+  for (size_t k = 0; k < files_.size(); ++k) {
+    if (!files_[k]->remote()) {
+      for (const std::string& f : {specs_[k], specs_[k] + "-wal"}) {
+        struct stat st {};
+        if (::stat(f.c_str(), &st) != 0) {
+          sig += "-;";
+          continue;
+        }
+        // The inode too: `mv new.db kb.db` (rsync, scp) puts another file
+        // under the name, possibly with the same size and time.
+        sig += std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" + std::to_string(st.st_size) +
+               ":" + std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + ";";
+      }
+      continue;
+    }
+    auto stamp = files_[k]->ChangeStamp();
+    if (!stamp.ok()) return stamp.status();
+    sig += *stamp + ";";
+  }
+  return sig;
 }
 
 StatusOr<FileSetStats> KnowledgeBaseSet::Stats() {
   FileSetStats out;
   std::map<std::string, int64_t> by_pattern, by_outcome, by_kind;
-  for (auto& kb : files_) {
-    auto s = kb->Stats();
+  for (auto& store : files_) {
+    auto s = store->Stats();
     if (!s.ok()) return s.status();
-    out.files.push_back({kb->path(), s->schema_version, s->incidents, s->dropped_recorded});
+    out.files.push_back({store->path(), s->schema_version, s->incidents, s->dropped_recorded});
     out.incidents += s->incidents;
     out.dropped += s->dropped_recorded;
     for (auto& [k, n] : s->by_pattern) by_pattern[k] += n;
@@ -191,8 +336,8 @@ StatusOr<FileSetStats> KnowledgeBaseSet::Stats() {
 
 StatusOr<std::map<std::string, GroupNote>> KnowledgeBaseSet::Notes() {
   std::map<std::string, GroupNote> out;
-  for (auto& kb : files_) {
-    auto notes = kb->Notes();
+  for (auto& store : files_) {
+    auto notes = store->Notes();
     if (!notes.ok()) return notes.status();
     for (GroupNote& n : *notes) {
       auto it = out.find(n.fingerprint);
@@ -204,7 +349,7 @@ StatusOr<std::map<std::string, GroupNote>> KnowledgeBaseSet::Notes() {
 
 std::vector<std::string> KnowledgeBaseSet::paths() const {
   std::vector<std::string> out;
-  for (const auto& kb : files_) out.push_back(kb->path());
+  for (const auto& store : files_) out.push_back(store->path());
   return out;
 }
 

@@ -40,11 +40,18 @@ StatusOr<int64_t> ParseSince(std::string_view text, int64_t now_unix_ms);
 // `incident` passes every non-empty filter of `query`. `limit` is ignored.
 bool MatchesQuery(const Incident& incident, const IncidentQuery& query);
 
+// What IncidentQuery::text searches: the searchable fields, lower-case
+// (ASCII), joined by '\x1f'. The store keeps it in a column (schema 5), so
+// the server and the file search the same text as MatchesQuery.
+std::string SearchText(const Incident& incident);
+// `text` lower-cased (ASCII), as SearchText is.
+std::string LowerAscii(std::string_view text);
+
 // The store's order: newest first, ties by id ascending.
 bool NewerFirst(const Incident& a, const Incident& b);
 
 // Groups by fingerprint: count, distinct runs, first/last seen and the newest
-// id; most frequent first, ties newest first.
+// id; most frequent first, ties newest first, then by fingerprint.
 std::vector<IncidentGroup> GroupIncidents(const std::vector<Incident>& incidents);
 
 // Totals over several files.
@@ -65,23 +72,41 @@ struct FileSetStats {
 };
 
 // The knowledge-base files named by --db specs, opened for reading only
-// (KnowledgeBaseOptions.read_only: never created, migrated or written, no
-// -wal/-shm left behind). Movable, not copyable.
+// (never created, migrated or written, no -wal/-shm left behind). Movable,
+// not copyable.
+class Store;
+struct RunSummary;
+
 class KnowledgeBaseSet {
  public:
-  // Expands `specs` and opens every file. Fails on the first file that does
-  // not open, with KnowledgeBase::Open's code and message (naming the path).
+  // Expands `specs` and opens every file (Store::OpenReadOnly). Fails on the
+  // first file that does not open, with its code and message (naming the path).
   static StatusOr<KnowledgeBaseSet> Open(const std::vector<std::string>& specs);
+  KnowledgeBaseSet();
+  ~KnowledgeBaseSet();
+  KnowledgeBaseSet(KnowledgeBaseSet&&) noexcept;
+  KnowledgeBaseSet& operator=(KnowledgeBaseSet&&) noexcept;
 
   // Every file's matches, merged newest first; query.offset and query.limit
-  // apply to the merge (one server answers just that page).
+  // apply to the merge (one store answers just that page; several each give
+  // their first offset + limit, so a deep page costs its depth per store).
   StatusOr<std::vector<Incident>> Query(const IncidentQuery& query);
-  // GroupIncidents over Query(filters) with the limit cleared.
+  // How many incidents pass the filters, over every file.
+  StatusOr<int64_t> Count(const IncidentQuery& query);
+  // The groups of the incidents passing `filters` (limit, offset ignored),
+  // counted by each store; merged over several (a run in two files counts once).
   StatusOr<std::vector<IncidentGroup>> Groups(IncidentQuery filters);
+  // Runs with a run id, merged over the files, newest activity first.
+  StatusOr<std::vector<RunSummary>> Runs();
+  // Incident counts by rank over every file, ascending rank.
+  StatusOr<std::vector<std::pair<int, int64_t>>> RankCounts();
   StatusOr<FileSetStats> Stats();
   // Every file's group notes by fingerprint; where two files note one group,
   // the newer note wins.
   StatusOr<std::map<std::string, GroupNote>> Notes();
+  // Changes when anything in the files may have: each file's (and its
+  // -wal's) inode, size and modification time, each server's change stamp.
+  StatusOr<std::string> ChangeStamp();
 
   // What each file is called in messages (a server's URL without its password).
   std::vector<std::string> paths() const;
@@ -90,7 +115,7 @@ class KnowledgeBaseSet {
   size_t size() const { return files_.size(); }
 
  private:
-  std::vector<std::unique_ptr<KnowledgeBase>> files_;
+  std::vector<std::unique_ptr<Store>> files_;
   std::vector<std::string> specs_;
 };
 

@@ -27,6 +27,7 @@
 #include "oomguard/faults.h"
 #include "oomguard/knowledge_base.h"
 #include "oomguard/logging.h"
+#include "sdk/core/ids.h"
 #include "sdk/kb/spool.h"
 #include "sdk/kb/store.h"
 
@@ -121,7 +122,7 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
       done_cv_.wait_until(lock, deadline, [&] { return drain_attempts_ > attempt || stop_; });
       if (spool_has_data_)
         return Status::Unavailable("knowledge base " + path_ + ": " + std::to_string(stats_.spool_pending) +
-                                   " incident(s) wait in the spool " + spool_->dir() +
+                                   " record(s) (incidents, priors) wait in the spool " + spool_->dir() +
                                    " for the server; they are sent when it answers (by this job, or the next "
                                    "one using that spool)");
     }
@@ -150,7 +151,7 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
       sp.best = size;
       Op op;
       op.kind = Op::kPrior;
-      op.prior = {workload, size, sp.saw_oom, std::nullopt};
+      op.prior = {workload, size, sp.saw_oom, std::nullopt, internal::NowUnixMs()};
       PushLocked(std::move(op));
     } catch (...) {
       return Status::ResourceExhausted("RecordCleanMicroBatch: out of host memory");
@@ -184,6 +185,7 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
       op.kind = Op::kPrior;
       op.prior.workload = workload;
       op.prior.model = model;
+      op.prior.learned_unix_ms = internal::NowUnixMs();
       PushLocked(std::move(op));
     } catch (...) {
       return Status::ResourceExhausted("RecordModel: out of host memory");
@@ -284,7 +286,10 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
   bool TryDrain() {
     int64_t sent = 0;
     Status s = spool_->Drain(
-        [&](const std::vector<Incident>& part) { return writer_store_->Write(part, {}, 0); }, kMaxBatch, &sent);
+        [&](const std::vector<Incident>& part, const std::vector<kb::PriorUpdate>& priors) {
+          return writer_store_->Write(part, priors, 0);
+        },
+        kMaxBatch, &sent);
     std::lock_guard<std::mutex> lock(mu_);
     stats_.written += sent;
     stats_.spool_pending = spool_->pending();
@@ -334,16 +339,20 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
           incidents.push_back(std::move(op.incident));
         }
       }
-      int64_t spooled = 0;
+      int64_t spooled = 0;  // records (incidents and priors) put in the spool
       Status spool_error;
-      // Behind a spool that still holds this process's incidents, new ones
-      // queue up there too (in order).
-      auto to_spool = [&] {
-        spool_error = spool_->Append(incidents);
-        if (spool_error.ok()) spooled = static_cast<int64_t>(incidents.size());
+      auto to_spool = [&](bool with_priors) {
+        const std::vector<kb::PriorUpdate> none;
+        spool_error = spool_->Append(incidents, with_priors ? priors : none);
+        if (spool_error.ok())
+          spooled += static_cast<int64_t>(incidents.size() + (with_priors ? priors.size() : 0));
         incidents.clear();
+        if (with_priors) priors.clear();
       };
-      if (spool_ != nullptr && spool_->pending() > 0 && !incidents.empty()) to_spool();
+      // Behind a spool that still holds this process's incidents, new ones
+      // queue up there too (in order). Priors need no order (each carries
+      // when it was learned): they try the server first.
+      if (spool_ != nullptr && spool_->pending() > 0 && !incidents.empty()) to_spool(false);
       Status s;
       try {
         // The kb_write fault site: a kill tests that a half-written batch
@@ -351,11 +360,12 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
         // counts as a failed write, like a full disk.
         FaultPoint(FaultSite::kKbWrite, FaultContext{});
         s = writer_store_->Write(incidents, priors, drops);
-        if (!s.ok() && spool_ != nullptr && s.code() == StatusCode::kUnavailable && !incidents.empty()) {
-          // The server is away: the incidents wait on disk; the priors and
-          // the drop count of this batch are lost (a later session relearns).
-          to_spool();
-          s = priors.empty() ? Status::Ok() : s;
+        if (!s.ok() && spool_ != nullptr && s.code() == StatusCode::kUnavailable &&
+            (!incidents.empty() || !priors.empty())) {
+          // The server is away: the incidents and priors wait on disk; the
+          // drop count of this batch is lost.
+          to_spool(true);
+          s = Status::Ok();
         }
       } catch (const std::exception& e) {
         s = Status::ResourceExhausted(std::string("knowledge base writer: ") + e.what());
@@ -375,8 +385,7 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
         stats_.written += lost_here;
       } else {
         // What did not reach the spool (or, without a spool, the store).
-        const int64_t lost = spool_error.ok() ? (spooled > 0 ? static_cast<int64_t>(priors.size()) : lost_here)
-                                              : lost_here;
+        const int64_t lost = lost_here;
         stats_.write_errors += lost;
         stats_.written += lost_here - lost;
         stats_.last_error = s.ToString();

@@ -331,20 +331,33 @@ TEST_F(KnowledgeBaseTest, MigratesVersionOneAndRefusesNewer) {
 
 TEST_F(KnowledgeBaseTest, MigratesVersionTwoKeepingItsPriors) {
   {
-    // A version-2 file: size priors, no models.
+    // A version-2 file: size priors, no models, no notes, no search column
+    // or browser indexes; one incident.
     auto store = kb::Store::Open(path_, 1000, true);
     ASSERT_TRUE(store.ok());
+    Incident old;
+    old.id = "mg01";
+    old.message = "Boom in the Attention layer";
+    ASSERT_TRUE((*store)->Write({old}, {}, 0).ok());
   }
   sqlite3* db = nullptr;
   ASSERT_EQ(sqlite3_open(path_.c_str(), &db), SQLITE_OK);
   ASSERT_EQ(sqlite3_exec(db,
-                         "DROP TABLE prior_models; DROP TABLE notes; UPDATE schema_version SET version=2;"
+                         "DROP TABLE prior_models; DROP TABLE notes; DROP INDEX incidents_newest;"
+                         "DROP INDEX incidents_pattern_newest; DROP INDEX incidents_workload_newest;"
+                         "DROP INDEX incidents_outcome_newest; DROP INDEX incidents_groups; DROP INDEX incidents_kind;"
+                         "DROP INDEX incidents_rank; DROP INDEX incidents_run_hosts; DROP INDEX incidents_runs;"
+                         "ALTER TABLE incidents DROP COLUMN search; UPDATE schema_version SET version=2;"
                          "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES('w', 48, 1);",
                          nullptr, nullptr, nullptr),
-            SQLITE_OK);
+            SQLITE_OK)
+      << sqlite3_errmsg(db);
   sqlite3_close(db);
   auto kb = KnowledgeBase::Open(path_);
   ASSERT_TRUE(kb.ok()) << kb.status();
+  // The migration to 5 filled the search column from the stored record.
+  EXPECT_EQ((*kb)->Query({.text = "ATTENTION layer"})->size(), 1u);
+  EXPECT_EQ((*kb)->Query({.text = "attention%"})->size(), 0u);  // '%' is no wildcard
   EXPECT_EQ((*kb)->PriorMicroBatch("w"), 48);
   EXPECT_FALSE((*kb)->PriorModel("w").has_value());
   SizeModel m;

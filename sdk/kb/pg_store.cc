@@ -65,6 +65,21 @@ const char* const kPgMigrations[] = {
     "  text TEXT NOT NULL,"
     "  author TEXT NOT NULL DEFAULT '',"
     "  updated_unix_ms BIGINT NOT NULL);",
+    // 4 -> 5: the browser's queries on the server (no full load): the
+    // searchable text (kb::SearchText; written with each incident, filled
+    // here for older rows) and indexes for groups, stats, ranks and runs.
+    "ALTER TABLE incidents ADD COLUMN search TEXT NOT NULL DEFAULT '';"
+    "UPDATE incidents SET search = lower(concat_ws(chr(31), id, run_id, host,"
+    "  COALESCE(body::jsonb->>'message', ''), COALESCE(body::jsonb->>'exception_type', ''), pattern, workload,"
+    "  phase, kind, outcome, fingerprint, COALESCE(body::jsonb->>'evidence', '')));"
+    "CREATE INDEX incidents_pattern_newest ON incidents(pattern, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_outcome_newest ON incidents(outcome, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_groups ON incidents(fingerprint, time_unix_ms, run_id, id);"
+    "CREATE INDEX incidents_kind ON incidents(kind);"
+    "CREATE INDEX incidents_rank ON incidents(rank);"
+    "CREATE INDEX incidents_run_hosts ON incidents(run_id, host);"
+    // Covers the runs' totals and each run's newest incident (Store::Runs).
+    "CREATE INDEX incidents_runs ON incidents(run_id, time_unix_ms DESC, id, step, outcome, workload);",
 };
 static_assert(sizeof(kPgMigrations) / sizeof(kPgMigrations[0]) == kSchemaVersion);
 

@@ -11,9 +11,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "oomguard/knowledge_base.h"
+#include "sdk/kb/jsonl.h"
 
 namespace oomguard::kb {
 namespace {
@@ -32,27 +34,71 @@ std::vector<std::string> SpoolFiles(const std::string& dir) {
   return out;
 }
 
-// Reads the incidents of a spool file; a line that does not parse (torn by a
-// crash mid-append) is skipped.
-std::vector<Incident> ReadSpoolFile(const std::string& path) {
-  std::vector<Incident> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
+struct Spooled {
+  std::vector<Incident> incidents;
+  std::vector<PriorUpdate> priors;
+};
+
+std::string PriorLine(const PriorUpdate& p) {
+  nlohmann::json j = {{"workload", p.workload},
+                      {"micro_batch", p.micro_batch},
+                      {"replace", p.replace},
+                      {"learned_unix_ms", p.learned_unix_ms},
+                      {"model", p.model ? nlohmann::json::parse(SizeModelToJson(*p.model)) : nlohmann::json()}};
+  return nlohmann::json{{"prior", j}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+// One line: a prior ({"prior":...}) or an incident.
+Status ParseLine(const std::string& line, Spooled* out) {
+  if (line.rfind("{\"prior\":", 0) != 0) {
     auto inc = IncidentFromJson(line);
-    if (inc.ok()) out.push_back(std::move(inc).value());
+    if (!inc.ok()) return inc.status();
+    out->incidents.push_back(std::move(inc).value());
+    return Status::Ok();
   }
+  auto j = nlohmann::json::parse(line, nullptr, false);
+  if (j.is_discarded() || !j["prior"].is_object()) return Status::InvalidArgument("a prior that does not parse");
+  const auto& p = j["prior"];
+  PriorUpdate u;
+  try {
+    u.workload = p.at("workload").get<std::string>();
+    u.micro_batch = p.at("micro_batch").get<int64_t>();
+    u.replace = p.at("replace").get<bool>();
+    u.learned_unix_ms = p.at("learned_unix_ms").get<int64_t>();
+    if (p.contains("model") && p["model"].is_object()) {
+      u.model = SizeModelFromJson(p["model"].dump());
+      if (!u.model) return Status::InvalidArgument("a prior's model that does not parse");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return Status::InvalidArgument(std::string("a prior that does not parse: ") + e.what());
+  }
+  out->priors.push_back(std::move(u));
+  return Status::Ok();
+}
+
+// Reads a spool file; a line that does not parse (torn by a crash
+// mid-append) is skipped. A file that cannot be read is an error (kept for
+// a later try, never emptied).
+StatusOr<Spooled> ReadSpoolFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::Unavailable("spool " + path + ": cannot open: " + std::strerror(errno));
+  Spooled out;
+  int64_t skipped = 0;
+  OOMGUARD_RETURN_IF_ERROR(ForEachJsonlLine(
+      in, path, BadLine::kSkip, [&](const std::string& line) { return ParseLine(line, &out); }, &skipped));
   return out;
 }
 
-Status SendAll(const std::vector<Incident>& all, size_t batch,
-               const std::function<Status(const std::vector<Incident>&)>& send, int64_t* sent) {
-  for (size_t i = 0; i < all.size(); i += batch) {
-    std::vector<Incident> part(all.begin() + static_cast<std::ptrdiff_t>(i),
+Status SendAll(const StatusOr<Spooled>& read, size_t batch, const Spool::Send& send, int64_t* sent) {
+  OOMGUARD_RETURN_IF_ERROR(read.status());
+  const std::vector<Incident>& all = read->incidents;
+  const std::vector<PriorUpdate> none;
+  for (size_t i = 0; i < all.size() || (i == 0 && !read->priors.empty()); i += batch) {
+    std::vector<Incident> part(all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), i)),
                                all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), i + batch)));
-    OOMGUARD_RETURN_IF_ERROR(send(part));
-    *sent += static_cast<int64_t>(part.size());
+    const bool last = i + batch >= all.size();
+    OOMGUARD_RETURN_IF_ERROR(send(part, last ? read->priors : none));
+    *sent += static_cast<int64_t>(part.size() + (last ? read->priors.size() : 0));
   }
   return Status::Ok();
 }
@@ -127,11 +173,15 @@ Status Spool::EnsureFile() {
   return Status::Ok();
 }
 
-Status Spool::Append(const std::vector<Incident>& incidents) {
-  if (incidents.empty()) return Status::Ok();
+Status Spool::Append(const std::vector<Incident>& incidents, const std::vector<PriorUpdate>& priors) {
+  if (incidents.empty() && priors.empty()) return Status::Ok();
   std::string text;
   for (const Incident& inc : incidents) {
     text += IncidentToJson(inc);
+    text += '\n';
+  }
+  for (const PriorUpdate& p : priors) {
+    text += PriorLine(p);
     text += '\n';
   }
   if (DirBytes() + static_cast<int64_t>(text.size()) > max_bytes_)
@@ -145,11 +195,11 @@ Status Spool::Append(const std::vector<Incident>& incidents) {
     done += static_cast<size_t>(n);
   }
   if (::fdatasync(fd_) != 0) return Status::Unavailable("spool " + path_ + ": sync: " + std::strerror(errno));
-  pending_ += static_cast<int64_t>(incidents.size());
+  pending_ += static_cast<int64_t>(incidents.size() + priors.size());
   return Status::Ok();
 }
 
-Status Spool::Drain(const std::function<Status(const std::vector<Incident>&)>& send, size_t batch, int64_t* sent) {
+Status Spool::Drain(const Send& send, size_t batch, int64_t* sent) {
   *sent = 0;
   if (batch == 0) batch = 1;
   if (pending_ > 0) {

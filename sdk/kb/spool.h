@@ -2,19 +2,22 @@
 // cannot be reached (down, restarting, network gone), sent once it is back.
 //
 // Layout: a directory of files, one per process that spooled, each named
-// spool-<host>-<pid>-<random>.jsonl and holding one incident per line (the
-// JSON exchange record). A process holds an exclusive flock on its own file
+// spool-<host>-<pid>-<random>.jsonl and holding one record per line: an
+// incident (the JSON exchange record) or a learned prior,
+// {"prior":{"workload", "micro_batch", "replace", "learned_unix_ms", "model"}}. A process holds an exclusive flock on its own file
 // while it lives; a file whose lock can be taken belongs to a process that
 // ended (crashed, killed) and is adopted by the next Drain of any process
 // spooling into the same directory, so nothing spooled is lost with its job.
 //
 // Exactly once: incidents have ids and the store upserts by id, so a file
 // sent again (a crash between the server's commit and the truncation here)
-// adds nothing. A line torn by a crash mid-append is skipped (that incident
+// adds nothing. Priors carry the time they were learned and the store
+// applies one only over a prior learned no later (kb::PriorUpdate), so a
+// prior sent twice, or after a newer one from another job, changes nothing. A line torn by a crash mid-append is skipped (that incident
 // was never fully spooled).
 //
 // Bounded: Append refuses (kResourceExhausted) once the directory would hold
-// more than max_bytes; the caller counts those incidents as dropped.
+// more than max_bytes; the caller counts those records as dropped.
 //
 // Thread-safety: none; the knowledge base's writer thread owns its Spool.
 #ifndef OOMGUARD_SDK_KB_SPOOL_H_
@@ -28,6 +31,7 @@
 
 #include "oomguard/incident.h"
 #include "oomguard/status.h"
+#include "sdk/kb/store.h"
 
 namespace oomguard::kb {
 
@@ -41,15 +45,17 @@ class Spool {
   Spool& operator=(const Spool&) = delete;
 
   // Appends and syncs to disk (fdatasync) before returning.
-  Status Append(const std::vector<Incident>& incidents);
+  Status Append(const std::vector<Incident>& incidents, const std::vector<PriorUpdate>& priors = {});
 
-  // Sends this process's spooled incidents, then any orphaned file's, through
-  // `send` in batches of at most `batch`; each file is emptied (or removed)
-  // once all of it was sent. Stops at the first failure of `send` and returns
-  // it. *sent counts the incidents sent.
-  Status Drain(const std::function<Status(const std::vector<Incident>&)>& send, size_t batch, int64_t* sent);
+  // Sends this process's spooled records, then any orphaned file's, through
+  // `send`: a file's incidents in batches of at most `batch`, its priors
+  // with the last batch. Each file is emptied (or removed) once all of it
+  // was sent. Stops at the first failure of `send` and returns it. *sent
+  // counts the records (incidents and priors) sent.
+  using Send = std::function<Status(const std::vector<Incident>&, const std::vector<PriorUpdate>&)>;
+  Status Drain(const Send& send, size_t batch, int64_t* sent);
 
-  // Incidents in this process's file (not yet sent).
+  // Records (incidents and priors) in this process's file (not yet sent).
   int64_t pending() const { return pending_; }
   // True when the directory holds spooled incidents of other, ended
   // processes (checked at Open and by Drain).

@@ -9,9 +9,11 @@
 
 #include <cerrno>
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include "sdk/core/ids.h"
+#include "sdk/kb/file_set.h"
 
 namespace oomguard::kb {
 namespace {
@@ -62,6 +64,28 @@ const char* const kMigrations[] = {
     "  text TEXT NOT NULL,"
     "  author TEXT NOT NULL DEFAULT '',"
     "  updated_unix_ms INTEGER NOT NULL);",
+    // 4 -> 5: the browser's queries on the store itself (no full load): the
+    // searchable text (kb::SearchText; written with each incident, filled
+    // here for older rows) and indexes that let groups, stats, ranks and runs
+    // read an index instead of every row.
+    "ALTER TABLE incidents ADD COLUMN search TEXT NOT NULL DEFAULT '';"
+    "UPDATE incidents SET search = lower(id || char(31) || run_id || char(31) || host || char(31) ||"
+    "  COALESCE(json_extract(body, '$.message'), '') || char(31) ||"
+    "  COALESCE(json_extract(body, '$.exception_type'), '') || char(31) || pattern || char(31) ||"
+    "  workload || char(31) || phase || char(31) || kind || char(31) || outcome || char(31) ||"
+    "  fingerprint || char(31) || COALESCE(json_extract(body, '$.evidence'), ''));"
+    // The page's order (newest first, ties by id) read straight from an
+    // index, alone and under the filters the page offers.
+    "CREATE INDEX incidents_newest ON incidents(time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_pattern_newest ON incidents(pattern, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_workload_newest ON incidents(workload, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_outcome_newest ON incidents(outcome, time_unix_ms DESC, id);"
+    "CREATE INDEX incidents_groups ON incidents(fingerprint, time_unix_ms, run_id, id);"
+    "CREATE INDEX incidents_kind ON incidents(kind);"
+    "CREATE INDEX incidents_rank ON incidents(rank);"
+    "CREATE INDEX incidents_run_hosts ON incidents(run_id, host);"
+    // Covers the runs' totals and each run's newest incident (Store::Runs).
+    "CREATE INDEX incidents_runs ON incidents(run_id, time_unix_ms DESC, id, step, outcome, workload);",
 };
 static_assert(sizeof(kMigrations) / sizeof(kMigrations[0]) == kSchemaVersion);
 
@@ -108,7 +132,7 @@ class SqliteRow final : public Store::Row {
 
 constexpr const char* kIncidentColumns =
     "id, run_id, time_unix_ms, host, rank, step, phase, kind, workload, pattern, confidence, fingerprint, outcome, "
-    "body";
+    "body, search";
 
 }  // namespace
 
@@ -144,35 +168,40 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
   // one row, and UpdateOutcome replaces the record it completes.
   static const std::string kUpsert =
       std::string("INSERT INTO incidents(") + kIncidentColumns +
-      ") VALUES(?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14) ON CONFLICT(id) DO UPDATE SET"
+      ") VALUES(?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11,?12,?13,?14,?15) ON CONFLICT(id) DO UPDATE SET"
       " run_id = excluded.run_id, time_unix_ms = excluded.time_unix_ms, host = excluded.host,"
       " rank = excluded.rank, step = excluded.step, phase = excluded.phase, kind = excluded.kind,"
       " workload = excluded.workload, pattern = excluded.pattern, confidence = excluded.confidence,"
-      " fingerprint = excluded.fingerprint, outcome = excluded.outcome, body = excluded.body";
+      " fingerprint = excluded.fingerprint, outcome = excluded.outcome, body = excluded.body,"
+      " search = excluded.search";
   for (const Incident& inc : incidents) {
     Status s = Run(kUpsert,
                    {inc.id, inc.run_id, inc.time_unix_ms, inc.host, static_cast<int64_t>(inc.rank), inc.step,
                     std::string(PhaseName(inc.phase)), std::string(IncidentKindName(inc.kind)), inc.workload,
                     inc.pattern, inc.confidence, inc.fingerprint, std::string(IncidentOutcomeName(inc.outcome)),
-                    IncidentToJson(inc)},
+                    IncidentToJson(inc), SearchText(inc)},
                    nullptr, "insert incident");
     if (!s.ok()) return fail(s);
   }
   for (const PriorUpdate& p : priors) {
+    // Applied only over what was learned no later (PriorUpdate.learned_unix_ms).
+    const int64_t learned = p.learned_unix_ms > 0 ? p.learned_unix_ms : internal::NowUnixMs();
     if (p.micro_batch > 0) {
       const char* sql = p.replace ? "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES(?1, ?2, ?3)"
                                     " ON CONFLICT(workload) DO UPDATE SET micro_batch = excluded.micro_batch,"
                                     " updated_unix_ms = excluded.updated_unix_ms"
+                                    " WHERE priors.updated_unix_ms <= excluded.updated_unix_ms"
                                   : "UPDATE priors SET micro_batch = ?2, updated_unix_ms = ?3"
-                                    " WHERE workload = ?1 AND micro_batch < ?2";
-      Status s = Run(sql, {p.workload, p.micro_batch, internal::NowUnixMs()}, nullptr, "update prior");
+                                    " WHERE workload = ?1 AND micro_batch < ?2 AND updated_unix_ms <= ?3";
+      Status s = Run(sql, {p.workload, p.micro_batch, learned}, nullptr, "update prior");
       if (!s.ok()) return fail(s);
     }
     if (p.model) {
       Status s = Run("INSERT INTO prior_models(workload, model, updated_unix_ms) VALUES(?1, ?2, ?3)"
                      " ON CONFLICT(workload) DO UPDATE SET model = excluded.model,"
-                     " updated_unix_ms = excluded.updated_unix_ms",
-                     {p.workload, SizeModelToJson(*p.model), internal::NowUnixMs()}, nullptr, "update prior model");
+                     " updated_unix_ms = excluded.updated_unix_ms"
+                     " WHERE prior_models.updated_unix_ms <= excluded.updated_unix_ms",
+                     {p.workload, SizeModelToJson(*p.model), learned}, nullptr, "update prior model");
       if (!s.ok()) return fail(s);
     }
   }
@@ -189,7 +218,22 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
 namespace {
 
 // The WHERE clause of a query and its parameters (?1...).
-std::string Where(const IncidentQuery& q, std::vector<std::variant<std::string, int64_t, double>>* params) {
+// A LIKE pattern matching `text` anywhere (ESCAPE '\\').
+std::string LikeAnywhere(std::string_view text) {
+  std::string out = "%";
+  for (char c : text) {
+    if (c == '%' || c == '_' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "%";
+}
+
+// The WHERE clause of a query and its parameters (?1...). A store of schema
+// 4 or older (read, never migrated, by a reader) has no search column: its
+// text search reads the record itself (slower, and it also finds the
+// fields' names).
+std::string Where(const IncidentQuery& q, std::vector<std::variant<std::string, int64_t, double>>* params,
+                  int version) {
   std::string sql = " WHERE 1=1";
   auto add = [&](const char* cond, auto value) {
     params->push_back(value);
@@ -204,7 +248,12 @@ std::string Where(const IncidentQuery& q, std::vector<std::variant<std::string, 
   if (!q.workload.empty()) add(" AND workload = @", q.workload);
   if (!q.fingerprint.empty()) add(" AND fingerprint = @", q.fingerprint);
   if (!q.id_prefix.empty()) add(" AND substr(id, 1, length(@)) = @", q.id_prefix);
+  if (!q.id.empty()) add(" AND id = @", q.id);
+  if (!q.outcome.empty()) add(" AND outcome = @", q.outcome);
   if (q.since_unix_ms > 0) add(" AND time_unix_ms >= @", q.since_unix_ms);
+  if (!q.text.empty())
+    add(version >= 5 ? " AND search LIKE @ ESCAPE '\\'" : " AND lower(body) LIKE @ ESCAPE '\\'",
+        LikeAnywhere(LowerAscii(q.text)));
   return sql;
 }
 
@@ -212,7 +261,7 @@ std::string Where(const IncidentQuery& q, std::vector<std::variant<std::string, 
 
 StatusOr<std::vector<Incident>> Store::QueryOnce(const IncidentQuery& q) {
   std::vector<Param> params;
-  std::string sql = "SELECT body FROM incidents" + Where(q, &params) + " ORDER BY time_unix_ms DESC, id";
+  std::string sql = "SELECT body FROM incidents" + Where(q, &params, version_) + " ORDER BY time_unix_ms DESC, id";
   if (q.limit > 0 || q.offset > 0) {
     // SQLite needs a LIMIT before an OFFSET; -1 is none there, and NULL is none in PostgreSQL.
     params.push_back(q.limit > 0 ? q.limit : int64_t{1} << 62);
@@ -240,7 +289,7 @@ StatusOr<std::vector<Incident>> Store::QueryOnce(const IncidentQuery& q) {
 
 StatusOr<int64_t> Store::Count(const IncidentQuery& q) {
   std::vector<Param> params;
-  const std::string sql = "SELECT COUNT(*) FROM incidents" + Where(q, &params);
+  const std::string sql = "SELECT COUNT(*) FROM incidents" + Where(q, &params, version_);
   int64_t n = 0;
   Status s;
   OOMGUARD_RETURN_IF_ERROR(Reading([&] { s = Run(sql, params, [&](const Row& r) { n = r.Int(0); }, "count"); }));
@@ -248,16 +297,22 @@ StatusOr<int64_t> Store::Count(const IncidentQuery& q) {
   return n;
 }
 
-StatusOr<std::vector<IncidentGroup>> Store::GroupsOnce() {
-  // The fingerprint hashes pattern, kind, phase and workload, so they are
-  // one value per group (MAX only says so to PostgreSQL).
+StatusOr<std::vector<IncidentGroup>> Store::GroupsOnce(const IncidentQuery& q) {
+  // Counted from the (fingerprint, time, run, id) index alone; the group's
+  // pattern, kind, phase and workload (one value per group: the fingerprint
+  // hashes them) come from its newest incident. The filters apply to both
+  // parts (the same ?N in the subquery, where they name j's columns).
+  std::vector<Param> params;
+  const std::string where = Where(q, &params, version_);
   std::vector<IncidentGroup> out;
   OOMGUARD_RETURN_IF_ERROR(Run(
-      "SELECT fingerprint, MAX(pattern), MAX(kind), MAX(phase), MAX(workload), COUNT(*), COUNT(DISTINCT run_id),"
-      " MIN(time_unix_ms), MAX(time_unix_ms),"
-      " (SELECT id FROM incidents j WHERE j.fingerprint = i.fingerprint ORDER BY time_unix_ms DESC, id LIMIT 1)"
-      " FROM incidents i GROUP BY fingerprint ORDER BY COUNT(*) DESC, MAX(time_unix_ms) DESC",
-      {}, [&](const Row& r) {
+      "SELECT g.fingerprint, x.pattern, x.kind, x.phase, x.workload, g.n, g.runs, g.first_ms, g.last_ms, x.id"
+      " FROM (SELECT fingerprint, COUNT(*) AS n, COUNT(DISTINCT run_id) AS runs, MIN(time_unix_ms) AS first_ms,"
+      " MAX(time_unix_ms) AS last_ms FROM incidents" + where + " GROUP BY fingerprint) g"
+      " JOIN incidents x ON x.id = (SELECT j.id FROM incidents j" + where +
+      " AND j.fingerprint = g.fingerprint ORDER BY j.time_unix_ms DESC, j.id LIMIT 1)"
+      " ORDER BY g.n DESC, g.last_ms DESC, g.fingerprint",
+      params, [&](const Row& r) {
         IncidentGroup g;
         g.fingerprint = r.Text(0);
         g.pattern = r.Text(1);
@@ -273,6 +328,63 @@ StatusOr<std::vector<IncidentGroup>> Store::GroupsOnce() {
         out.push_back(std::move(g));
       },
       "groups"));
+  return out;
+}
+
+StatusOr<std::vector<std::pair<std::string, std::string>>> Store::GroupRuns(const IncidentQuery& q) {
+  std::vector<Param> params;
+  const std::string sql = "SELECT DISTINCT fingerprint, run_id FROM incidents" + Where(q, &params, version_);
+  std::vector<std::pair<std::string, std::string>> out;
+  Status s;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] {
+    out.clear();
+    s = Run(sql, params, [&](const Row& r) { out.emplace_back(r.Text(0), r.Text(1)); }, "group runs");
+  }));
+  OOMGUARD_RETURN_IF_ERROR(s);
+  return out;
+}
+
+StatusOr<std::vector<std::pair<int, int64_t>>> Store::RankCounts() {
+  std::vector<std::pair<int, int64_t>> out;
+  Status s;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] {
+    out.clear();
+    s = Run("SELECT rank, COUNT(*) FROM incidents GROUP BY rank ORDER BY rank", {},
+            [&](const Row& r) { out.emplace_back(static_cast<int>(r.Int(0)), r.Int(1)); }, "ranks");
+  }));
+  OOMGUARD_RETURN_IF_ERROR(s);
+  return out;
+}
+
+StatusOr<std::vector<RunSummary>> Store::RunsOnce() {
+  std::vector<RunSummary> out;
+  std::map<std::string, size_t> at;
+  OOMGUARD_RETURN_IF_ERROR(Run(
+      // The workload of each run's newest incident (ties: the smallest id, the store's order).
+      "SELECT run_id, COUNT(*), SUM(CASE WHEN outcome = 'failed' THEN 1 ELSE 0 END), MIN(time_unix_ms),"
+      " MAX(time_unix_ms), MIN(step), MAX(step), (SELECT j.workload FROM incidents j WHERE j.run_id = i.run_id"
+      " ORDER BY j.time_unix_ms DESC, j.id LIMIT 1) FROM incidents i WHERE run_id <> '' GROUP BY run_id",
+      {}, [&](const Row& r) {
+        RunSummary run;
+        run.run_id = r.Text(0);
+        run.incidents = r.Int(1);
+        run.failed = r.Int(2);
+        run.first_unix_ms = r.Int(3);
+        run.last_unix_ms = r.Int(4);
+        run.first_step = r.Int(5);
+        run.last_step = r.Int(6);
+        run.workload = r.Text(7);
+        at[run.run_id] = out.size();
+        out.push_back(std::move(run));
+      },
+      "runs"));
+  // Each run's hosts (the (run_id, host) index).
+  OOMGUARD_RETURN_IF_ERROR(Run(
+      "SELECT DISTINCT run_id, host FROM incidents WHERE run_id <> '' ORDER BY run_id, host", {},
+      [&](const Row& r) {
+        if (auto it = at.find(r.Text(0)); it != at.end()) out[it->second].hosts.push_back(r.Text(1));
+      },
+      "runs"));
   return out;
 }
 
@@ -313,9 +425,15 @@ StatusOr<std::vector<Incident>> Store::Query(const IncidentQuery& q) {
   return std::move(*r);
 }
 
-StatusOr<std::vector<IncidentGroup>> Store::Groups() {
+StatusOr<std::vector<IncidentGroup>> Store::Groups(const IncidentQuery& filters) {
   std::optional<StatusOr<std::vector<IncidentGroup>>> r;
-  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = GroupsOnce(); }));
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = GroupsOnce(filters); }));
+  return std::move(*r);
+}
+
+StatusOr<std::vector<RunSummary>> Store::Runs() {
+  std::optional<StatusOr<std::vector<RunSummary>>> r;
+  OOMGUARD_RETURN_IF_ERROR(Reading([&] { r = RunsOnce(); }));
   return std::move(*r);
 }
 

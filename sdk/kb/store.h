@@ -2,7 +2,7 @@
 // server), with the schema, its migrations and every statement the knowledge
 // base runs.
 //
-// File format (schema version 4; PostgreSQL has the same tables, pg_store.cc):
+// File format (schema version 5; PostgreSQL has the same tables, pg_store.cc):
 //   schema_version(version)                    one row
 //   incidents(id PRIMARY KEY, indexed columns..., body)  body: the JSON exchange record
 //   priors(workload PRIMARY KEY, micro_batch, updated_unix_ms)
@@ -10,6 +10,8 @@
 //                                              JSON ({"fixed_bytes", "unit_bytes", ...})
 //   sink_drops(time_unix_ms, pid, dropped)     incidents lost to full queues
 //   notes(fingerprint PRIMARY KEY, text, author, updated_unix_ms)  (version 4)
+//   incidents.search: kb::SearchText of the incident, for text filters, and
+//   the indexes the browser's queries read (version 5)
 // The indexed columns duplicate fields of body for filtering and grouping;
 // body is the source of truth, so new Incident fields need no migration.
 //
@@ -51,7 +53,20 @@ namespace oomguard::kb {
 // incident_json.cc, which reads the body; the grouping reads the column.
 std::optional<Phase> ParseStoredPhase(std::string_view name);
 
-inline constexpr int kSchemaVersion = 4;
+inline constexpr int kSchemaVersion = 5;
+
+// One training run as its incidents show it.
+struct RunSummary {
+  std::string run_id;
+  std::string workload;  // of the newest incident
+  int64_t incidents = 0;
+  int64_t failed = 0;  // outcome "failed"
+  int64_t first_unix_ms = 0;
+  int64_t last_unix_ms = 0;
+  int64_t first_step = 0;
+  int64_t last_step = 0;
+  std::vector<std::string> hosts;  // sorted, distinct
+};
 
 // A prior update produced by KnowledgeBase::RecordCleanMicroBatch or
 // RecordModel.
@@ -63,6 +78,11 @@ struct PriorUpdate {
   // sizes say what ran, not what does not fit, so they never create one.
   bool replace = false;
   std::optional<SizeModel> model;  // replaces the stored model when set
+  // When the job learned it (0: when written). A store applies an update
+  // only over a prior learned no later, so an update that waited in a spool
+  // never undoes a newer one, and one sent twice changes nothing the second
+  // time.
+  int64_t learned_unix_ms = 0;
 };
 
 // The stored form of a model, and back (nullopt for text that is not one).
@@ -101,7 +121,16 @@ class Store {
   StatusOr<std::vector<Incident>> Query(const IncidentQuery& q);
   // How many incidents pass the filters of `q` (its limit and offset ignored).
   StatusOr<int64_t> Count(const IncidentQuery& q);
-  StatusOr<std::vector<IncidentGroup>> Groups();
+  // Groups of the incidents passing the filters of `filters` (limit and
+  // offset ignored); most frequent first, ties newest first.
+  StatusOr<std::vector<IncidentGroup>> Groups(const IncidentQuery& filters = {});
+  // The distinct (fingerprint, run id) pairs passing the filters: what a
+  // merge of several stores needs to count a group's runs exactly.
+  StatusOr<std::vector<std::pair<std::string, std::string>>> GroupRuns(const IncidentQuery& filters);
+  // Incident counts by rank, ascending rank.
+  StatusOr<std::vector<std::pair<int, int64_t>>> RankCounts();
+  // Every run with a run id (in no particular order).
+  StatusOr<std::vector<RunSummary>> Runs();
   StatusOr<KnowledgeBaseStats> Stats();
   StatusOr<std::optional<int64_t>> Prior(const std::string& workload);
   StatusOr<std::optional<SizeModel>> PriorModel(const std::string& workload);
@@ -151,7 +180,8 @@ class Store {
 
  private:
   StatusOr<std::vector<Incident>> QueryOnce(const IncidentQuery& q);
-  StatusOr<std::vector<IncidentGroup>> GroupsOnce();
+  StatusOr<std::vector<IncidentGroup>> GroupsOnce(const IncidentQuery& filters);
+  StatusOr<std::vector<RunSummary>> RunsOnce();
   StatusOr<KnowledgeBaseStats> StatsOnce();
 };
 

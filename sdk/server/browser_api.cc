@@ -9,6 +9,7 @@
 #include "sdk/kb/file_set.h"
 #include "sdk/kb/similarity.h"
 #include "sdk/server/assets.h"
+#include "sdk/server/browser_data.h"
 #include "sdk/server/metrics.h"
 
 namespace oomguard::server {
@@ -145,34 +146,38 @@ json Counts(const std::vector<std::pair<std::string, int64_t>>& v) {
   return a;
 }
 
-HttpResponse ListIncidents(const IncidentIndex& index, const Params& p, const ApiLimits& limits) {
+HttpResponse Unavailable(const Status& s) { return Error(503, "the knowledge base did not answer: " + s.message()); }
+
+HttpResponse ListIncidents(BrowserData& data, const Params& p, const ApiLimits& limits) {
   std::string err =
       CheckAllowed(p, {"pattern", "rank", "run", "since", "workload", "fingerprint", "q", "offset", "limit"});
-  IncidentIndex::ListQuery q;
-  if (err.empty()) err = ParseFilters(p, &q.filters);
+  IncidentQuery q;
+  q.limit = 50;
+  if (err.empty()) err = ParseFilters(p, &q);
   if (!err.empty()) return Error(400, err);
   if (auto it = p.values.find("q"); it != p.values.end()) q.text = it->second;
   int64_t v = 0;
   if (auto it = p.values.find("offset"); it != p.values.end()) {
     if (!ParseInt(it->second, 0, INT64_MAX / 2, &v))
       return Error(400, "parameter 'offset': " + Quote(it->second) + " is not a non-negative integer");
-    q.offset = static_cast<size_t>(v);
+    q.offset = v;
   }
   if (auto it = p.values.find("limit"); it != p.values.end()) {
     if (!ParseInt(it->second, 1, static_cast<int64_t>(limits.max_page), &v))
       return Error(400, "parameter 'limit': " + Quote(it->second) + " must be between 1 and " +
                             std::to_string(limits.max_page));
-    q.limit = static_cast<size_t>(v);
+    q.limit = v;
   }
-  IncidentIndex::Page page = index.List(q);
+  auto page = data.List(q);
+  if (!page.ok()) return Unavailable(page.status());
   // Items are the stored exchange records, concatenated as they are: no
   // second parse and dump per row (this is the hot path of the page).
-  std::string body = "{\"total\":" + std::to_string(page.total) + ",\"offset\":" + std::to_string(q.offset) +
+  std::string body = "{\"total\":" + std::to_string(page->total) + ",\"offset\":" + std::to_string(q.offset) +
                      ",\"limit\":" + std::to_string(q.limit) + ",\"items\":[";
-  body.reserve(body.size() + page.items.size() * 1024);
-  for (size_t k = 0; k < page.items.size(); ++k) {
+  body.reserve(body.size() + page->items.size() * 1024);
+  for (size_t k = 0; k < page->items.size(); ++k) {
     if (k > 0) body += ',';
-    body += IncidentToJson(*page.items[k]);
+    body += IncidentToJson(page->items[k]);
   }
   body += "]}";
   return Json(200, std::move(body));
@@ -227,8 +232,8 @@ bool PercentDecode(std::string_view in, std::string* out) {
   return true;
 }
 
-std::string StatsJson(const IncidentIndex& index) {
-  const kb::FileSetStats& s = index.stats();
+std::string StatsJson(const BrowserTotals& t) {
+  const kb::FileSetStats& s = t.stats;
   json files = json::array();
   for (const auto& f : s.files)
     files.push_back({{"db", f.path},
@@ -240,15 +245,13 @@ std::string StatsJson(const IncidentIndex& index) {
     priors.push_back(
         {{"workload", p.workload}, {"micro_batch", p.micro_batch}, {"updated_unix_ms", p.updated_unix_ms}});
   json ranks = json::array();
-  for (const auto& [rank, n] : index.by_rank()) ranks.push_back({{"rank", rank}, {"count", n}});
-  const auto& incs = index.incidents();
-  int64_t last_ms = incs.empty() ? 0 : incs.front().time_unix_ms;
+  for (const auto& [rank, n] : t.by_rank) ranks.push_back({{"rank", rank}, {"count", n}});
   return Dump({{"incidents", s.incidents},
                {"dropped", s.dropped},
-               {"runs", index.runs().size()},
-               {"groups", index.groups().size()},
-               {"last_incident_unix_ms", last_ms},
-               {"loaded_unix_ms", index.loaded_unix_ms()},
+               {"runs", t.runs},
+               {"groups", t.groups},
+               {"last_incident_unix_ms", t.last_incident_unix_ms},
+               {"loaded_unix_ms", t.loaded_unix_ms},
                {"by_pattern", Counts(s.by_pattern)},
                {"by_outcome", Counts(s.by_outcome)},
                {"by_kind", Counts(s.by_kind)},
@@ -257,8 +260,8 @@ std::string StatsJson(const IncidentIndex& index) {
                {"priors", priors}});
 }
 
-std::string PatternsJson(const IncidentIndex& index) {
-  std::map<std::string, int64_t> counts(index.stats().by_pattern.begin(), index.stats().by_pattern.end());
+std::string PatternsJson(const std::vector<std::pair<std::string, int64_t>>& by_pattern) {
+  std::map<std::string, int64_t> counts(by_pattern.begin(), by_pattern.end());
   json arr = json::array();
   for (const PatternInfo& p : PatternCatalogue()) {
     auto it = counts.find(p.name);
@@ -278,9 +281,9 @@ std::string GroupsJson(const std::vector<IncidentGroup>& groups) {
   return Dump(arr);
 }
 
-std::string RunsJson(const IncidentIndex& index) {
+std::string RunsJson(const std::vector<RunSummary>& runs) {
   json arr = json::array();
-  for (const RunSummary& r : index.runs())
+  for (const RunSummary& r : runs)
     arr.push_back({{"run_id", r.run_id},
                    {"workload", r.workload},
                    {"incidents", r.incidents},
@@ -293,28 +296,27 @@ std::string RunsJson(const IncidentIndex& index) {
   return Dump(arr);
 }
 
-std::string RunJson(const IncidentIndex& index, std::string_view run_id) {
-  std::vector<const Incident*> members = index.Run(run_id);
+std::string RunJson(std::string_view run_id, const std::vector<Incident>& members) {
   if (members.empty()) return "";
   json points = json::array();
-  for (const Incident* i : members)
-    points.push_back({{"id", i->id},
-                      {"step", i->step},
-                      {"time_unix_ms", i->time_unix_ms},
-                      {"rank", i->rank},
-                      {"micro_before", i->micro_before},
-                      {"micro_after", i->micro_after},
-                      {"pattern", i->pattern},
-                      {"action", i->action},
-                      {"outcome", i->outcome}});
+  for (const Incident& i : members)
+    points.push_back({{"id", i.id},
+                      {"step", i.step},
+                      {"time_unix_ms", i.time_unix_ms},
+                      {"rank", i.rank},
+                      {"micro_before", i.micro_before},
+                      {"micro_after", i.micro_after},
+                      {"pattern", i.pattern},
+                      {"action", i.action},
+                      {"outcome", i.outcome}});
   return Dump({{"run_id", run_id}, {"points", points}});
 }
 
 // The case library's nearest past incidents to one (kb similar), for the
 // incident page.
-std::string SimilarJson(const Incident& target, const IncidentIndex& index) {
+std::string SimilarJson(const Incident& target, const std::vector<Incident>& pool) {
   json arr = json::array();
-  for (const auto& s : kb::FindSimilar(target, index.incidents(), 5))
+  for (const auto& s : kb::FindSimilar(target, pool, 5))
     arr.push_back({{"id", s.incident->id},
                    {"score", s.score},
                    {"why", s.why},
@@ -326,8 +328,11 @@ std::string SimilarJson(const Incident& target, const IncidentIndex& index) {
   return Dump(arr);
 }
 
+BrowserApi::BrowserApi(std::shared_ptr<BrowserData> data, ApiLimits limits)
+    : data_(std::move(data)), limits_(limits) {}
+
 BrowserApi::BrowserApi(SnapshotFn snapshot, ApiLimits limits)
-    : snapshot_(std::move(snapshot)), limits_(limits) {}
+    : BrowserApi(std::make_shared<IndexData>(std::move(snapshot)), limits) {}
 
 void BrowserApi::EnableNoteWrites(std::string token, NoteWriter write) {
   token_ = std::move(token);
@@ -389,10 +394,14 @@ HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target
         return Error(400, "a note needs the fingerprint of its group in the path");
       if (auto it = params.values.find("text"); it != params.values.end()) note.text = it->second;
       if (auto it = params.values.find("author"); it != params.values.end()) note.author = it->second;
-      std::shared_ptr<const IncidentIndex> snap = snapshot_();
-      bool known = false;
-      for (const IncidentGroup& g : snap->groups()) known = known || g.fingerprint == note.fingerprint;
-      if (!known && !note.text.empty()) return Error(404, "no incident has fingerprint " + Quote(note.fingerprint));
+      if (!note.text.empty()) {
+        IncidentQuery of_group;
+        of_group.fingerprint = note.fingerprint;
+        of_group.limit = 1;
+        auto members = data_->List(of_group);
+        if (!members.ok()) return Unavailable(members.status());
+        if (members->total == 0) return Error(404, "no incident has fingerprint " + Quote(note.fingerprint));
+      }
       Status s = write_note_(note);
       if (!s.ok())
         return Error(s.code() == StatusCode::kInvalidArgument ? 400 : 503, "the note was not written: " + s.message());
@@ -403,31 +412,39 @@ HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target
     if (path == "/" || path == "/index.html") return Asset("index.html");
     if (path == "/app.js" || path == "/app.css") return Asset(std::string_view(path).substr(1));
 
-    std::shared_ptr<const IncidentIndex> snap = snapshot_();
-    const IncidentIndex& index = *snap;
+    BrowserData& data = *data_;
     auto no_params = [&]() -> std::string { return CheckAllowed(params, {}); };
     std::string_view p = path;
     constexpr std::string_view kIncidents = "/api/incidents", kRuns = "/api/runs";
-    if (p == kIncidents || p == "/api/incidents/") return ListIncidents(index, params, limits_);
+    if (p == kIncidents || p == "/api/incidents/") return ListIncidents(data, params, limits_);
     if (p.substr(0, kIncidents.size() + 1) == "/api/incidents/") {
       if (auto e = no_params(); !e.empty()) return Error(400, e);
       std::string_view id = p.substr(kIncidents.size() + 1);
       constexpr std::string_view kSimilar = "/similar";
       const bool similar = id.size() > kSimilar.size() && id.substr(id.size() - kSimilar.size()) == kSimilar;
       if (similar) id.remove_suffix(kSimilar.size());
-      const Incident* inc = index.Find(id);
-      if (inc == nullptr) return Error(404, "no incident with id " + Quote(id));
-      if (similar) return Json(200, SimilarJson(*inc, index));
-      return Json(200, IncidentToJson(*inc));
+      auto inc = data.Find(std::string(id));
+      if (!inc.ok()) return Unavailable(inc.status());
+      if (!*inc) return Error(404, "no incident with id " + Quote(id));
+      if (similar) {
+        auto pool = data.SimilarPool(**inc);
+        if (!pool.ok()) return Unavailable(pool.status());
+        return Json(200, SimilarJson(**inc, *pool));
+      }
+      return Json(200, IncidentToJson(**inc));
     }
     if (p == kRuns) {
       if (auto e = no_params(); !e.empty()) return Error(400, e);
-      return Json(200, RunsJson(index));
+      auto runs = data.Runs();
+      if (!runs.ok()) return Unavailable(runs.status());
+      return Json(200, RunsJson(*runs));
     }
     if (p.substr(0, kRuns.size() + 1) == "/api/runs/") {
       if (auto e = no_params(); !e.empty()) return Error(400, e);
       std::string_view run = p.substr(kRuns.size() + 1);
-      std::string body = RunJson(index, run);
+      auto members = data.Run(std::string(run));
+      if (!members.ok()) return Unavailable(members.status());
+      std::string body = RunJson(run, *members);
       if (body.empty()) return Error(404, "no run with id " + Quote(run));
       return Json(200, std::move(body));
     }
@@ -436,37 +453,36 @@ HttpResponse BrowserApi::Handle(std::string_view method, std::string_view target
       IncidentQuery q;
       if (err.empty()) err = ParseFilters(params, &q);
       if (!err.empty()) return Error(400, err);
-      if (q.pattern.empty() && !q.rank && q.run_id.empty() && q.since_unix_ms == 0 && q.workload.empty())
-        return Json(200, GroupsJson(index.groups()));
-      std::vector<Incident> matching;
-      for (const Incident& i : index.incidents())
-        if (kb::MatchesQuery(i, q)) matching.push_back(i);
-      return Json(200, GroupsJson(kb::GroupIncidents(matching)));
+      auto groups = data.Groups(q);
+      if (!groups.ok()) return Unavailable(groups.status());
+      return Json(200, GroupsJson(*groups));
     }
     if (p == kNotes) {
       if (auto e = no_params(); !e.empty()) return Error(400, e);
+      auto notes = data.Notes();
+      if (!notes.ok()) return Unavailable(notes.status());
       json all = json::object();
-      for (const auto& [fp, n] : index.notes()) all[fp] = NoteJson(n);
+      for (const auto& [fp, n] : *notes) all[fp] = NoteJson(n);
       return Json(200, Dump(all));
     }
     if (p.substr(0, kNotes.size() + 1) == "/api/notes/") {
       if (auto e = no_params(); !e.empty()) return Error(400, e);
-      auto it = index.notes().find(std::string(p.substr(kNotes.size() + 1)));
-      if (it == index.notes().end()) return Error(404, "no note on group " + Quote(p.substr(kNotes.size() + 1)));
+      auto notes = data.Notes();
+      if (!notes.ok()) return Unavailable(notes.status());
+      auto it = notes->find(std::string(p.substr(kNotes.size() + 1)));
+      if (it == notes->end()) return Error(404, "no note on group " + Quote(p.substr(kNotes.size() + 1)));
       return Json(200, Dump(NoteJson(it->second)));
     }
-    if (p == "/api/patterns") {
-      if (auto e = no_params(); !e.empty()) return Error(400, e);
-      return Json(200, PatternsJson(index));
-    }
-    if (p == "/api/stats") {
-      if (auto e = no_params(); !e.empty()) return Error(400, e);
-      return Json(200, StatsJson(index));
-    }
-    if (p == "/metrics") {
+    if (p == "/api/patterns" || p == "/api/stats" || p == "/metrics") {
+      if (p != "/metrics")
+        if (auto e = no_params(); !e.empty()) return Error(400, e);
+      auto totals = data.Totals();
+      if (!totals.ok()) return Unavailable(totals.status());
+      if (p == "/api/patterns") return Json(200, PatternsJson(totals->stats.by_pattern));
+      if (p == "/api/stats") return Json(200, StatsJson(*totals));
       HttpResponse m;
       m.content_type = "text/plain; version=0.0.4; charset=utf-8";
-      m.body = PrometheusText(index);
+      m.body = PrometheusText(*totals);
       return m;
     }
     return Error(404, "no such path " + Quote(path));

@@ -18,8 +18,12 @@
 // over the limit. Every response carries a Content-Security-Policy that
 // allows only the page's own script and style, and nosniff.
 //
-// Thread-safety: Handle may be called from several threads at once; each
-// call works on the snapshot current when it started.
+// Every view is read from a BrowserData (browser_data.h): `kb serve` asks
+// the stores (SQL per request), the report and tests an in-memory index.
+// A store that does not answer is a 503 naming it.
+//
+// Thread-safety: Handle may be called from several threads at once (the
+// BrowserData serialises what it must).
 #ifndef OOMGUARD_SDK_SERVER_BROWSER_API_H_
 #define OOMGUARD_SDK_SERVER_BROWSER_API_H_
 
@@ -31,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "sdk/server/browser_data.h"
 #include "sdk/server/incident_index.h"
 
 namespace oomguard::server {
@@ -51,6 +56,9 @@ struct ApiLimits {
 
 class BrowserApi {
  public:
+  // Answers from `data` (StoreData: SQL per request; IndexData: memory).
+  explicit BrowserApi(std::shared_ptr<BrowserData> data, ApiLimits limits = {});
+  // Answers from in-memory snapshots (IndexData over `snapshot`).
   using SnapshotFn = std::function<std::shared_ptr<const IncidentIndex>()>;
   explicit BrowserApi(SnapshotFn snapshot, ApiLimits limits = {});
 
@@ -70,7 +78,7 @@ class BrowserApi {
   void EnableNoteWrites(std::string token, NoteWriter write);
 
  private:
-  SnapshotFn snapshot_;
+  std::shared_ptr<BrowserData> data_;
   ApiLimits limits_;
   std::string token_;
   NoteWriter write_note_;
@@ -78,12 +86,12 @@ class BrowserApi {
 
 // The JSON documents of the API, shared with the HTML report (which embeds
 // them so the page can run without a server).
-std::string StatsJson(const IncidentIndex& index);
-std::string PatternsJson(const IncidentIndex& index);
+std::string StatsJson(const BrowserTotals& totals);
+std::string PatternsJson(const std::vector<std::pair<std::string, int64_t>>& by_pattern);
 std::string GroupsJson(const std::vector<IncidentGroup>& groups);
-std::string RunsJson(const IncidentIndex& index);
-// The run's incidents by step; "" when the run is unknown.
-std::string RunJson(const IncidentIndex& index, std::string_view run_id);
+std::string RunsJson(const std::vector<RunSummary>& runs);
+// The run's incidents (by step); "" when there are none (an unknown run).
+std::string RunJson(std::string_view run_id, const std::vector<Incident>& members);
 
 // Decodes %XX and '+' of a query-string component; false on a bad escape.
 bool PercentDecode(std::string_view in, std::string* out);

@@ -111,8 +111,9 @@ TEST(Metrics, TextFormatWithEscapedLabels) {
   v[0].outcome = IncidentOutcome::kRecovered;
   v[0].recovery_ms = 1500;
   v[0].time_unix_ms = 2000;
-  IncidentIndex idx(std::move(v), {}, 0);
-  std::string t = PrometheusText(idx);
+  auto idx = std::make_shared<const IncidentIndex>(std::move(v), kb::FileSetStats{}, 0);
+  IndexData data([idx] { return idx; });
+  std::string t = PrometheusText(*data.Totals());
   EXPECT_NE(t.find("oomguard_incidents_by_pattern_total{pattern=\"we\\\"ird\\\\pat\\ntern\"} 1\n"),
             std::string::npos)
       << t;

@@ -7,15 +7,6 @@
 namespace oomguard::server {
 namespace {
 
-char Lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
-
-bool ContainsLower(std::string_view hay, std::string_view needle_lower) {
-  if (needle_lower.size() > hay.size()) return false;
-  auto it = std::search(hay.begin(), hay.end(), needle_lower.begin(), needle_lower.end(),
-                        [](char h, char n) { return Lower(h) == n; });
-  return it != hay.end();
-}
-
 std::vector<std::pair<std::string, int64_t>> Counted(const std::map<std::string, int64_t>& m) {
   std::vector<std::pair<std::string, int64_t>> v(m.begin(), m.end());
   std::stable_sort(v.begin(), v.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
@@ -23,18 +14,6 @@ std::vector<std::pair<std::string, int64_t>> Counted(const std::map<std::string,
 }
 
 }  // namespace
-
-bool IncidentContainsText(const Incident& i, std::string_view needle) {
-  if (needle.empty()) return true;
-  for (std::string_view f : {std::string_view(i.id), std::string_view(i.run_id), std::string_view(i.host),
-                             std::string_view(i.message), std::string_view(i.exception_type),
-                             std::string_view(i.pattern), std::string_view(i.workload), PhaseName(i.phase),
-                             IncidentKindName(i.kind), IncidentOutcomeName(i.outcome),
-                             std::string_view(i.fingerprint), std::string_view(i.evidence)}) {
-    if (ContainsLower(f, needle)) return true;
-  }
-  return false;
-}
 
 IncidentIndex::IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats files, int64_t loaded_unix_ms,
                              std::map<std::string, GroupNote> notes)
@@ -97,13 +76,13 @@ IncidentIndex::IncidentIndex(std::vector<Incident> incidents, kb::FileSetStats f
 }
 
 IncidentIndex::Page IncidentIndex::List(const ListQuery& q) const {
-  std::string needle(q.text);
-  for (char& c : needle) c = Lower(c);
+  IncidentQuery filters = q.filters;
+  if (!q.text.empty()) filters.text = q.text;
   Page page;
   const size_t end = q.offset + std::min(q.limit, SIZE_MAX - q.offset);
   // One pass: count every match, keep those inside the requested window.
   for (const Incident& i : incidents_) {
-    if (!kb::MatchesQuery(i, q.filters) || !IncidentContainsText(i, needle)) continue;
+    if (!kb::MatchesQuery(i, filters)) continue;
     if (page.total >= q.offset && page.total < end) page.items.push_back(&i);
     ++page.total;
   }

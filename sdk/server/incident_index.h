@@ -24,21 +24,11 @@
 
 #include "oomguard/knowledge_base.h"
 #include "sdk/kb/file_set.h"
+#include "sdk/kb/store.h"
 
 namespace oomguard::server {
 
-// One training run as the incidents show it.
-struct RunSummary {
-  std::string run_id;
-  std::string workload;  // of the newest incident
-  int64_t incidents = 0;
-  int64_t failed = 0;  // outcome "failed"
-  int64_t first_unix_ms = 0;
-  int64_t last_unix_ms = 0;
-  int64_t first_step = 0;
-  int64_t last_step = 0;
-  std::vector<std::string> hosts;  // sorted, distinct
-};
+using RunSummary = kb::RunSummary;
 
 class IncidentIndex {
  public:
@@ -90,11 +80,6 @@ class IncidentIndex {
   int64_t loaded_unix_ms_ = 0;
   std::map<std::string, GroupNote> notes_;
 };
-
-// True when `needle_lower` (already lower-case ASCII) occurs in one of the
-// incident's searchable fields: id, run, host, message, exception type,
-// pattern, workload, phase, kind, outcome, fingerprint, evidence.
-bool IncidentContainsText(const Incident& incident, std::string_view needle_lower);
 
 }  // namespace oomguard::server
 

@@ -55,8 +55,8 @@ std::string EscapeLabelValue(std::string_view v) {
   return out;
 }
 
-std::string PrometheusText(const IncidentIndex& index) {
-  const kb::FileSetStats& s = index.stats();
+std::string PrometheusText(const BrowserTotals& t) {
+  const kb::FileSetStats& s = t.stats;
   std::string out;
   Header(&out, "oomguard_incidents_total", "counter", "Out-of-memory incidents in the knowledge base.");
   Sample(&out, "oomguard_incidents_total", "", "", static_cast<double>(s.incidents));
@@ -67,25 +67,18 @@ std::string PrometheusText(const IncidentIndex& index) {
   Counts(&out, "oomguard_incidents_by_outcome_total",
          "Incidents by outcome (recovered, rolled_back, failed).", "outcome", s.by_outcome);
   Header(&out, "oomguard_incidents_by_rank_total", "counter", "Incidents by the rank that hit them.");
-  for (const auto& [rank, n] : index.by_rank())
+  for (const auto& [rank, n] : t.by_rank)
     Sample(&out, "oomguard_incidents_by_rank_total", "rank", std::to_string(rank), static_cast<double>(n));
   Header(&out, "oomguard_incidents_dropped_total", "counter",
          "Incidents lost to full knowledge-base queues, as recorded in the files.");
   Sample(&out, "oomguard_incidents_dropped_total", "", "", static_cast<double>(s.dropped));
 
   // Newest incident overall, and the newest one whose recovery finished.
-  const Incident* newest = index.incidents().empty() ? nullptr : &index.incidents().front();
-  const Incident* recovered = nullptr;
-  for (const Incident& i : index.incidents()) {
-    if (i.outcome == IncidentOutcome::kRecovered || i.outcome == IncidentOutcome::kRolledBack) {
-      recovered = &i;
-      break;
-    }
-  }
+  const Incident* recovered = t.last_recovered ? &*t.last_recovered : nullptr;
   Header(&out, "oomguard_last_incident_timestamp_seconds", "gauge",
          "Unix time of the newest incident (0: none).");
   Sample(&out, "oomguard_last_incident_timestamp_seconds", "", "",
-         newest ? static_cast<double>(newest->time_unix_ms) / 1000.0 : 0.0);
+         static_cast<double>(t.last_incident_unix_ms) / 1000.0);
   Header(&out, "oomguard_last_recovery_seconds", "gauge",
          "How long the newest recovered incident took from the OOM to the retry that succeeded.");
   Sample(&out, "oomguard_last_recovery_seconds", "", "", recovered ? recovered->recovery_ms / 1000.0 : 0.0);
@@ -97,7 +90,7 @@ std::string PrometheusText(const IncidentIndex& index) {
   Sample(&out, "oomguard_kb_files", "", "", static_cast<double>(s.files.size()));
   Header(&out, "oomguard_kb_snapshot_timestamp_seconds", "gauge", "Unix time the files were last read.");
   Sample(&out, "oomguard_kb_snapshot_timestamp_seconds", "", "",
-         static_cast<double>(index.loaded_unix_ms()) / 1000.0);
+         static_cast<double>(t.loaded_unix_ms) / 1000.0);
   return out;
 }
 

@@ -3,18 +3,18 @@
 // OOMs. Counts are totals over the files served; they only grow while
 // incidents are only added, which is how the SDK uses the files.
 //
-// Thread-safety: pure function of an immutable index.
+// Thread-safety: pure function.
 #ifndef OOMGUARD_SDK_SERVER_METRICS_H_
 #define OOMGUARD_SDK_SERVER_METRICS_H_
 
 #include <string>
 #include <string_view>
 
-#include "sdk/server/incident_index.h"
+#include "sdk/server/browser_data.h"
 
 namespace oomguard::server {
 
-std::string PrometheusText(const IncidentIndex& index);
+std::string PrometheusText(const BrowserTotals& totals);
 
 // A label value escaped for the text format (backslash, quote, newline).
 std::string EscapeLabelValue(std::string_view v);

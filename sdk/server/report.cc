@@ -32,6 +32,9 @@ bool ReplaceOnce(std::string* s, std::string_view from, std::string_view to) {
 }  // namespace
 
 std::string ReportDataJson(const IncidentIndex& index, int64_t generated_unix_ms) {
+  std::shared_ptr<const IncidentIndex> shared(&index, [](const IncidentIndex*) {});
+  IndexData data([shared] { return shared; });
+  const BrowserTotals totals = *data.Totals();
   std::string incidents = "[";
   for (size_t k = 0; k < index.incidents().size(); ++k) {
     if (k > 0) incidents += ',';
@@ -39,8 +42,8 @@ std::string ReportDataJson(const IncidentIndex& index, int64_t generated_unix_ms
   }
   incidents += ']';
   std::string doc = "{\"mode\":\"report\",\"generated_unix_ms\":" + std::to_string(generated_unix_ms) +
-                    ",\"stats\":" + StatsJson(index) + ",\"patterns\":" + PatternsJson(index) +
-                    ",\"groups\":" + GroupsJson(index.groups()) + ",\"runs\":" + RunsJson(index) +
+                    ",\"stats\":" + StatsJson(totals) + ",\"patterns\":" + PatternsJson(totals.stats.by_pattern) +
+                    ",\"groups\":" + GroupsJson(index.groups()) + ",\"runs\":" + RunsJson(index.runs()) +
                     ",\"incidents\":" + incidents + "}";
   // Outside strings JSON never holds these characters, so escaping every
   // occurrence only rewrites string contents, which JSON.parse restores.

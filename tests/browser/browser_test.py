@@ -11,6 +11,7 @@ test imports tests/kb/testdata/patterns.jsonl and testdata/runs.jsonl. Either wa
 with an XSS incident is served beside it. Expectations are read from the API, so any knowledge
 base works. Exits 77 (ctest SKIP_RETURN_CODE) when Chromium is not installed."""
 import argparse
+import json
 import html.parser
 import os
 import shutil
@@ -111,9 +112,38 @@ def main():
         token_file = os.path.join(tmp, "notes.token")
         with open(token_file, "w") as f:
             f.write(token + "\n")
-        with fx.Server(a.oomguard, dbs, extra=["--notes-token-file", token_file]) as s:
+        # Several stores and the token: where notes go must be named (--notes-db).
+        args = [a.oomguard, "kb", "serve", "--port", "0", "--notes-token-file", token_file]
+        for db in dbs:
+            args += ["--db", db]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        check(r.returncode != 0 and "--notes-db" in r.stderr,
+              "two stores and a token without --notes-db are refused: %d %r" % (r.returncode, r.stderr[-300:]))
+        with fx.Server(a.oomguard, dbs, extra=["--notes-token-file", token_file, "--notes-db", dbs[0]]) as s:
             stats = s.json("/api/stats")
             total = stats["incidents"]
+
+            # 0. Pages, filters and counts come from the stores (SQL per request, merged over the
+            # two stores): pages of 7 put together are the one long page; a filtered total is the
+            # pattern's count; the groups add up to the total.
+            everything = s.json("/api/incidents?limit=1000")
+            check(everything["total"] == total and len(everything["items"]) == total,
+                  "one page of everything: %d of %d" % (len(everything["items"]), total))
+            pieced = []
+            for off in range(0, total, 7):
+                page = s.json("/api/incidents?limit=7&offset=%d" % off)
+                check(page["total"] == total, "paged total %d, want %d" % (page["total"], total))
+                pieced += [i["id"] for i in page["items"]]
+            check(pieced == [i["id"] for i in everything["items"]], "pages of 7 are the long page, in order")
+            for row in stats["by_pattern"]:
+                got = s.json("/api/incidents?limit=1&pattern=" + row["name"])["total"]
+                check(got == row["count"], "filtered total of %s: %d, want %d" % (row["name"], got, row["count"]))
+            groups = s.json("/api/groups")
+            check(sum(g["count"] for g in groups) == total and len(groups) == stats["groups"],
+                  "groups add up: %d in %d groups" % (sum(g["count"] for g in groups), len(groups)))
+            hits = s.json("/api/incidents?limit=1000&q=ONERROR")
+            check(hits["total"] == 1 and hits["items"][0]["id"] == "xss-00000001",
+                  "search is case-insensitive, server-side: %r" % [i["id"] for i in hits["items"]])
 
             # 1. The incident table and the per-pattern summary chart.
             dom = Dom(chromium(browser, profile, s.url, "--dump-dom"))
@@ -126,6 +156,14 @@ def main():
                   "pager says the total: %r" % dom.text_by_id.get("total"))
             chromium(browser, profile, s.url, "--screenshot=" + os.path.join(artifacts, "browser.png"),
                      "--window-size=1400,1000", "--hide-scrollbars")
+
+            # 1b. The second page, as the pager's "older" link asks for it.
+            if total > 50:
+                dom = Dom(chromium(browser, profile, s.url + "#/?offset=50", "--dump-dom"))
+                check(dom.count("tr", "incident-row") == min(total - 50, 50),
+                      "second page rows: %d, want %d" % (dom.count("tr", "incident-row"), min(total - 50, 50)))
+                check(dom.text_by_id.get("total", "").startswith("51"),
+                      "the pager of page 2: %r" % dom.text_by_id.get("total"))
 
             # 2. A filtered table (the hash carries the filter, as the page's own controls set it).
             top = stats["by_pattern"][0]
@@ -147,6 +185,11 @@ def main():
                 if s.get("/api/notes/" + rich["fingerprint"])[0] == 200:
                     break
                 time.sleep(0.1)
+            # The note went to the store named by --notes-db (the first), not beside it.
+            noted = json.loads(subprocess.run([a.oomguard, "kb", "groups", "--json", "--db", dbs[0]], check=True,
+                                              capture_output=True, text=True, timeout=60).stdout)
+            check(any(g["fingerprint"] == rich["fingerprint"] and (g.get("note") or {}).get("text") ==
+                      "fixed by expandable_segments" for g in noted), "the note is in --notes-db's store")
             dom = Dom(chromium(browser, profile, s.url + "#/incident/" + rich["id"], "--dump-dom"))
             check(dom.text_by_id.get("team-note") == "fixed by expandable_segments",
                   "the team note on the incident: %r" % dom.text_by_id.get("team-note"))

@@ -42,7 +42,7 @@ done
 "$OG" kb stats --json --db "$T/a.db" | $PY -c 'import json,sys; d=json.load(sys.stdin); d.pop("files"); print(json.dumps(d, sort_keys=True))' > "$T/lite.json"
 "$OG" kb stats --json --db "$URL" > "$T/pgstats.json" 2>>"$T/all.out" || fail "stats on the server"
 cat "$T/pgstats.json" >> "$T/all.out"
-$PY -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["files"][0]["schema_version"] == 4, d; d.pop("files"); print(json.dumps(d, sort_keys=True))' "$T/pgstats.json" > "$T/pg.json" || fail "stats json"
+$PY -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["files"][0]["schema_version"] == 5, d; d.pop("files"); print(json.dumps(d, sort_keys=True))' "$T/pgstats.json" > "$T/pg.json" || fail "stats json"
 cmp -s "$T/lite.json" "$T/pg.json" || fail "stats differ"
 
 # Paging across a file and the server (merged, then sliced) is the same page as of one file.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "oomguard/knowledge_base.h"
+#include "sdk/kb/jsonl.h"
 #include "sdk/kb/store.h"
 #include "tests/kb/pg_test_server.h"
 
@@ -39,15 +40,9 @@ std::string Sql(const std::string& url, const std::string& sql) {
 }
 
 std::vector<Incident> Corpus() {
-  std::ifstream in(std::string(OOMGUARD_KB_TESTDATA) + "/patterns.jsonl");
-  std::vector<Incident> out;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    auto inc = IncidentFromJson(line);
-    if (inc.ok()) out.push_back(std::move(inc).value());
-  }
-  return out;
+  auto r = kb::ReadIncidentsJsonlFile(std::string(OOMGUARD_KB_TESTDATA) + "/patterns.jsonl", kb::BadLine::kError);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? std::move(r->incidents) : std::vector<Incident>();
 }
 
 Incident Simple(const std::string& id, int64_t time, const std::string& workload = "w") {
@@ -133,11 +128,16 @@ TEST_F(KbPgTest, MigratesAnOlderSchemaAndRefusesANewerOne) {
   {
     auto kb = KnowledgeBase::Open(server_.url(), Options());
     ASSERT_TRUE(kb.ok()) << kb.status();
+    Incident old = Simple("mg01", 1000);
+    old.message = "Boom in the Attention layer";
+    ASSERT_TRUE((*kb)->Insert({old}).ok());
   }
-  // Back to version 2 (no models, no notes), with a prior.
+  // Back to version 2 (no models, no notes, no search column or browser indexes), with a prior.
   ASSERT_EQ(Sql(server_.url(),
-                "DROP TABLE prior_models; DROP TABLE notes; UPDATE schema_version SET version=2;"
-                "INSERT INTO priors VALUES('w', 48, 1)"),
+                "DROP TABLE prior_models; DROP TABLE notes; ALTER TABLE incidents DROP COLUMN search;"
+                "DROP INDEX incidents_pattern_newest, incidents_outcome_newest, incidents_groups, incidents_kind,"
+                " incidents_rank, incidents_run_hosts, incidents_runs;"
+                "UPDATE schema_version SET version=2; INSERT INTO priors VALUES('w', 48, 1)"),
             "");
   {
     KnowledgeBaseOptions ro;
@@ -146,12 +146,18 @@ TEST_F(KbPgTest, MigratesAnOlderSchemaAndRefusesANewerOne) {
     ASSERT_TRUE(reader.ok()) << reader.status();
     EXPECT_EQ((*reader)->Stats()->schema_version, 2);
     EXPECT_EQ((*reader)->PriorMicroBatch("w"), 48);
+    EXPECT_EQ((*reader)->Query({.text = "attention"})->size(), 1u);  // no search column: the record is read
   }
   {
     auto kb = KnowledgeBase::Open(server_.url(), Options());
     ASSERT_TRUE(kb.ok()) << kb.status();
     EXPECT_EQ((*kb)->PriorMicroBatch("w"), 48);
     EXPECT_EQ((*kb)->Stats()->schema_version, KnowledgeBase::SchemaVersion());
+    // The migration filled the search column of the incident already there.
+    EXPECT_EQ(Sql(server_.url(), "SELECT search LIKE '%boom in the attention layer%' FROM incidents WHERE id = 'mg01'"),
+              "t");
+    EXPECT_EQ((*kb)->Query({.text = "ATTENTION"})->size(), 1u);
+    EXPECT_EQ((*kb)->Query({.text = "attention_"})->size(), 0u);  // '_' is no wildcard
     EXPECT_TRUE((*kb)->SetNote({"fp", "fixed by expandable_segments", "ana", 0}).ok());
   }
   ASSERT_EQ(Sql(server_.url(), "UPDATE schema_version SET version=99"), "");
@@ -267,6 +273,73 @@ TEST_F(KbPgTest, AJobStartsWhileTheServerIsDownAndSpools) {
   }
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(Sql(server_.url(), "SELECT COUNT(*) FROM incidents WHERE id LIKE 'of%'"), "5");
+}
+
+// Priors learned while the server is away wait in the spool with the
+// incidents, on disk: a job that ends before the server is back leaves them
+// to the next job on the host, which sends them.
+TEST_F(KbPgTest, PriorsWaitInTheSpoolWhileTheServerIsAwayAndArriveOnce) {
+  SizeModel model;
+  model.fixed_bytes = 1 << 20;
+  model.unit_bytes = 4096;
+  {
+    auto job = KnowledgeBase::Open(server_.url(), Options());
+    ASSERT_TRUE(job.ok()) << job.status();
+    (*job)->sink()->Record(Simple("pr01", 1000, "w-away"));  // a real OOM: clean sizes now set the prior
+    ASSERT_TRUE((*job)->Flush().ok());
+    ASSERT_TRUE(server_.Stop());
+    ASSERT_TRUE((*job)->RecordCleanMicroBatch("w-away", 24).ok());
+    ASSERT_TRUE((*job)->RecordModel("w-away", model).ok());
+    Status away = (*job)->Flush();
+    EXPECT_EQ(away.code(), StatusCode::kUnavailable) << away;
+    SinkStats st = (*job)->sink_stats();
+    EXPECT_EQ(st.spooled, 2);  // the size and the model
+    EXPECT_EQ(st.lost(), 0);
+  }  // ends with its priors in the spool
+  ASSERT_TRUE(server_.Start());
+  auto next = KnowledgeBase::Open(server_.url(), Options());
+  ASSERT_TRUE(next.ok()) << next.status();
+  Status s = (*next)->Flush();
+  for (int i = 0; i < 50 && !s.ok(); ++i) {
+    ::usleep(100 * 1000);
+    s = (*next)->Flush();
+  }
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ((*next)->PriorMicroBatch("w-away"), 24);
+  auto m = (*next)->PriorModel("w-away");
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->unit_bytes, 4096);
+  EXPECT_EQ(Sql(server_.url(), "SELECT COUNT(*) FROM priors WHERE workload = 'w-away'"), "1");
+  size_t spool_bytes = 0;
+  for (const auto& e : fs::directory_iterator(spool_)) spool_bytes += fs::file_size(e.path());
+  EXPECT_EQ(spool_bytes, 0u);
+}
+
+// What makes a late or repeated prior harmless: an update applies only over
+// a prior learned no later, and the same update twice is one.
+TEST_F(KbPgTest, APriorThatArrivesLateNeverUndoesANewerOne) {
+  auto store = kb::Store::Open(server_.url(), 1000, true);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto write = [&](int64_t size, bool replace, int64_t learned) {
+    kb::PriorUpdate u;
+    u.workload = "w-late";
+    u.micro_batch = size;
+    u.replace = replace;
+    u.learned_unix_ms = learned;
+    return (*store)->Write({}, {u}, 0);
+  };
+  auto prior = [&] { return Sql(server_.url(), "SELECT micro_batch FROM priors WHERE workload = 'w-late'"); };
+  ASSERT_TRUE(write(32, true, 2000).ok());
+  ASSERT_TRUE(write(16, true, 1000).ok());  // learned earlier, sent later (a spool): no change
+  EXPECT_EQ(prior(), "32");
+  ASSERT_TRUE(write(32, true, 2000).ok());  // sent twice: the same
+  EXPECT_EQ(prior(), "32");
+  ASSERT_TRUE(write(64, false, 1500).ok());  // a raise learned before the prior: no change
+  EXPECT_EQ(prior(), "32");
+  ASSERT_TRUE(write(64, false, 3000).ok());  // a raise learned after it
+  EXPECT_EQ(prior(), "64");
+  ASSERT_TRUE(write(40, true, 4000).ok());  // a newer limit (a real OOM) replaces
+  EXPECT_EQ(prior(), "40");
 }
 
 // The roles of docs/knowledge_base.md (scripts/kb_postgres_roles.sql): a job

@@ -2,15 +2,16 @@
 // or pipes, without ever holding more than a limit: a file's reported size
 // says nothing about a pipe (`yes | oomguard diagnose /dev/stdin`), and one
 // line of a 1 GiB file must not be read whole to learn that it is too long.
+// Used by the CLI and by the knowledge base's JSONL reader (sdk/kb/jsonl.h).
 // Thread-safety: plain functions on the caller's stream.
-#ifndef OOMGUARD_SDK_CLI_INPUT_H_
-#define OOMGUARD_SDK_CLI_INPUT_H_
+#ifndef OOMGUARD_SDK_CORE_INPUT_H_
+#define OOMGUARD_SDK_CORE_INPUT_H_
 
 #include <cstddef>
 #include <istream>
 #include <string>
 
-namespace oomguard::cli {
+namespace oomguard::internal {
 
 enum class LineRead { kLine, kEnd, kTooLong };
 
@@ -23,6 +24,6 @@ LineRead ReadLineCapped(std::istream& in, size_t max_bytes, std::string* line);
 // when there is more than max_bytes.
 bool ReadAllCapped(std::istream& in, size_t max_bytes, std::string* out);
 
-}  // namespace oomguard::cli
+}  // namespace oomguard::internal
 
-#endif  // OOMGUARD_SDK_CLI_INPUT_H_
+#endif  // OOMGUARD_SDK_CORE_INPUT_H_

@@ -1,9 +1,9 @@
-#include "sdk/cli/input.h"
+#include "sdk/core/input.h"
 
 #include <algorithm>
 #include <streambuf>
 
-namespace oomguard::cli {
+namespace oomguard::internal {
 
 LineRead ReadLineCapped(std::istream& in, size_t max_bytes, std::string* line) {
   line->clear();
@@ -34,4 +34,4 @@ bool ReadAllCapped(std::istream& in, size_t max_bytes, std::string* out) {
   }
 }
 
-}  // namespace oomguard::cli
+}  // namespace oomguard::internal
