@@ -447,6 +447,18 @@ class _LightningTimes:
         return Times()
 
 
+def run_lightning_ddp_unconstrained(steps: int) -> dict:
+    """Lightning's own DDP, no budget, no guard: the two-rank reference of the Lightning rows."""
+    module, times = _lightning_module(), _LightningTimes()
+    trainer = _lightning_trainer(steps, [times])
+    trainer.fit(module, _lightning_loader(PER))
+    return {"ooms": 0, "samples_redone": 0, "final_batch": PER, "global_batch": GLOBAL, "model": module.gpt,
+            "step_times": times.times}
+
+
+# two-rank runs without a budget on either rank, against which a trainer's rows are compared too
+REFERENCES = {"Lightning": ("Lightning DDP, unconstrained", run_lightning_ddp_unconstrained)}
+
 SYSTEMS = {
     "oomguard TrainStep": run_oomguard_train_step,
     "oomguard HF Trainer": run_oomguard_hf,
@@ -597,7 +609,7 @@ def composer(steps: int, budget: int, ranks: int = 1, budget_ranks: str = "all",
                 with open(os.path.join(d, f"r{rank}.json")) as f:
                     outs.append(json.load(f))
             except OSError:
-                return None, f"rank {rank} wrote no result: {done['logs'][rank][-300:]}"
+                return None, f"crashed (rank {rank} wrote no result): {_last_words(done['logs'])}"
     if ranks > 1:
         return outs, None
     if "error" in outs[0]:
@@ -660,6 +672,15 @@ def _spawn(argv_of_rank, ranks: int, timeout: float, env_extra: dict) -> dict:
     return {"logs": texts}
 
 
+def _last_words(logs: list) -> str:
+    """Each rank's last line of output (what a crashed run said)."""
+    said = []
+    for rank, text in enumerate(logs):
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        said.append(f"rank {rank}: {' '.join(lines[-2:])[-160:] if lines else '(no output)'}")
+    return "; ".join(said)
+
+
 def _stuck_in(text: str) -> str:
     """Where faulthandler's dump (the main thread's innermost frames) says a rank was."""
     lines = text.splitlines()
@@ -695,7 +716,7 @@ def worker(a) -> int:
         faulthandler.dump_traceback_later(max(1.0, at - time.time()), exit=False)
     _quiet()
     dataset()
-    fn = SYSTEMS[a.worker]
+    fn = SYSTEMS.get(a.worker) or dict(REFERENCES.values())[a.worker]
     r, error = _run_system(fn, a.steps, a.budget if RANK == 1 else 0)  # only rank 1 is short of memory
     out = {"error": error} if r is None else {
         "ooms": r["ooms"], "samples_redone": r["samples_redone"], "final_batch": r["final_batch"],
@@ -718,13 +739,19 @@ def two_ranks(a, selected: dict, ref: torch.Tensor) -> dict:
     systems = dict(selected)
     if not a.only or "composer" in a.only.lower():
         systems["Composer device_train_microbatch_size=auto"] = None
+    own = {}  # trainer -> its unconstrained two-rank parameters
+    for trainer, (name, fn) in REFERENCES.items():
+        if any(trainer in n for n in systems):
+            systems = {name: fn, **systems}
     for name in systems:
+        reference_of = next((t for t, (n, _) in REFERENCES.items() if n == name), None)
         if systems[name] is None:
             outs, error = composer(a.steps, budget, ranks=2, budget_ranks="1", timeout=a.rank_timeout)
         else:
             with tempfile.TemporaryDirectory() as d:
                 argv = lambda rank: [sys.executable, os.path.abspath(__file__), "--worker", name, "--steps",
-                                     str(a.steps), "--budget", str(budget), "--out", os.path.join(d, f"r{rank}.json")]
+                                     str(a.steps), "--budget", str(0 if reference_of else budget),
+                                     "--out", os.path.join(d, f"r{rank}.json")]
                 done = _spawn(argv, 2, a.rank_timeout, {})
                 error, outs = done.get("hang"), []
                 if error is None:
@@ -733,7 +760,7 @@ def two_ranks(a, selected: dict, ref: torch.Tensor) -> dict:
                             with open(os.path.join(d, f"r{rank}.json")) as f:
                                 outs.append(json.load(f))
                         except OSError:
-                            error = f"rank {rank} wrote no result: {done['logs'][rank][-200:]}"
+                            error = f"crashed (rank {rank} wrote no result): {_last_words(done['logs'])}"
                             break
         row = {"system": name}
         if error is not None:
@@ -753,6 +780,13 @@ def two_ranks(a, selected: dict, ref: torch.Tensor) -> dict:
                    global_batch=[o["global_batch"] for o in outs], global_batch_kept=kept,
                    ranks_agree=bool(torch.equal(params[0], params[1])),
                    max_rel_diff=max(float((q - ref).abs().max() / ref.abs().max()) for q in params))
+        if reference_of:
+            own[reference_of] = params[0]
+            row["outcome"] = "finished (no budget on either rank)"
+        for trainer, theirs in own.items():
+            if trainer in name and not reference_of:
+                row["rel_diff_own"] = (trainer, max(float((q - theirs).abs().max() / theirs.abs().max())
+                                                    for q in params))
         rows.append(row)
     return {"steps": a.steps, "global_batch": GLOBAL, "per_rank": per, "peak_bytes": peak, "budget_bytes": budget,
             "oracle_micro_batch": oracles["accumulate"], "oracle_batch": oracles["batch"], "rows": rows}
@@ -769,16 +803,18 @@ def table_ranks(out: dict) -> str:
              "oracle | global batch | ranks' params equal | max rel diff of params |",
              "|---|---|---:|---:|---:|---|---|---:|"]
     for r in out["rows"]:
-        if r.get("outcome") != "finished":
+        if not r.get("outcome", "").startswith("finished"):
             lines.append(f"| {r['system']} | {r['outcome']} | – | – | – | – | – | – |")
             continue
         gb = r["global_batch"]
-        lines.append(f"| {r['system']} | finished | {r['ooms'][0]}, {r['ooms'][1]} | "
+        own = f" ({r['rel_diff_own'][1]:.1e} from {r['rel_diff_own'][0]}'s own unconstrained 2-rank run)" \
+            if "rel_diff_own" in r else ""
+        lines.append(f"| {r['system']} | {r['outcome']} | {r['ooms'][0]}, {r['ooms'][1]} | "
                      f"{r['samples_redone'][0]}, {r['samples_redone'][1]} | "
                      f"{r['final_batch'][0]}, {r['final_batch'][1]} / {r['oracle']} | "
                      f"{gb[0] if gb[0] == gb[1] else f'{gb[0]} / {gb[1]}'}"
                      f"{' (kept)' if r['global_batch_kept'] else ''} | {'yes' if r['ranks_agree'] else 'no'} | "
-                     f"{r['max_rel_diff']:.1e} |")
+                     f"{r['max_rel_diff']:.1e}{own} |")
     return "\n".join(lines)
 
 
