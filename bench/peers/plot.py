@@ -16,7 +16,7 @@ import math
 import sys
 from html import escape
 
-ROW, TOP, LEFT, PANEL, GAP = 22, 48, 330, 190, 24
+ROW, TOP, LEFT, PANEL, GAP = 22, 48, 330, 190, 44
 
 
 def main(argv) -> int:
@@ -71,6 +71,7 @@ def main(argv) -> int:
                 out.append(f'<line x1="{x0 + scale(t):.1f}" y1="{y + 1}" x2="{x0 + scale(t):.1f}" y2="{y + ROW - 1}" '
                            f'stroke="black" stroke-width="2"/>')
                 label = f"{v} | {t}"
+                w = max(w, scale(t))
             out.append(f'<text x="{x0 + w + 4:.1f}" y="{y + 15}">{label}</text>')
         if log:
             for e in (-16, -12, -8, -4, 0):
