@@ -2,7 +2,7 @@
 """The real peers against oomguard, on one model, one data set and one memory
 budget that makes the configured batch run out of memory.
 
-    PYTHONPATH=build/python scripts/python bench/peers/peers.py [--steps N] [--json]
+    PYTHONPATH=build/python scripts/python bench/peers/peers.py [--steps N] [--ranks 1,2] [--only S] [--json FILE]
 
 Every system trains the same float64 TinyGPT (examples/python/train_gpt.py:
 2 layers, width 32, a vocabulary of 64, 32 tokens) with AdamW (constant LR, no
@@ -18,9 +18,12 @@ unconstrained run (same data order), and the wall time per step once stable
 (transformers, lightning, accelerate from requirements.txt), not
 re-implementations of their rules.
 
-Composer is not measured: it pins an older torch than this environment's
-2.11 (its own environment would need a second torch wheel, 3 GB); see
-bench/peers/README.md.
+Composer's ``device_train_microbatch_size="auto"`` runs in its own
+environment (composer_peer.py; run.sh makes it). The same systems run at two
+ranks over gloo with only rank 1 under a budget (--ranks; a run that gives no
+result within --rank-timeout is reported as a hang, with where each rank
+was). The oracle: the largest micro-batch (or batch) that fits, probed with
+the plain loop. See bench/peers/README.md.
 """
 
 from __future__ import annotations
