@@ -77,4 +77,8 @@ $py "$root/bench/append_sections.py" --results "$root/bench/RESULTS.md" --vote "
 echo "== the knowledge base on PostgreSQL (a server started for it)"
 "$root/bench/kb_pg_bench.sh" "$build" > "$out/kb_pg.md"
 { echo; cat "$out/kb_pg.md"; } >> "$root/bench/RESULTS.md"
+# the last bench/peers/run.sh (its own script: about 20 minutes, a second torch for Composer)
+if [[ -f "$root/bench/peers/RESULTS.md" ]]; then
+  $py "$root/bench/peers/section.py" "$root/bench/peers/RESULTS.md" "$root/bench/RESULTS.md"
+fi
 echo "== wrote $root/bench/RESULTS.md, $root/bench/controller.svg and $root/bench/controller_policies.svg"

@@ -194,7 +194,8 @@ def lightning_module(logged: list = None):
 
 
 def lightning_run(guarded: bool, *, steps: int = 6, batch: int = 8, accumulate: int = 2, ranks: int = 1,
-                  kb: str = "", callbacks=(), val: bool = False, root: str = None, **extra):
+                  kb: str = "", callbacks=(), val: bool = False, root: str = None, checkpointing: bool = False,
+                  ckpt_path: str = None, **extra):
     import lightning.pytorch as pl
 
     from oomguard.integrations.lightning import GuardedDDPStrategy, OomguardCallback
@@ -217,9 +218,10 @@ def lightning_run(guarded: bool, *, steps: int = 6, batch: int = 8, accumulate: 
         warnings.simplefilter("ignore")
         trainer = pl.Trainer(accelerator="cpu", devices=ranks, strategy=strategy, max_steps=steps,
                              accumulate_grad_batches=accumulate, gradient_clip_val=0.5, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=2 if val else 0, default_root_dir=root, callbacks=cbs, **extra)
-        trainer.fit(module, loader, val_loader)
+                             enable_checkpointing=checkpointing, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=2 if val else 0, default_root_dir=root,
+                             callbacks=cbs, **extra)
+        trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
     return trainer, module, guard_cb
 
 

@@ -23,12 +23,15 @@ scheduler the prepared scheduler (stepped as ``accelerator.prepare`` arranged:
 once per process unless ``split_batches``), as in the plain loop. An OOM in
 the optimizer step rolls the model, optimizer, scheduler and RNG back to the
 snapshot taken before the step (``rollback=True``) and the step is redone with
-the same batch. Not supported yet: fp16 with a GradScaler
+the same batch. ``accelerator.save_state``/``load_state`` work with it: a
+``load_state`` between two steps (a resume, or a jump back to an earlier
+state) is what the next rollback restores. Not supported yet: fp16 with a GradScaler
 (``mixed_precision="fp16"``), DeepSpeed and FSDP; bf16 and fp32 are.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,9 +60,19 @@ class GuardedStep:
         self.train_step = train_step
         self.guard = train_step.guard
         self.incidents: list = []
+        self._stale_snapshot = False
 
     def __call__(self, *batch: Any, **kwargs: Any) -> float:
+        if self._stale_snapshot:
+            # accelerator.load_state replaced the state since the guard's last
+            # snapshot: a rollback must restore the loaded state, not that one.
+            self._stale_snapshot = False
+            self.guard.recovery.snapshot(self.guard.next_step - 1)
         return run_step(self.train_step, *batch, incidents=self.incidents, **kwargs)
+
+    def _state_loading(self) -> None:
+        """``accelerator.load_state``'s pre-hook (registered when ``rollback``)."""
+        self._stale_snapshot = True
 
     def finish(self) -> int:
         """Ends the run (collective: every process calls it after its last step)."""
@@ -106,4 +119,16 @@ def train_step(accelerator: "accelerate.Accelerator", model: torch.nn.Module, op
                   workload=workload or f"accelerate-{type(accelerator.unwrap_model(model)).__name__}", **guard_options)
     step = TrainStep(model, optimizer, loss_fn, forward=forward, guard=guard, scheduler=scheduler,
                      clip_grad_norm=clip_grad_norm, loss_units=loss_units)
-    return GuardedStep(step)
+    guarded = GuardedStep(step)
+    if rollback:
+        # The rollback snapshot is taken after every step; a load_state between
+        # two steps makes it stale: the next call snapshots the loaded state.
+        ref = weakref.ref(guarded)
+
+        def on_load_state(models: Any, input_dir: str) -> None:
+            target = ref()
+            if target is not None:
+                target._state_loading()
+
+        guarded._load_hook = accelerator.register_load_state_pre_hook(on_load_state)
+    return guarded
