@@ -37,6 +37,7 @@ import torch
 from .. import _oomguard as _C
 from .._guard import Guard
 from . import _evidence
+from . import ddp as _ddp
 from . import distributed as _distributed
 from ._model import ddp_of, model_device, unwrap
 from .device import TorchDevice
@@ -226,6 +227,7 @@ class TrainStep:
         clip_grad_norm: Optional[float] = None,
         before_apply: Optional[Callable[[], Any]] = None,
         after_apply: Optional[Callable[[], Any]] = None,
+        ddp_overlap: bool = False,
         **guard_options: Any,
     ) -> None:
         if (loss_fn is None) == (forward is None):
@@ -279,6 +281,15 @@ class TrainStep:
             raise ValueError("DistributedDataParallel with broadcast_buffers=True broadcasts buffers inside "
                              "forward, a collective before the guard's vote; build it with broadcast_buffers=False")
         self._sync = guard_world > 1 if sync_gradients is None else bool(sync_gradients)
+        self._overlap: Optional[_ddp.DdpOverlap] = None
+        if ddp_overlap:
+            if self._ddp is None or guard_world < 2 or not self._sync:
+                raise ValueError("ddp_overlap=True needs a DistributedDataParallel model and a guard with several "
+                                 "ranks that sums gradients (sync_gradients not False)")
+            self._overlap = _ddp.DdpOverlap(self._ddp, getattr(guard, "_coordinator", None),
+                                            lambda: guard.next_step)
+        self._done: List[Tuple[int, int, float]] = []  # micro-batches accumulated in this attempt (overlap)
+        self._local_units = 0.0
         self._loss: Optional[torch.Tensor] = None
         self.last_report: Optional[_C.StepReport] = None
         self.last_loss: Optional[float] = None
@@ -313,28 +324,47 @@ class TrainStep:
             costs = costs.tolist()
         self._zero_grad()
         self._loss = None
+        self._done = []
+        self._local_units = float(prefix[-1] if prefix is not None else n)
         guard = self.guard
+        overlap = self._overlap
 
-        def micro(mb: _C.MicroBatch) -> None:
-            if prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]:
-                return  # no loss units: nothing to add, and its mean would be 0/0
-            parts = part(mb.offset, mb.offset + mb.size)
-            # Gradients accumulate locally; the guard sums them after its vote.
-            with self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext():
-                guard.mark_phase("forward")
+        def run(offset: int, size: int, weight: float, synced: bool = False, marks: bool = True) -> None:
+            parts = part(offset, offset + size)
+            # Gradients accumulate locally (the guard sums them after its
+            # vote), except in the overlap mode's round (ddp.py).
+            with contextlib.nullcontext() if synced or self._ddp is None else self._ddp.no_sync():
+                if marks:
+                    guard.mark_phase("forward")
                 loss = self.forward(self.model, *parts)
-                guard.mark_phase("backward")
-                weighted = loss * mb.weight
+                if marks:
+                    guard.mark_phase("backward")
+                weighted = loss * weight
+                if synced:
+                    overlap.begin_round(self._local_units)
                 (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
             # On the loss's device: no host sync per micro-batch.
-            contribution = loss.detach().to(torch.float64) * mb.weight
+            contribution = loss.detach().to(torch.float64) * weight
             if self._loss is None:
                 self._loss = contribution
             else:
                 self._loss.add_(contribution)
 
-        self.last_report = guard.step(n, micro, self._apply, self._reset, costs, units=units,
-                                      sync=self._sync_buffers if self._sync else None)
+        def micro(mb: _C.MicroBatch) -> None:
+            if overlap is not None:
+                return self._overlap_micro(mb, n, prefix, run)
+            if prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]:
+                return  # no loss units: nothing to add, and its mean would be 0/0
+            run(mb.offset, mb.size, mb.weight)
+
+        if overlap is not None:
+            overlap.open_attempt()
+        try:
+            self.last_report = guard.step(n, micro, self._apply, self._reset, costs, units=units,
+                                          sync=self._sync_buffers if self._sync else None)
+        finally:
+            if overlap is not None:
+                overlap.close_attempt()
         self.last_loss = math.nan if self._loss is None else float(self._loss)  # the step's one host sync
         return self.last_loss
 
@@ -361,7 +391,52 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
+    def _overlap_micro(self, mb: _C.MicroBatch, n: int, prefix: Optional[List[int]], run: Callable[..., None]) -> None:
+        """A micro-batch in the DDP overlap mode: under no_sync, except the
+        rank's last one, whose backward is the round (ddp.py). A round that
+        another rank must redo is redone here, at this rank's sizes."""
+        ov = self._overlap
+        if ov.round_result is not None:
+            return  # the round ended (the gradients are the global batch's) or the step goes to the vote
+        empty = prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]
+        if mb.offset + mb.size < n:
+            if not empty:
+                run(mb.offset, mb.size, mb.weight)
+                self._done.append((mb.offset, mb.size, mb.weight))
+            return
+        while True:
+            if not empty:
+                run(mb.offset, mb.size, mb.weight, synced=True)
+                if ov.hook_error is not None:
+                    raise ov.hook_error  # the round stays owed: the guard's reset or vote pays it
+            ok, vote = ov.end_round(self._local_units)
+            if ok or vote:
+                return
+            # Another rank failed inside the round and redoes the step: so does
+            # this rank, at its own sizes. An OOM from here on is in "backward"
+            # for the guard, which then zeroes and re-plans the whole step.
+            ov.clear_result()
+            self.guard.mark_phase("backward")
+            self._zero_grad()
+            self._loss = None
+            for offset, size, weight in self._done:
+                run(offset, size, weight, marks=False)
+
     def _reset(self) -> None:
+        ov = self._overlap
+        if ov is not None:
+            if not ov.attempt_open:
+                ov.open_attempt()  # every rank redoes the step after the guard's collectives
+            elif ov.owes_round:
+                # This rank failed inside its round and the guard redoes the
+                # step here: the others get the rest of the round as zeros and
+                # redo theirs (or, if some rank went to the vote, all do).
+                ov.end_round(self._local_units, _ddp.REDO)
+                if ov.round_result == _ddp.REDO:
+                    ov.clear_result()
+            elif ov.round_result is not None:
+                return  # the round ended: the gradients stay, what the guard re-runs is skipped
+        self._done = []
         self._zero_grad()
         self._loss = None
 
@@ -371,6 +446,11 @@ class TrainStep:
         (the gradient of a parameter no micro-batch touched) is allocated while
         an OOM can still go through the ladder."""
         params = [p for p in unwrap(self.model).parameters() if p.requires_grad]
+        if self._overlap is not None:
+            # The gradients were summed in the round: the guard sums the loss.
+            if self._loss is None:
+                self._loss = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+            return [self._loss]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
