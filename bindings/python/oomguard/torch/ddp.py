@@ -105,6 +105,16 @@ def clear_bucket_faults() -> None:
     _bucket_rules.clear()
 
 
+def _is_comm_failure(e: BaseException) -> bool:
+    """A collective's own failure (a peer gone, a broken process group)."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return any(mark in text for mark in ("gloo", "Connection reset", "Connection closed", "NCCL", "timed out",
+                                         "Timed out"))
+
+
 def _reducer_params(ddp: Any) -> List[torch.nn.Parameter]:
     """The parameters in the reducer's variable order (DDP's own rule: by module,
     those that require grad and are not ignored, shared ones once)."""
@@ -180,6 +190,7 @@ class DdpOverlap:
         self._units = 0.0
         self._launched = 0
         self.hook_error: Optional[BaseException] = None
+        self.comm_error: Optional[BaseException] = None  # a bucket's all-reduce failed (a peer is gone)
         # the attempt (from the step's start, or the guard's reset, to its next collective)
         self._attempt_open = False
         self._round_result: Optional[int] = None  # None: no round ended in this attempt; 0 ok; REDO/VOTE
@@ -202,7 +213,15 @@ class DdpOverlap:
             buf.zero_()
         self._launched += 1
         fut = dist.all_reduce(buf, group=self._group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                return f.value()[0]
+            except Exception as e:  # noqa: BLE001 - the process group failed: no redo can help
+                self.comm_error = self.comm_error or e
+                raise
+
+        return fut.then(done)
 
     def _grad_ready(self, index: int, _param: torch.Tensor) -> None:
         if not self._in_round or index in self._marked:
@@ -262,6 +281,24 @@ class DdpOverlap:
             self._units = float(units)
             self._reducer.prepare_for_backward([])
             self._in_round = True
+        try:
+            self._pay(units, flag)
+        except Exception as e:
+            if self.comm_error is not None or _is_comm_failure(e):
+                raise self.lost_peer(self.comm_error or e) from e
+            raise
+        redo, vote, total = self._status.tolist()
+        self.rounds += 1
+        self._round_result = VOTE if vote else (REDO if redo else 0)
+        if vote or redo:
+            self.failed_rounds += 1
+            return False, bool(vote)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if grads and total != 1.0:
+            torch._foreach_div_(grads, max(total, 1.0))
+        return True, False
+
+    def _pay(self, units: float, flag: int) -> None:
         # Not marked: after a failed backward, what it did not reach (the
         # deferred last parameter included); after a whole backward, nothing.
         rest = [i for i in range(self._n) if i not in self._marked]
@@ -278,16 +315,6 @@ class DdpOverlap:
         self._status[1] = 1.0 if flag == VOTE else 0.0
         self._status[2] = 0.0 if self._zeroing else float(units)
         dist.all_reduce(self._status, group=self._group)  # blocking; bounded by the process group's timeout
-        redo, vote, total = self._status.tolist()
-        self.rounds += 1
-        self._round_result = VOTE if vote else (REDO if redo else 0)
-        if vote or redo:
-            self.failed_rounds += 1
-            return False, bool(vote)
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if grads and total != 1.0:
-            torch._foreach_div_(grads, max(total, 1.0))
-        return True, False
 
     # ---- the attempt ----
 
@@ -313,6 +340,16 @@ class DdpOverlap:
     def owes_round(self) -> bool:
         """This rank began a round (its last micro-batch's backward) that has not ended."""
         return self._in_round
+
+    def lost_peer(self, error: BaseException) -> BaseException:
+        """The error to raise for a round whose collective failed: the process
+        group is unusable, so the guard's coordinator is broken too (its next
+        collective fails at once) and the rank exits with 75 to be restarted."""
+        self._coordinator.abort()
+        self._attempt_open = False
+        return _errors.CoordinationTimeoutError(
+            f"a gradient bucket's all-reduce failed inside the DDP round (a peer is gone): "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
 
     def _before_collective(self) -> None:
         """The guard is about to run a collective: a round still owed this

@@ -406,7 +406,12 @@ class TrainStep:
             return
         while True:
             if not empty:
-                run(mb.offset, mb.size, mb.weight, synced=True)
+                try:
+                    run(mb.offset, mb.size, mb.weight, synced=True)
+                except Exception as e:
+                    if ov.comm_error is not None:
+                        raise ov.lost_peer(ov.comm_error) from e
+                    raise
                 if ov.hook_error is not None:
                     raise ov.hook_error  # the round stays owed: the guard's reset or vote pays it
             ok, vote = ov.end_round(self._local_units)
