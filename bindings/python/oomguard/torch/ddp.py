@@ -7,19 +7,21 @@ backward runs with DDP's sync on, so DDP launches each gradient bucket's
 all-reduce as soon as the bucket is ready, while backward goes on: a *round*.
 oomguard owns the round through two things it installs on the DDP model:
 
-* a communication hook that multiplies each bucket by this rank's loss units
-  (or samples) before the all-reduce, or sends zeros when this rank has failed;
+* a communication hook that multiplies each bucket by this rank's share of
+  the global batch's loss units (or samples) before the all-reduce, so that the
+  sum is the global mean, exact as in today's mode; or sends zeros when this
+  rank has failed. The shares come from one small all-reduce of the units at
+  the start of each step (with the guard's deadline);
 * the reducer's per-parameter hooks, replaced by hooks that call the reducer
   themselves, so that oomguard knows which parameters the reducer has marked
   ready. The last parameter of a round is marked only once backward has
   finished (a final callback of the autograd engine), so that a backward that
   fails never leaves the reducer with every bucket launched but unfinished.
 
-A round ends with one small all-reduce of three status words on every rank:
+A round ends with one small all-reduce of two status words on every rank
 (ranks that will redo the step locally, ranks that go to the guard's vote
-with a failure, the loss units). Every rank then knows whether the round
-holds the global batch's gradient (divided by the summed units: the global
-mean, exact as in today's mode) or must be thrown away.
+with a failure): every rank then knows whether the round holds the global
+batch's gradient or must be thrown away.
 
 A rank that fails after its round began (an OOM in the last micro-batch's
 backward, some buckets launched) still owes the others every remaining bucket
@@ -175,7 +177,9 @@ class DdpOverlap:
             raise ValueError("ddp_overlap: the model has no parameter that requires grad")
         self._n = len(self._params)
         device = self._params[0].device
-        self._status = torch.zeros(3, dtype=torch.float64, device=device)
+        self._status = torch.zeros(2, dtype=torch.float64, device=device)
+        self._units_buf = torch.zeros(1, dtype=torch.float64, device=device)
+        self._scale = 1.0  # this rank's share of the global batch's units
         # The reducer's own per-parameter hooks make way for ours, which call it.
         ddp._remove_autograd_hooks()
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -187,7 +191,6 @@ class DdpOverlap:
         self._in_round = False   # the reducer is in an iteration this rank has begun
         self._marked: set = set()
         self._zeroing = False    # the hook sends zeros
-        self._units = 0.0
         self._launched = 0
         self.hook_error: Optional[BaseException] = None
         self.comm_error: Optional[BaseException] = None  # a bucket's all-reduce failed (a peer is gone)
@@ -205,8 +208,8 @@ class DdpOverlap:
         try:
             if self._zeroing:
                 buf.zero_()
-            elif self._units != 1.0:
-                buf.mul_(self._units)
+            elif self._scale != 1.0:
+                buf.mul_(self._scale)
         except BaseException as e:  # noqa: BLE001 - the bucket must be sent whatever happened
             self.hook_error = self.hook_error or e
             self._zeroing = True
@@ -256,17 +259,28 @@ class DdpOverlap:
 
     # ---- the round ----
 
-    def begin_round(self, units: float) -> None:
+    def start_step(self, local_units: float, deadline_s: float) -> None:
+        """Every rank's share of the global batch: one all-reduce of the loss
+        units (or samples), polled against the guard's deadline."""
+        self._units_buf.fill_(float(local_units))
+        work = dist.all_reduce(self._units_buf, group=self._group, async_op=True)
+        try:
+            self._coordinator._wait([work], deadline_s, "the DDP overlap mode's units all-reduce")
+        except TimeoutError as e:
+            raise _errors.CoordinationTimeoutError(str(e)) from None
+        total = float(self._units_buf.item())
+        self._scale = float(local_units) / total if total > 0 else 0.0
+
+    def begin_round(self) -> None:
         """Right before the last micro-batch's backward (DDP's forward under sync
         has prepared the reducer)."""
         self._marked = set()
         self._launched = 0
         self._zeroing = False
-        self._units = float(units)
         self.hook_error = None
         self._in_round = True
 
-    def end_round(self, units: float, flag: int = 0) -> Tuple[bool, bool]:
+    def end_round(self, flag: int = 0) -> Tuple[bool, bool]:
         """Completes this rank's round (whatever is still owed: buckets of
         parameters not marked yet, as zeros when ``flag``; or the whole round
         when it never began) and runs the status. Returns (ok, vote): ok when
@@ -278,27 +292,27 @@ class DdpOverlap:
             # No backward of this rank began this round: the whole round from here.
             self._marked = set()
             self._launched = 0
-            self._units = float(units)
             self._reducer.prepare_for_backward([])
             self._in_round = True
         try:
-            self._pay(units, flag)
+            self._pay(flag)
         except Exception as e:
             if self.comm_error is not None or _is_comm_failure(e):
                 raise self.lost_peer(self.comm_error or e) from e
             raise
-        redo, vote, total = self._status.tolist()
+        redo, vote = self._status.tolist()
         self.rounds += 1
         self._round_result = VOTE if vote else (REDO if redo else 0)
         if vote or redo:
             self.failed_rounds += 1
+            # Nobody applies these gradients: free them now (a rollback or a
+            # redo that follows needs the memory more than a reset does).
+            for p in self._params:
+                p.grad = None
             return False, bool(vote)
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if grads and total != 1.0:
-            torch._foreach_div_(grads, max(total, 1.0))
         return True, False
 
-    def _pay(self, units: float, flag: int) -> None:
+    def _pay(self, flag: int) -> None:
         # Not marked: after a failed backward, what it did not reach (the
         # deferred last parameter included); after a whole backward, nothing.
         rest = [i for i in range(self._n) if i not in self._marked]
@@ -313,7 +327,6 @@ class DdpOverlap:
         self._in_round = False
         self._status[0] = 1.0 if flag == REDO else 0.0
         self._status[1] = 1.0 if flag == VOTE else 0.0
-        self._status[2] = 0.0 if self._zeroing else float(units)
         dist.all_reduce(self._status, group=self._group)  # blocking; bounded by the process group's timeout
 
     # ---- the attempt ----
@@ -358,4 +371,4 @@ class DdpOverlap:
             return
         self._attempt_open = False
         if self._round_result is None:
-            self.end_round(0.0, VOTE)
+            self.end_round(VOTE)

@@ -341,7 +341,7 @@ class TrainStep:
                     guard.mark_phase("backward")
                 weighted = loss * weight
                 if synced:
-                    overlap.begin_round(self._local_units)
+                    overlap.begin_round()
                 (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
             # On the loss's device: no host sync per micro-batch.
             contribution = loss.detach().to(torch.float64) * weight
@@ -358,6 +358,7 @@ class TrainStep:
             run(mb.offset, mb.size, mb.weight)
 
         if overlap is not None:
+            overlap.start_step(self._local_units, guard.options.vote_deadline_ms / 1000.0)
             overlap.open_attempt()
         try:
             self.last_report = guard.step(n, micro, self._apply, self._reset, costs, units=units,
@@ -414,7 +415,7 @@ class TrainStep:
                     raise
                 if ov.hook_error is not None:
                     raise ov.hook_error  # the round stays owed: the guard's reset or vote pays it
-            ok, vote = ov.end_round(self._local_units)
+            ok, vote = ov.end_round()
             if ok or vote:
                 return
             # Another rank failed inside the round and redoes the step: so does
@@ -436,7 +437,7 @@ class TrainStep:
                 # This rank failed inside its round and the guard redoes the
                 # step here: the others get the rest of the round as zeros and
                 # redo theirs (or, if some rank went to the vote, all do).
-                ov.end_round(self._local_units, _ddp.REDO)
+                ov.end_round(_ddp.REDO)
                 if ov.round_result == _ddp.REDO:
                     ov.clear_result()
             elif ov.round_result is not None:
