@@ -142,3 +142,23 @@ def test_a_rank_killed_inside_the_round_ends_its_peer_with_75_then_resumes(tmp_p
     assert "rank 0 ended with exit code 75" in log or "rank 1 ended with signal 9" in log, log[-3000:]
     code, got, params, log = _run(tmp_path, "kill-resumed", 2, "--ckpt-dir", ckpt, "--ckpt-every", "1", "--resume")
     _assert_equals_plain(got, params, plain)
+
+
+def test_bad_options_name_what_is_wrong(capsys):
+    import torch
+
+    import oomguard.torch as ogt
+
+    gpt = _module()
+    for flags, message in ((["--faults", "oom@step=1,site=bucket,after=1"], "need --parallel ddp-overlap"),
+                           (["--parallel", "ddp-overlap", "--faults", "oom@step=1,site=bucket"], "after=K"),
+                           (["--parallel", "ddp-overlap", "--faults", "error@site=bucket,after=1"], "only 'oom'"),
+                           (["--parallel", "fsdp-nope"], "invalid choice"),
+                           (["--bucket-mb", "0"], "--bucket-mb > 0")):
+        with pytest.raises(SystemExit):
+            gpt.parse_args(flags)
+        assert message in capsys.readouterr().err, flags
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="ddp_overlap=True needs a DistributedDataParallel model"):
+        ogt.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      ddp_overlap=True)

@@ -175,6 +175,12 @@ class TrainStep:
             optimizer step (``torch.nn.utils.clip_grad_norm_``).
         before_apply, after_apply: called without arguments before the optimizer
             step (after the gradients were summed over ranks) and after it.
+        ddp_overlap: with a DistributedDataParallel model (several ranks): the
+            last micro-batch's backward runs with DDP's sync on, so its
+            bucketed all-reduce overlaps backward, through a comm hook this
+            registers on the model (``oomguard.torch.ddp``); the step stays
+            atomic across ranks and the gradient the global batch's. Default
+            False: every micro-batch under ``no_sync``, the guard sums after.
 
     Call it with the batch: ``loss = step(x, y)`` or ``step({"input_ids": ...})``.
     It returns the global batch's mean loss (over samples or units, over every
