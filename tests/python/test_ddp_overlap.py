@@ -89,7 +89,6 @@ def test_two_ranks_every_site_mid_backward_and_a_budget_equal_the_plain_run(tmp_
     code, got, params, log = _run(tmp_path, "every", 2, "--budget-mib", "5", "--grow-after", "1", "--ckpt-dir",
                                   tmp_path / "ckpt", "--ckpt-every", "2", "--faults", faults)
     assert got["ooms"] >= 11 and got["rollbacks"] >= 2, log[-3000:]  # the budget adds its own
-    assert "site=bucket" in log  # the mid-backward OOMs fired
     _assert_equals_plain(got, params, plain)
 
 

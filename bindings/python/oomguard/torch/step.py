@@ -403,6 +403,8 @@ class TrainStep:
         rank's last one, whose backward is the round (ddp.py). A round that
         another rank must redo is redone here, at this rank's sizes."""
         ov = self._overlap
+        if not ov.attempt_open:
+            ov.open_attempt()  # the guard redoes the step on every rank after its sum (an OOM at commit/sync)
         if ov.round_result is not None:
             return  # the round ended (the gradients are the global batch's) or the step goes to the vote
         empty = prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]
@@ -437,16 +439,17 @@ class TrainStep:
     def _reset(self) -> None:
         ov = self._overlap
         if ov is not None:
-            if not ov.attempt_open:
-                ov.open_attempt()  # every rank redoes the step after the guard's collectives
-            elif ov.owes_round:
+            # After the guard's collectives (a rollback, or a redo of the step
+            # on every rank) nothing is owed and the gradients just go: the
+            # next micro-batch opens a new attempt. Before them:
+            if ov.attempt_open and ov.owes_round:
                 # This rank failed inside its round and the guard redoes the
                 # step here: the others get the rest of the round as zeros and
                 # redo theirs (or, if some rank went to the vote, all do).
                 ov.end_round(_ddp.REDO)
                 if ov.round_result == _ddp.REDO:
                     ov.clear_result()
-            elif ov.round_result is not None:
+            elif ov.attempt_open and ov.round_result is not None:
                 return  # the round ended: the gradients stay, what the guard re-runs is skipped
         self._done = []
         self._zero_grad()
