@@ -290,6 +290,9 @@ def run_guarded(args, rank, world, model, optimizer, scheduler):
                            coordinator=coordinator, vote_deadline_ms=args.deadline_ms,
                            workload=f"train_gpt-w{args.width}-l{args.layers}-c{args.context}-{args.dtype}")
     if world > 1:
+        # The first bucket DDP builds after its first step is capped by this
+        # module-level default (1 MiB), not by bucket_cap_mb: cap it too.
+        dist._DEFAULT_FIRST_BUCKET_BYTES = min(dist._DEFAULT_FIRST_BUCKET_BYTES, int(args.bucket_mb * (1 << 20)))
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=args.bucket_mb)
     train_step = ogt.TrainStep(model, optimizer, token_loss, guard=guard, loss_units=valid_tokens,
                                scheduler=scheduler, clip_grad_norm=args.clip or None,
