@@ -3,7 +3,8 @@
 time without taking CPU: plain DDP against TrainStep in today's mode (every
 micro-batch under no_sync, the guard sums the gradients after backward) and in
 the overlap mode (DDP's bucketed all-reduce overlapped with the last backward,
-through oomguard's comm hook), same model, same ranks, alternating in one run.
+through oomguard's comm hook), same model, same ranks, alternating in one run (each round starts with the
+next mode).
 
 The two ranks run in two network namespaces joined by a veth pair whose
 bandwidth is limited with tc (tbf, --rate), gloo over that link. On a 2-core
@@ -150,8 +151,11 @@ def worker(args) -> int:
     for name, step in steps.items():  # warm-up: DDP rebuilds its buckets after its first synced step
         for _ in range(2):
             step(x, y)
-    for _ in range(args.rounds):
-        for name, step in steps.items():
+    order = list(steps.items())
+    for r in range(args.rounds):
+        # Each round starts with another mode, so that none always runs first
+        # (or last) in a round while the load on the machine drifts.
+        for name, step in order[r % len(order):] + order[:r % len(order)]:
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
