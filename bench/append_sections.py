@@ -107,7 +107,8 @@ def corpus_part(c, fc):
     w("")
     w("tests/kb/testdata/corpus: public issue threads labelled from what fixed them, split by repository")
     w("(no repository in two splits). The text model trains on the train split (with the development set's")
-    w("train split); validation chooses its settings and calibration; the test split is only scored.")
+    w("train split); cross-validation on train and the validation split choose its settings, its confidence is")
+    w("calibrated on validation and the train split's out-of-fold answers; the test split is only scored.")
     w("")
     w("| split | reports | right | OOM found | wrong at confidence ≥ 0.8 |")
     w("|---|---:|---:|---:|---:|")
@@ -283,26 +284,30 @@ def main():
         lat = [r for r in votes if r.get("bench") == "vote_latency"]
         steps = [r for r in votes if r.get("bench") == "step_with_vote"]
         for r in lat:
-            w(f"- {r['engine']}: one vote (an all-gather of the 19-word vote record) takes "
+            w(f"- {r['engine']}: one vote (an all-gather of the 29-word vote record) takes "
               f"{r['median_us']:.1f} µs median, {r['p99_us']:.1f} µs p99.")
         for r in steps:
             w(f"- {r['engine']}: a guarded step with the guard-owned sync costs {r['step_us_nranks']:.1f} µs with "
               f"{r['ranks']} ranks against {r['step_us_1rank']:.1f} µs with one (no collectives): "
-              f"{r['vote_overhead_us']:.1f} µs of protocol per step.")
+              f"{r['vote_overhead_us']:.1f} µs of protocol per step"
+              + (f" (its one-float sync rides in the vote; a 9-float sync, summed apart: "
+                 f"{r['sum_apart_overhead_us']:.1f} µs)." if "sum_apart_overhead_us" in r else "."))
         proto = [r for r in votes if r.get("bench") == "step_protocol"]
         if proto:
             w("")
             w("Per step, measured side by side in one run over MPI (medians of "
               f"{proto[0]['rounds']} steps): the first protocol's collectives (a MAX all-reduce of 6 int64, "
               "then the gradient sum the user ran) against the atomic step's (the vote all-gather, the "
-              "gradient sum with 4 status words appended, the all-gather agreeing on the apply), and a whole "
+              "gradient sum with 2 sequence words appended, the all-gather agreeing on the apply; without the "
+              "sum when it rides in the vote: `fused`), and a whole "
               "`Guard::Step` with the guard-owned sync over MPI and with the local coordinator.")
             w("")
-            w("| gradient (float64) | first protocol | atomic step | ratio | guarded step, local | guarded step, MPI |")
-            w("|---:|---:|---:|---:|---:|---:|")
+            w("| gradient (float64) | first protocol | atomic step | ratio | fused | guarded step, local | guarded step, MPI |")
+            w("|---:|---:|---:|---:|---:|---:|---:|")
             for r in proto:
+                fused = f"{r['fused_vote_agree_us']:.1f} µs" if "fused_vote_agree_us" in r else "—"
                 w(f"| {r['grad_floats']} | {r['round1_vote_and_sum_us']:.1f} µs | {r['atomic_vote_sum_agree_us']:.1f} µs "
-                  f"| {r['ratio']:.2f} | {r['guarded_step_local_us']:.1f} µs | {r['guarded_step_mpi_us']:.1f} µs |")
+                  f"| {r['ratio']:.2f} | {fused} | {r['guarded_step_local_us']:.1f} µs | {r['guarded_step_mpi_us']:.1f} µs |")
         w("")
         w("Target: tens of microseconds with 4 MPI ranks on one host.")
         w("")

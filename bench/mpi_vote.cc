@@ -2,13 +2,20 @@
 // side by side in one run:
 //   round1   what the first protocol ran per step: one MPI_Iallreduce(MAX) of
 //            6 int64 (the vote), then the user's gradient MPI_Iallreduce(SUM)
-//   atomic   what the guard runs now per step: the vote (Allgather of 19
+//   three    the atomic step before issue 29: the vote (Allgather of 19
 //            int64), the gradient sum with 4 status words appended
 //            (AllreduceSum), the agreement after the apply (Allgather of 3)
+//   atomic   what the guard runs now when the sync does not fit in the vote:
+//            the vote (Allgather of 29 int64), the sum with 2 sequence words,
+//            the agreement
+//   fused    what it runs when the sync rides in the vote (a loss alone):
+//            the vote (Allgather of 29) and the agreement
 //   step     a whole Guard::Step with the guard-owned sync, over MPI, and the
 //            same step with the local coordinator (no collectives)
+// The three, fused and atomic patterns are interleaved round by round.
 // Each with a gradient of `--grad N` float64 (default 4417: mlp_train's
-// parameters at --hidden 64) and with none. Rank 0 prints JSON lines.
+// parameters at --hidden 64) and with none (the loss alone: the guarded step
+// then takes the fused path). Rank 0 prints JSON lines.
 #include <mpi.h>
 
 #include <algorithm>
@@ -81,18 +88,35 @@ int main(int argc, char** argv) {
       Wait(&r, 1);
     });
     MPI_Barrier(comm);
-    // The atomic step's collectives, through the coordinator.
-    std::vector<int64_t> vote(19, 0), votes(19 * static_cast<size_t>(co.size()));
+    // The step's collectives through the coordinator, before issue 29 and now.
+    std::vector<int64_t> vote19(19, 0), votes19(19 * static_cast<size_t>(co.size()));
+    std::vector<int64_t> vote(29, 0), votes(29 * static_cast<size_t>(co.size()));
     std::vector<int64_t> agree(3, 0), agreed(3 * static_cast<size_t>(co.size()));
-    double status[4] = {0, 0, 1, 1};
-    auto atomic = Time(rounds, [&] {
-      if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
+    auto sum = [&](int status_words) {
+      double status[4] = {0, 0, 1, 1};
       std::vector<oomguard::SumBuffer> bufs = {oomguard::SumBuffer::Host(grad.data(), static_cast<int64_t>(grad.size())),
-                                               oomguard::SumBuffer::Host(status, 4)};
+                                               oomguard::SumBuffer::Host(status, status_words)};
       bufs[0].scale = 0.25;
       if (!co.AllreduceSum(bufs, deadline).ok()) std::abort();
-      if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
-    });
+    };
+    // Interleaved round by round, so that the three face the same load.
+    std::vector<double> three, atomic, fused;
+    for (int i = 0; i < rounds; ++i) {
+      three.push_back(Time(1, [&] {
+        if (!co.Allgather(vote19, votes19, deadline).ok()) std::abort();
+        sum(4);
+        if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
+      })[0]);
+      atomic.push_back(Time(1, [&] {
+        if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
+        sum(2);
+        if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
+      })[0]);
+      fused.push_back(Time(1, [&] {
+        if (!co.Allgather(vote, votes, deadline).ok()) std::abort();
+        if (!co.Allgather(agree, agreed, deadline).ok()) std::abort();
+      })[0]);
+    }
     MPI_Barrier(comm);
     // A whole guarded step with the guard-owned sync: MPI, and local.
     auto step_us = [&](oomguard::Coordinator* coord) {
@@ -122,9 +146,10 @@ int main(int argc, char** argv) {
     if (co.rank() == 0) {
       std::printf("{\"bench\":\"step_protocol\",\"engine\":\"mpi\",\"ranks\":%d,\"grad_floats\":%lld,\"rounds\":%d,"
                   "\"round1_vote_and_sum_us\":%.2f,\"atomic_vote_sum_agree_us\":%.2f,\"ratio\":%.2f,"
+                  "\"three_before_issue29_us\":%.2f,\"fused_vote_agree_us\":%.2f,"
                   "\"guarded_step_local_us\":%.2f,\"guarded_step_mpi_us\":%.2f}\n",
                   co.size(), static_cast<long long>(n), rounds, Median(round1), Median(atomic),
-                  Median(atomic) / Median(round1), Median(local), Median(mpi));
+                  Median(atomic) / Median(round1), Median(three), Median(fused), Median(local), Median(mpi));
     }
     MPI_Barrier(comm);
   }

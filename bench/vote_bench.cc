@@ -1,8 +1,10 @@
 // Vote latency with ranks as threads (ThreadGroup: an Allgather of the
-// guard's 19-word vote record), and the per-step cost of the step protocol
-// inside Guard::Step (vote, sync with status words, agreement): the same step
-// with 1 rank (local coordinator, no communication) and with 4 ranks. Prints
-// one JSON object per line.
+// guard's 29-word vote record), and the per-step cost of the step protocol
+// inside Guard::Step: the same step with 1 rank (local coordinator, no
+// communication) and with 4 ranks, once with a sync of one float64 (it rides
+// in the vote: vote and agreement, two collectives) and once with a sync of
+// kVoteSumWords + 1 float64 (vote, sum, agreement: three), alternating in one
+// run. Prints one JSON object per line.
 //   vote_bench [--ranks 4] [--votes 20000]
 #include <algorithm>
 #include <chrono>
@@ -35,8 +37,8 @@ void VoteLatency(int ranks, int votes) {
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
       for (int i = 0; i < votes; ++i) {
-        // The guard's vote record: 19 words.
-        std::vector<int64_t> mine(19, 64 + r), all(19 * static_cast<size_t>(ranks));
+        // The guard's vote record: 29 words with its tag.
+        std::vector<int64_t> mine(29, 64 + r), all(29 * static_cast<size_t>(ranks));
         auto t0 = Clock::now();
         if (!group[r]->Allgather(mine, all, std::chrono::milliseconds(10000)).ok()) std::abort();
         if (r == 0) lat.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
@@ -50,8 +52,9 @@ void VoteLatency(int ranks, int votes) {
 }
 
 // Wall time per Guard::Step of `micro` empty micro-batches on each of `ranks`
-// threads; the difference to ranks=1 is what agreement costs per step.
-double StepTime(int ranks, int steps) {
+// threads, with a sync of `words` float64; the difference to ranks=1 is what
+// agreement costs per step.
+double StepTime(int ranks, int steps, int words) {
   std::vector<std::unique_ptr<oomguard::Coordinator>> group;
   if (ranks > 1) group = oomguard::MakeThreadGroup(ranks).value();
   std::vector<double> per_rank(static_cast<size_t>(ranks));
@@ -65,11 +68,11 @@ double StepTime(int ranks, int steps) {
       auto guard = oomguard::Guard::Create(o).value();
       oomguard::StepRequest req;
       req.samples = 64;
-      double grad = 0;
-      req.micro = [&](const oomguard::MicroBatch& mb) { grad += mb.weight; };
-      req.reset = [&] { grad = 0; };
-      req.sync = [&] { return std::vector<oomguard::SumBuffer>{oomguard::SumBuffer::Host(&grad, 1)}; };
-      req.apply = [&] { grad = 0; };
+      std::vector<double> grad(static_cast<size_t>(words), 0.0);
+      req.micro = [&](const oomguard::MicroBatch& mb) { grad[0] += mb.weight; };
+      req.reset = [&] { std::fill(grad.begin(), grad.end(), 0.0); };
+      req.sync = [&] { return std::vector<oomguard::SumBuffer>{oomguard::SumBuffer::Host(grad.data(), words)}; };
+      req.apply = [&] { std::fill(grad.begin(), grad.end(), 0.0); };
       auto t0 = Clock::now();
       for (int i = 0; i < steps; ++i)
         if (!guard->Step(req).ok()) std::abort();
@@ -98,10 +101,21 @@ int main(int argc, char** argv) {
   }
   oomguard::Logger()->set_level(spdlog::level::off);
   VoteLatency(ranks, votes);
-  const int steps = votes / 2;
-  const double one = StepTime(1, steps), many = StepTime(ranks, steps);
+  // Alternating rounds of the two syncs; the medians of the rounds.
+  const int rounds = 5, steps = votes / 2 / rounds;
+  constexpr int kApart = 9;  // one word more than the vote carries (step_protocol.h)
+  std::vector<double> one, many, one_apart, many_apart;
+  for (int i = 0; i < rounds; ++i) {
+    one.push_back(StepTime(1, steps, 1));
+    many.push_back(StepTime(ranks, steps, 1));
+    one_apart.push_back(StepTime(1, steps, kApart));
+    many_apart.push_back(StepTime(ranks, steps, kApart));
+  }
+  const double o = Percentile(one, 0.5), m = Percentile(many, 0.5);
+  const double oa = Percentile(one_apart, 0.5), ma = Percentile(many_apart, 0.5);
   std::printf("{\"bench\":\"step_with_vote\",\"engine\":\"threads\",\"ranks\":%d,\"steps\":%d,\"step_us_1rank\":%.2f,"
-              "\"step_us_nranks\":%.2f,\"vote_overhead_us\":%.2f}\n",
-              ranks, steps, one, many, many - one);
+              "\"step_us_nranks\":%.2f,\"vote_overhead_us\":%.2f,\"sum_apart_step_us_1rank\":%.2f,"
+              "\"sum_apart_step_us_nranks\":%.2f,\"sum_apart_overhead_us\":%.2f}\n",
+              ranks, steps * rounds, o, m, m - o, oa, ma, ma - oa);
   return 0;
 }

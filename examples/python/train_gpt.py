@@ -14,6 +14,7 @@ guard) within 1e-10; compare two runs with ``--dump-params`` and ``--json``.
         --steps 10 --budget-mib 6 --dtype float64 --json
     ... --ranks 2 --ckpt-dir /tmp/gpt-ckpt        # two processes, DDP over gloo
     ... --faults 'oom@step=2,rank=1,site=apply'   # injected OOMs (OOMGUARD_FAULTS too)
+    ... --ranks 2 --parallel fsdp                 # FSDP2: fully_shard per block and on the model
     ... --parallel ddp-overlap --faults 'oom@step=1,rank=1,site=bucket,after=2'  # OOM mid-backward
     ... --plain                                   # the reference run
 
@@ -108,6 +109,15 @@ def valid_tokens(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (labels != -1).sum(dim=1)
 
 
+def shard_per_block(model: TinyGPT) -> None:
+    """FSDP2: one unit per block, the rest (embeddings, final norm, head) in the root's unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
 # ---- data ----
 
 def make_batch(seed: int, step: int, batch: int, context: int, vocab: int):
@@ -144,6 +154,7 @@ def warmup_cosine(warmup: int, steps: int):
 PARALLEL = {
     "ddp": "DDP; the guard sums the gradients after the last backward (the default)",
     "ddp-overlap": "DDP; its bucketed all-reduce overlaps the last backward (TrainStep(ddp_overlap=True))",
+    "fsdp": "FSDP2 (fully_shard per block and on the model)",
 }
 
 
@@ -288,8 +299,9 @@ def run_guarded(args, rank, world, model, optimizer, scheduler):
     coordinator = ogt.TorchDistributedCoordinator() if world > 1 else None
     guard = oomguard.Guard(initial_micro_batch=args.micro_batch, grow_after=args.grow_after, recovery=ckpt,
                            coordinator=coordinator, vote_deadline_ms=args.deadline_ms,
-                           workload=f"train_gpt-w{args.width}-l{args.layers}-c{args.context}-{args.dtype}")
-    if world > 1:
+                           workload=f"train_gpt-w{args.width}-l{args.layers}-c{args.context}-{args.dtype}",
+                           **(ogt.fsdp.GUARD_OPTIONS if world > 1 and args.parallel == "fsdp" else {}))
+    if world > 1 and args.parallel in ("ddp", "ddp-overlap"):
         # The first bucket DDP builds after its first step is capped by this
         # module-level default (1 MiB), not by bucket_cap_mb: cap it too.
         dist._DEFAULT_FIRST_BUCKET_BYTES = min(dist._DEFAULT_FIRST_BUCKET_BYTES, int(args.bucket_mb * (1 << 20)))
@@ -345,6 +357,8 @@ def train(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     model = TinyGPT(args.vocab, args.width, args.layers, args.heads, args.context).to(dtype)
+    if world > 1 and args.parallel == "fsdp":
+        shard_per_block(model)  # before the optimizer: fully_shard replaces the parameters
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],

@@ -80,9 +80,12 @@ struct StepRequest {
   // (an OOM here goes through the ladder). After a vote that every rank
   // passed the guard sums them in place over ranks, each rank's contribution
   // scaled by its share of the global batch, so they then hold the global
-  // batch's mean. Every rank returns the same shapes. Not set: nothing but
-  // the status words is summed (one rank, or gradients synchronised
-  // elsewhere). With one rank there is nothing to sum: leave it unset.
+  // batch's mean. Every rank returns the same shapes. Buffers of at most 8
+  // host float32/float64 elements in all (a loss, a few metrics) travel in
+  // the vote and cost no collective of their own. Not set: nothing is summed
+  // (one rank, or gradients synchronised elsewhere): the vote and the
+  // agreement are the step's collectives. With one rank there is nothing to
+  // sum: leave it unset.
   std::function<std::vector<SumBuffer>()> sync;
   // The optimizer step. Runs once per step, after every rank's sync
   // succeeded; an OOM inside rolls every rank back to the same step.

@@ -3,13 +3,15 @@
 //
 //   kLocal     micro-batches with local OOM recovery, then the sync buffers
 //              and the vote fault site (an OOM anywhere here: the ladder)
-//   kVote      every rank's outcome (Allgather). failed -> kDone for all;
-//              rollback -> kRollback for all; ok -> kSync
-//   kSync      the commit and sync fault sites, then the sum of the sync
-//              buffers with status words, on every rank (a rank that failed
-//              contributes zeros). Some rank failed with an OOM: nobody
-//              changed parameters, every rank resets and redoes the step
-//              (kLocal); with another error: kDone for all
+//   kVote      the commit and sync fault sites (an OOM there: a redo flag),
+//              then every rank's outcome (Allgather), carrying the sync
+//              buffers when they are small (step_protocol.h). failed ->
+//              kDone for all; rollback -> kRollback for all; a redo flag ->
+//              every rank resets and redoes the step (kLocal), the failing
+//              rank at its new size; ok -> kApply when the vote carried every
+//              rank's buffers (each rank sums them itself), else kSync
+//   kSync      the sum of the sync buffers, on every rank (nothing can fail
+//              between the vote and it)
 //   kApply     the optimizer apply
 //   kAgree     every rank's apply outcome. An OOM on some rank: kRollback
 //              for all; an error: kDone for all; else the step commits

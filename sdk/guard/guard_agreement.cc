@@ -1,5 +1,6 @@
 // The agreement part of a guarded step: what this rank tells the others
-// (the vote), the gradient sync with its status words, the apply, the
+// (the vote, with the commit and sync sites before it), the redo after an
+// OOM there, the gradient sync (or the sum of what the vote carried), the apply, the
 // agreement after it, the end of a committed step (its checkpoint commit goes
 // through CheckpointCommit), and the ways every rank ends a step together when
 // one failed or a peer was lost.
@@ -31,8 +32,39 @@ internal::RankVote GuardImpl::MyVote(const Run& run) {
   return v;
 }
 
+bool GuardImpl::CommitSites(Run& run) {
+  fault_ctx_.micro = -1;
+  SetCurrentFaultContext(fault_ctx_);
+  phase_ = Phase::kCommit;
+  try {
+    FaultPoint(FaultSite::kCommit, fault_ctx_);
+    FaultPoint(FaultSite::kSync, fault_ctx_);
+  } catch (...) {
+    std::exception_ptr error = std::current_exception();
+    if (!ClassifyException(error).is_oom()) {
+      run.FailWith(std::move(error));
+      return false;
+    }
+    // The ladder records it and releases caches; what the rank does next is
+    // every rank's redo (or its own rollback or failure, if the ladder says
+    // so: that is what it votes). A cache releaser that raised on the way
+    // fails this rank.
+    HandleOom(run, std::move(error), Where::kCommit);
+    return run.local() == Local::kOk;
+  }
+  return false;
+}
+
 State GuardImpl::Vote(Run& run) {
-  auto vote = channel_.Vote(MyVote(run));
+  // The commit and sync sites run before the vote, on ranks whose local work
+  // succeeded: an OOM there is a flag in the vote, so that nothing can fail
+  // between the vote and the sum (which then needs no status words, and may
+  // ride in the vote itself).
+  const bool redo = run.local() == Local::kOk && CommitSites(run);
+  internal::RankVote mine = MyVote(run);
+  mine.redo = redo;
+  if (run.local() == Local::kOk && !redo) internal::PackSum(run.buffers, &mine);
+  auto vote = channel_.Vote(mine);
   if (!vote.ok()) return EndCoordination(run, vote.status());
   run.vote = std::move(vote).value();
   const internal::VoteOutcome& v = run.vote;
@@ -66,62 +98,47 @@ State GuardImpl::Vote(Run& run) {
                       v.ranks[asking].micro_limit);
     return State::kRollback;
   }
+  if (v.redo) return Redo(run, redo);
+  if (v.sum_in_vote) {
+    // Every rank's buffers came with the vote: each rank sums them itself.
+    internal::SumFromVote(v, run.buffers);
+    return State::kApply;
+  }
   return State::kSync;
 }
 
-State GuardImpl::Sync(Run& run) {
-  internal::SyncStatus mine;
-  fault_ctx_.micro = -1;
-  SetCurrentFaultContext(fault_ctx_);
-  phase_ = Phase::kCommit;
-  try {
-    FaultPoint(FaultSite::kCommit, fault_ctx_);
-    FaultPoint(FaultSite::kSync, fault_ctx_);
-  } catch (...) {
-    std::exception_ptr error = std::current_exception();
-    if (ClassifyException(error).is_oom()) {
-      mine.oom = true;
-      HandleOom(run, std::move(error), Where::kCommit);
-      if (run.error()) {  // a cache releaser raised on the way: an error, not an OOM
-        mine.oom = false;
-        mine.error = true;
-      }
-    } else {
-      mine.error = true;
-      run.FailWith(std::move(error));
-    }
-  }
-  // This rank's share of the global batch: sum_r share_r * mean_r is the mean
-  // over every unit of the global batch. A rank that failed contributes zeros.
-  const double share = run.vote.total_units > 0
-                           ? static_cast<double>(run.local_units) / static_cast<double>(run.vote.total_units)
-                           : 0.0;
-  const bool failed = mine.oom || mine.error;
-  for (SumBuffer& b : run.buffers) b.scale = failed ? 0.0 : share;
-  auto synced = channel_.Sync(run.buffers, mine);
-  if (!synced.ok()) return EndCoordination(run, synced.status());
-  if (synced->error_ranks > 0) return EndFailed(run);
-  if (synced->oom_ranks > 0) {
-    // Nobody applied anything: every rank resets and redoes the step, the
-    // ranks that failed at their new size.
-    ++run.rep.redone;
-    if (run.rep.redone > options_.max_ooms_per_step)
-      return Done(run,
-                  Status::ResourceExhausted("step " + std::to_string(step_) + " was redone " +
-                                            std::to_string(run.rep.redone - 1) +
-                                            " times because ranks ran out of memory in the gradient sync "
-                                            "(max_ooms_per_step); remedies: " + kGenericRemedies),
-                  IncidentOutcome::kFailed);
-    if (!run.reset) {
-      run.Fail(Status::FailedPrecondition(
-          "another rank ran out of memory in the gradient sync of step " + std::to_string(step_) +
-          ": the step must be redone, and no reset hook is set (StepRequest.reset)"));
-      return State::kLocal;
-    }
-    if (Reset(run) && run.local() == Local::kOk && !mine.oom) PlanAnew(run);
-    Logger()->info("step {} is redone: {} rank(s) ran out of memory in the gradient sync", step_, synced->oom_ranks);
+State GuardImpl::Redo(Run& run, bool asked) {
+  // Nobody applied anything: every rank resets and redoes the step, the
+  // ranks that failed at their new size.
+  int asking = 0;
+  for (const internal::RankVote& rv : run.vote.ranks) asking += rv.redo ? 1 : 0;
+  ++run.rep.redone;
+  if (run.rep.redone > options_.max_ooms_per_step)
+    return Done(run,
+                Status::ResourceExhausted("step " + std::to_string(step_) + " was redone " +
+                                          std::to_string(run.rep.redone - 1) +
+                                          " times because ranks ran out of memory in the gradient sync "
+                                          "(max_ooms_per_step); remedies: " + kGenericRemedies),
+                IncidentOutcome::kFailed);
+  if (!run.reset) {
+    run.Fail(Status::FailedPrecondition(
+        "another rank ran out of memory in the gradient sync of step " + std::to_string(step_) +
+        ": the step must be redone, and no reset hook is set (StepRequest.reset)"));
     return State::kLocal;
   }
+  // The asking rank planned anew already (the ladder, at its new size).
+  if (Reset(run) && run.local() == Local::kOk && !asked) PlanAnew(run);
+  Logger()->info("step {} is redone: {} rank(s) ran out of memory in the gradient sync", step_, asking);
+  return State::kLocal;
+}
+
+State GuardImpl::Sync(Run& run) {
+  // This rank's share of the global batch: sum_r share_r * mean_r is the mean
+  // over every unit of the global batch.
+  const double share = internal::ShareOf(run.local_units, run.vote.total_units);
+  for (SumBuffer& b : run.buffers) b.scale = share;
+  Status synced = channel_.Sync(run.buffers);
+  if (!synced.ok()) return EndCoordination(run, synced);
   return State::kApply;
 }
 
@@ -137,6 +154,8 @@ State GuardImpl::Apply(Run& run) {
 }
 
 
+// Its own collective, not folded into the next step's vote: Step returns OK
+// only once every rank applied (step_protocol.h says why the fold is unsafe).
 State GuardImpl::Agree(Run& run) {
   const int64_t mine[2] = {run.applied, controller_.limit()};
   auto all = channel_.Agree(mine);

@@ -108,7 +108,7 @@ enum class Local { kOk, kRollback, kFailed };
 // Where an OOM was caught: it decides what survives it.
 enum class Where {
   kLocal,   // micro-batches, sync buffers, vote site: this rank alone redoes work
-  kCommit,  // commit and sync sites, after the vote: every rank redoes the step
+  kCommit,  // commit and sync sites, just before the vote: every rank redoes the step
 };
 
 // The apply outcome as it travels in the agreement.
@@ -223,6 +223,12 @@ class GuardImpl final : public Guard {
   // ---- the states ----
   State RunLocal(Run& run);
   State Vote(Run& run);
+  // The commit and sync fault sites, before the vote: true when an OOM there
+  // asks every rank to redo the step (this rank still ok); a non-OOM error
+  // fails this rank.
+  bool CommitSites(Run& run);
+  // Every rank resets and redoes the step (`asked`: this rank asked for it).
+  State Redo(Run& run, bool asked);
   State Sync(Run& run);
   State Apply(Run& run);
   State Agree(Run& run);

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -17,6 +18,7 @@
 #include "oomguard/guard.h"
 #include "oomguard/recovery.h"
 #include "sdk/guard/guard_testing.h"
+#include "sdk/guard/step_protocol.h"
 
 namespace oomguard {
 namespace {
@@ -61,6 +63,7 @@ struct Rank {
   int64_t samples_kept = 0;
   double grad = 0;   // this rank's accumulated "gradient"
   double synced = 0; // what the sync left in `grad` at the apply
+  std::vector<double> pad;  // more sync words (Run's `pad`), each 1 + rank
   std::vector<Status> statuses;
   std::vector<StepReport> reports;
   std::string thrown;  // what Step threw, if it did
@@ -97,8 +100,10 @@ class MultiRank : public ::testing::Test {
 
   // Each rank runs `steps` Step calls of 32 samples on its own thread; each
   // sample adds 1 + rank to the gradient (weighted), so the synced gradient of
-  // a step is the mean over ranks of (1 + rank).
-  void Run(int steps, const std::vector<int64_t>& units = {}) {
+  // a step is the mean over ranks of (1 + rank). `pad` more words of 1 + rank
+  // go into the sync: past internal::kVoteSumWords in all, the sum no longer
+  // rides in the vote.
+  void Run(int steps, const std::vector<int64_t>& units = {}, int pad = 0) {
     OnEachRank(static_cast<int>(ranks_.size()), [&](int rank) {
       Rank* rk = ranks_[rank].get();
       for (int s = 0; s < steps; ++s) {
@@ -116,7 +121,12 @@ class MultiRank : public ::testing::Test {
           rk->grad = 0;
           rk->resets++;
         };
-        req.sync = [rk] { return std::vector<SumBuffer>{SumBuffer::Host(&rk->grad, 1)}; };
+        req.sync = [rk, rank, pad] {
+          std::vector<SumBuffer> bufs{SumBuffer::Host(&rk->grad, 1)};
+          rk->pad.assign(static_cast<size_t>(pad), 1.0 + rank);
+          if (pad > 0) bufs.push_back(SumBuffer::Host(rk->pad.data(), pad));
+          return bufs;
+        };
         req.apply = [rk] {
           rk->guard->MarkPhase(Phase::kOptimizer);
           rk->applies++;
@@ -163,24 +173,164 @@ TEST_F(MultiRank, OomOnOneRankOnlyEveryRankCommitsOnceWithTheMeanGradient) {
   }
 }
 
-// The collectives a step costs (issue 29 counts them before fusing any): on
-// the path without an OOM, and with an OOM one rank recovers from locally,
-// a step runs the vote (allgather), the gradient sum with its status words
-// (one sum) and the agreement after the apply (allgather): three.
-TEST_F(MultiRank, AStepRunsThreeCollectivesWhetherOrNotARankRecoversLocally) {
-  for (const char* rules : {"", "oom@step=2,rank=1,site=backward"}) {
-    ASSERT_TRUE(SetFaultRules(rules).ok());
+// The collectives a step costs (issue 29). Without an OOM, and with an OOM
+// one rank recovers from locally: the vote (allgather), the gradient sum and
+// the agreement after the apply (allgather) — three; two when the sync
+// buffers are small enough to ride in the vote, which every rank then sums
+// itself. An OOM at the sync site costs one more vote (the redo), not a sum;
+// a rank that fails costs the vote and the reasons.
+TEST_F(MultiRank, AStepRunsTwoCollectivesWhenTheSumRidesInTheVoteElseThree) {
+  const int steps = 5;
+  struct Case {
+    const char* rules;
+    int pad;
+    int allgathers, sums;
+  } cases[] = {
+      {"", 0, 2 * steps, 0},
+      {"oom@step=2,rank=1,site=backward", 0, 2 * steps, 0},
+      {"", internal::kVoteSumWords - 1, 2 * steps, 0},  // kVoteSumWords in all: still in the vote
+      {"", internal::kVoteSumWords, 2 * steps, steps},
+      {"oom@step=2,rank=1,site=backward", internal::kVoteSumWords, 2 * steps, steps},
+      {"oom@step=2,rank=1,site=sync", 0, 2 * steps + 1, 0},
+      {"oom@step=2,rank=1,site=sync", internal::kVoteSumWords, 2 * steps + 1, steps},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string("rules '") + c.rules + "', pad " + std::to_string(c.pad));
+    ASSERT_TRUE(SetFaultRules(c.rules).ok());
     Make(3, {}, /*with_recovery=*/true, /*count=*/true);
-    const int steps = 5;
-    Run(steps);
+    Run(steps, {}, c.pad);
     for (int r = 0; r < 3; ++r) {
-      for (const Status& st : ranks_[r]->statuses) ASSERT_TRUE(st.ok()) << rules << " rank " << r << ": " << st;
-      const auto* c = static_cast<const CountingCoordinator*>(ranks_[r]->coord.get());
-      EXPECT_EQ(c->allgathers, 2 * steps) << rules << " rank " << r << ": the vote and the agreement";
-      EXPECT_EQ(c->sums, steps) << rules << " rank " << r << ": one gradient sum";
+      for (const Status& st : ranks_[r]->statuses) ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st;
+      EXPECT_DOUBLE_EQ(ranks_[r]->synced, 2.0) << "the mean over ranks of 1 + rank";
+      for (double p : ranks_[r]->pad) EXPECT_DOUBLE_EQ(p, 2.0);
+      const auto* counted = static_cast<const CountingCoordinator*>(ranks_[r]->coord.get());
+      EXPECT_EQ(counted->allgathers, c.allgathers) << "rank " << r << ": votes and agreements";
+      EXPECT_EQ(counted->sums, c.sums) << "rank " << r << ": gradient sums";
+    }
+  }
+  // A rank that fails stops every rank after the vote and the reasons.
+  for (int pad : {0, internal::kVoteSumWords}) {
+    ASSERT_TRUE(SetFaultRules("error@step=1,rank=2,site=forward").ok());
+    Make(3, {}, /*with_recovery=*/true, /*count=*/true);
+    Run(3, {}, pad);
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_EQ(ranks_[r]->statuses.size(), 2u) << "pad " << pad << " rank " << r;
+      EXPECT_FALSE(ranks_[r]->statuses[1].ok());
+      const auto* counted = static_cast<const CountingCoordinator*>(ranks_[r]->coord.get());
+      EXPECT_EQ(counted->allgathers, 2 + 2) << "pad " << pad << " rank " << r;
+      EXPECT_EQ(counted->sums, pad > 0 ? 1 : 0) << "pad " << pad << " rank " << r;
     }
   }
   ClearFaultRules();
+}
+
+// Randomised fault plans over 4 ranks, the sum in the vote (pad 0) and apart
+// (pad 8): at every step every rank returns alike (all OK, all rolled back,
+// or all stopped), every rank ends at the same step, every applied sum is the
+// mean over ranks, and no plan hangs.
+TEST_F(MultiRank, RandomisedFaultPlansEndAlikeOnEveryRankWithTheSumInTheVoteOrApart) {
+  const char* kinds[] = {"oom", "oom", "oom", "error"};
+  const char* sites[] = {"micro_batch", "forward", "backward", "vote", "commit", "sync", "apply", "optimizer"};
+  std::mt19937 rng(29);
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  int all_ok = 0, redone = 0;
+  for (int plan_no = 0; plan_no < 48; ++plan_no) {
+    std::string plan;
+    const int rules = 1 + pick(3);
+    for (int i = 0; i < rules; ++i) {
+      const std::string kind = kinds[pick(4)];
+      std::string rule = kind + "@site=" + sites[pick(8)] + ",step=" + std::to_string(pick(6));
+      if (pick(4) != 0) rule += ",rank=" + std::to_string(pick(4));
+      if (kind == "oom" && pick(5) == 0) rule += ",times=0";
+      plan += (plan.empty() ? "" : ";") + rule;
+    }
+    const int pad = plan_no % 2 == 0 ? 0 : internal::kVoteSumWords;
+    SCOPED_TRACE("plan " + std::to_string(plan_no) + " (pad " + std::to_string(pad) + "): " + plan);
+    ASSERT_TRUE(SetFaultRules(plan).ok());
+    Make(4);
+    const auto t0 = Clock::now();
+    Run(6, {}, pad);
+    ClearFaultRules();
+    EXPECT_LT(SecondsSince(t0), 20.0) << "no plan may hang";
+    const Rank& first = *ranks_[0];
+    bool ok = true;
+    for (int r = 0; r < 4; ++r) {
+      const Rank& rk = *ranks_[r];
+      ASSERT_EQ(rk.statuses.size(), first.statuses.size()) << "rank " << r;
+      for (size_t i = 0; i < rk.statuses.size(); ++i) {
+        EXPECT_EQ(rk.statuses[i].ok(), first.statuses[i].ok()) << "rank " << r << " step call " << i << ": "
+                                                               << rk.statuses[i] << " vs " << first.statuses[i];
+        EXPECT_EQ(rk.statuses[i].code() == StatusCode::kAborted, first.statuses[i].code() == StatusCode::kAborted)
+            << "rank " << r << " step call " << i;
+        ok = ok && rk.statuses[i].ok();
+        redone += rk.reports[i].redone;
+      }
+      EXPECT_EQ(rk.guard->step(), first.guard->step()) << "rank " << r;
+      if (rk.applies > 0) {
+        EXPECT_DOUBLE_EQ(rk.synced, 2.5) << "rank " << r;
+        for (double p : rk.pad) EXPECT_TRUE(p == 2.5 || p == 1.0 + r) << "rank " << r << ": " << p;
+      }
+    }
+    all_ok += ok ? 1 : 0;
+  }
+  EXPECT_GE(all_ok, 10) << "plans that every rank recovers from";
+  EXPECT_GE(redone, 1) << "plans with a redo after an OOM at the commit or sync site";
+  std::printf("randomised plans: %d of 48 recovered on every rank\n", all_ok);
+}
+
+// Sync buffers that would fit in the vote but differ between ranks (a
+// contract violation) are not summed from the vote: the engine's sum runs
+// and refuses them, as it does for any mismatch.
+TEST_F(MultiRank, SmallSyncBuffersOfDifferentLayoutsGoToTheEngine) {
+  Make(2);
+  std::vector<Status> got(2);
+  OnEachRank(2, [&](int r) {
+    double words[2] = {1.0, 2.0};
+    StepRequest req;
+    req.samples = 4;
+    req.micro = [](const MicroBatch&) {};
+    req.reset = [] {};
+    req.sync = [&, r] { return std::vector<SumBuffer>{SumBuffer::Host(words, 1 + r)}; };
+    got[r] = ranks_[r]->guard->Step(req);
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(got[r].ToString().find("diverged"), std::string::npos) << got[r];
+}
+
+// float32 and float64 buffers in the vote: each rank's values scaled by its
+// share, summed in float64 and stored in the buffer's type, the same on every
+// rank.
+TEST_F(MultiRank, SumInTheVoteKeepsEachBuffersTypeAndIsTheSameOnEveryRank) {
+  Make(3);
+  std::vector<std::vector<float>> f(3);
+  std::vector<std::vector<double>> d(3);
+  OnEachRank(3, [&](int r) {
+    f[r] = {0.1f * static_cast<float>(r + 1), -3.0f, 1e-3f};
+    d[r] = {1.0 / 3.0 * (r + 1), 7.0, 1e300, -1e-300};
+    StepRequest req;
+    req.samples = 2 + r;  // shares 2/9, 3/9, 4/9
+    req.micro = [](const MicroBatch&) {};
+    req.reset = [] {};
+    req.sync = [&, r] {
+      SumBuffer fb = SumBuffer::Host(f[r].data(), 3);
+      return std::vector<SumBuffer>{fb, SumBuffer::Host(d[r].data(), 4)};
+    };
+    EXPECT_TRUE(ranks_[r]->guard->Step(req).ok());
+  });
+  const double share[3] = {2.0 / 9, 3.0 / 9, 4.0 / 9};
+  double f0 = 0, d0 = 0;
+  for (int r = 0; r < 3; ++r) {
+    f0 += share[r] * static_cast<double>(0.1f * static_cast<float>(r + 1));
+    d0 += share[r] * (1.0 / 3.0 * (r + 1));
+  }
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(f[r], f[0]) << "rank " << r;
+    EXPECT_EQ(d[r], d[0]) << "rank " << r;
+    EXPECT_FLOAT_EQ(f[r][0], static_cast<float>(f0));
+    EXPECT_FLOAT_EQ(f[r][1], -3.0f);
+    EXPECT_NEAR(d[r][0], d0, 1e-15);
+    EXPECT_DOUBLE_EQ(d[r][1], 7.0);
+    EXPECT_DOUBLE_EQ(d[r][2], 1e300);
+  }
 }
 
 // Issue 1: an OOM at the start of the commit phase, or in the guard's sync, on
@@ -518,7 +668,7 @@ TEST_F(MultiRank, DivergedCollectiveSequenceIsDetected) {
   OnEachRank(2, [&](int r) {
     if (r == 1) {
       // An extra allgather of the guard's vote size, where rank 0 votes.
-      std::vector<int64_t> mine(19, 0), all(38);
+      std::vector<int64_t> mine(internal::kVoteWords + 1, 0), all(2 * mine.size());
       (void)ranks_[r]->coord->Allgather(mine, all, std::chrono::milliseconds(5000));
     }
     StepRequest req;

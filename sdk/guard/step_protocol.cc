@@ -8,7 +8,7 @@ namespace oomguard::internal {
 namespace {
 
 constexpr int64_t kNoStep = INT64_MIN;
-constexpr int kVoteWords = 12 + kVoteDurable;
+constexpr int kVoteRedo = 12 + kVoteDurable;  // then the sum's layout, then its values
 constexpr int kPointsWords = 3 + kPointsDurable;
 constexpr int kReasonWords = 48;
 
@@ -16,7 +16,54 @@ int64_t Tag(int64_t kind, uint64_t seq) {
   return (kind << 48) | static_cast<int64_t>(seq & ((uint64_t{1} << 48) - 1));
 }
 
+// The layout word of buffers that fit in the vote: their number (4 bits),
+// then per buffer its count (4 bits) and whether it is float32 (1 bit).
+constexpr int kLayoutBits = 5;
+
 }  // namespace
+
+void PackSum(std::span<const SumBuffer> buffers, RankVote* mine) {
+  mine->sum_layout = -1;
+  mine->sum_values.fill(0.0);
+  if (buffers.size() > static_cast<size_t>(kVoteSumWords)) return;
+  int64_t layout = static_cast<int64_t>(buffers.size());
+  size_t at = 0;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const SumBuffer& b = buffers[i];
+    // Host float memory only: the guard reads and writes it itself. Anything
+    // else (device memory, int64, a bad buffer) goes through the engine,
+    // which sums it or refuses it as it always did.
+    if (b.device >= 0 || b.count < 0 || (b.count > 0 && b.data == nullptr) ||
+        (b.dtype != DType::kFloat64 && b.dtype != DType::kFloat32) ||
+        b.count > static_cast<int64_t>(kVoteSumWords) - static_cast<int64_t>(at))
+      return;
+    const bool f32 = b.dtype == DType::kFloat32;
+    for (int64_t j = 0; j < b.count; ++j)
+      mine->sum_values[at++] = f32 ? static_cast<double>(static_cast<const float*>(b.data)[j])
+                                   : static_cast<const double*>(b.data)[j];
+    layout |= (b.count | (f32 ? 16 : 0)) << (4 + kLayoutBits * static_cast<int>(i));
+  }
+  mine->sum_layout = layout;
+}
+
+double ShareOf(int64_t units, int64_t total) {
+  return total > 0 ? static_cast<double>(units) / static_cast<double>(total) : 0.0;
+}
+
+void SumFromVote(const VoteOutcome& vote, std::span<const SumBuffer> buffers) {
+  size_t at = 0;
+  for (const SumBuffer& b : buffers) {
+    for (int64_t j = 0; j < b.count; ++j, ++at) {
+      double acc = 0;
+      for (const RankVote& rv : vote.ranks) acc += ShareOf(rv.units, vote.total_units) * rv.sum_values[at];
+      if (b.dtype == DType::kFloat32) {
+        static_cast<float*>(b.data)[j] = static_cast<float>(acc);
+      } else {
+        static_cast<double*>(b.data)[j] = acc;
+      }
+    }
+  }
+}
 
 StepChannel::StepChannel(Coordinator* coordinator, std::chrono::milliseconds deadline)
     : coordinator_(coordinator),
@@ -79,6 +126,9 @@ StatusOr<VoteOutcome> StepChannel::Vote(const RankVote& mine) {
   const size_t nd = std::min<size_t>(mine.durable.size(), kVoteDurable);
   w[11] = static_cast<int64_t>(nd);
   std::copy(mine.durable.end() - static_cast<std::ptrdiff_t>(nd), mine.durable.end(), w.begin() + 12);
+  w[kVoteRedo] = mine.redo ? 1 : 0;
+  w[kVoteRedo + 1] = mine.sum_layout;
+  std::memcpy(w.data() + kVoteRedo + 2, mine.sum_values.data(), sizeof(double) * kVoteSumWords);
   auto all = Gather(Kind::kVote, w);
   if (!all.ok()) return all.status();
   VoteOutcome out;
@@ -101,12 +151,18 @@ StatusOr<VoteOutcome> StepChannel::Vote(const RankVote& mine) {
     rv.committed = v[10];
     const int64_t k = std::clamp<int64_t>(v[11], 0, kVoteDurable);
     rv.durable.assign(v + 12, v + 12 + k);
+    rv.redo = v[kVoteRedo] != 0;
+    rv.sum_layout = v[kVoteRedo + 1];
+    std::memcpy(rv.sum_values.data(), v + kVoteRedo + 2, sizeof(double) * kVoteSumWords);
     out.status = std::max(out.status, rv.status);
+    out.redo = out.redo || rv.redo;
     if (__builtin_add_overflow(out.total_units, rv.units, &out.total_units)) out.units_overflow = true;
     out.min_micro_limit = std::min(out.min_micro_limit, rv.micro_limit);
     out.any_oom = out.any_oom || rv.had_oom;
   }
   out.committed = out.ranks[0].committed;
+  out.sum_in_vote = out.ranks[0].sum_layout >= 0;
+  for (const RankVote& rv : out.ranks) out.sum_in_vote = out.sum_in_vote && rv.sum_layout == out.ranks[0].sum_layout;
   for (int r = 1; r < size_; ++r) {
     if (out.ranks[static_cast<size_t>(r)].step != out.ranks[0].step)
       return Diverged("rank 0 votes on step " + std::to_string(out.ranks[0].step) + ", rank " + std::to_string(r) +
@@ -115,29 +171,24 @@ StatusOr<VoteOutcome> StepChannel::Vote(const RankVote& mine) {
   return out;
 }
 
-StatusOr<SyncOutcome> StepChannel::Sync(std::span<const SumBuffer> buffers, SyncStatus mine) {
+Status StepChannel::Sync(std::span<const SumBuffer> buffers) {
   const uint64_t seq = seq_++;
+  std::vector<SumBuffer> all(buffers.begin(), buffers.end());
+  // One rank: the sum is the buffer itself (scaled).
+  if (local_) return coordinator_->AllreduceSum(all, deadline_);
   // The sequence check of a sum: sum(t) == n*t and sum(t^2) == n*t^2 hold for
   // this rank's t only when every rank contributed the same t (equality in
   // Cauchy-Schwarz). t < 2^16 keeps every sum exact in float64.
   const double t = static_cast<double>((seq & 0xffff) + 1);
-  double words[4] = {mine.oom ? 1.0 : 0.0, mine.error ? 1.0 : 0.0, t, t * t};
-  if (local_) {
-    // One rank: the sum is the buffer itself (scaled).
-    std::vector<SumBuffer> all(buffers.begin(), buffers.end());
-    Status s = coordinator_->AllreduceSum(all, deadline_);
-    if (!s.ok()) return s;
-    return SyncOutcome{mine.oom ? 1 : 0, mine.error ? 1 : 0};
-  }
-  std::vector<SumBuffer> all(buffers.begin(), buffers.end());
-  all.push_back(SumBuffer::Host(words, 4));
+  double words[2] = {t, t * t};
+  all.push_back(SumBuffer::Host(words, 2));
   Status s = coordinator_->AllreduceSum(all, deadline_);
   if (!s.ok()) return s;
   const double n = static_cast<double>(size_);
-  if (words[2] != n * t || words[3] != n * t * t)
+  if (words[0] != n * t || words[1] != n * t * t)
     return Diverged("rank " + std::to_string(rank_) + " is at sync #" + std::to_string(seq) +
                     " but not every rank is (a sum met another collective)");
-  return SyncOutcome{static_cast<int>(words[0]), static_cast<int>(words[1])};
+  return Status::Ok();
 }
 
 StatusOr<std::vector<std::vector<int64_t>>> StepChannel::Agree(std::span<const int64_t> words) {

@@ -10,18 +10,42 @@
 //
 // The collectives of one step, in the order every rank runs them
 // (docs/distributed.md has the whole protocol):
-//   Vote       each rank's outcome of its local work, units, limits, memory,
-//              snapshot and durable checkpoints (Allgather)
+//   Vote       each rank's outcome of its local work (the commit and sync
+//              fault sites included: an OOM there asks every rank to redo),
+//              units, limits, memory, snapshot and durable checkpoints, and,
+//              when they are small, the sync buffers themselves (Allgather)
 //   Sync       the gradient buffers, each scaled by the rank's share of the
-//              global batch, plus the sync status words (AllreduceSum)
+//              global batch, plus two sequence words (AllreduceSum); skipped
+//              when the vote carried every rank's buffers
 //   Agree      small records: after the apply, rank 0's manifest commit, a
 //              restore (Allgather)
 //   Reasons    why ranks stopped, as text, when some rank failed (Allgather)
+//
+// Fewer collectives (issue 29). Without an OOM a step runs the vote, the sum
+// and the agreement: three collectives, or two when the sync buffers fit in
+// the vote (at most kVoteSumWords host float32/float64 elements on every
+// rank, in the same layout: a loss, a few metrics, no sync at all). Every
+// rank then sums the gathered values itself, in rank order and in float64
+// (what ThreadGroup does), so the result is the same on every rank. Which
+// path a step takes is decided from the gathered records, the same on every
+// rank, and the sequence check is the vote's tag, as on every all-gather.
+// What cannot be fused without losing a guarantee:
+//   - the vote into a sum of large buffers: a rank that failed before its
+//     sync() has no buffers of the shape the others sum (a collective needs
+//     the same shapes on every rank, and the guard cannot allocate device
+//     memory for it), and each rank's scale (its units over the global
+//     batch's) is known only after every rank's units are;
+//   - the agreement after the apply into the next step's vote: Step would
+//     return OK, and save the step's checkpoints, before it knows that every
+//     rank applied; an OOM in a peer's apply would then roll back a step
+//     that this rank already reported committed (and whose in-memory
+//     snapshot may have replaced the one every rank holds).
 //
 // Thread-safety: one thread (the rank's training thread) uses a channel.
 #ifndef OOMGUARD_SDK_GUARD_STEP_PROTOCOL_H_
 #define OOMGUARD_SDK_GUARD_STEP_PROTOCOL_H_
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -42,6 +66,13 @@ enum class VoteStatus : int64_t { kOk = 0, kRollback = 1, kFailed = 2 };
 inline constexpr int kVoteDurable = 6;
 inline constexpr int kPointsDurable = 16;
 
+// Sync buffers of at most this many elements in all (host float32/float64)
+// ride in the vote instead of a sum of their own.
+inline constexpr int kVoteSumWords = 8;
+
+// The words of one rank's vote record (the sequence tag comes on top).
+inline constexpr int kVoteWords = 12 + kVoteDurable + 2 + kVoteSumWords;
+
 // What one rank brings to the vote.
 struct RankVote {
   VoteStatus status = VoteStatus::kOk;
@@ -54,6 +85,11 @@ struct RankVote {
   int64_t committed = -1;  // newest checkpoint this rank committed (rank 0 commits)
   std::optional<int64_t> snapshot;
   std::vector<int64_t> durable;  // ascending, at most kVoteDurable (the newest)
+  bool redo = false;  // an OOM at the commit or sync site: every rank redoes the step
+  // The sync buffers when they fit in the vote (PackSum): their layout (-1:
+  // they do not fit) and their values, unscaled, as float64.
+  int64_t sum_layout = -1;
+  std::array<double, kVoteSumWords> sum_values{};
 };
 
 // The vote as every rank sees it.
@@ -65,17 +101,22 @@ struct VoteOutcome {
   int64_t min_micro_limit = 0;
   bool any_oom = false;
   int64_t committed = -1;  // rank 0's newest committed checkpoint
+  bool redo = false;       // some rank asks every rank to redo the step
+  bool sum_in_vote = false;  // every rank's sync buffers are in the vote, in one layout
 };
 
-// The status words a sum carries beside the buffers.
-struct SyncStatus {
-  bool oom = false;    // this rank hit an OOM at the commit or sync site
-  bool error = false;  // this rank hit another error there
-};
-struct SyncOutcome {
-  int oom_ranks = 0;
-  int error_ranks = 0;
-};
+// Fills mine->sum_layout and sum_values from `buffers` when they fit in the
+// vote; leaves sum_layout -1 otherwise (the step then runs Sync).
+void PackSum(std::span<const SumBuffer> buffers, RankVote* mine);
+
+// Each rank's share of the global batch: its units over the total (0 when
+// the total is 0). The scale of its sync buffers, in Sync and in SumFromVote.
+double ShareOf(int64_t units, int64_t total);
+
+// When vote.sum_in_vote: writes into `buffers` (this rank's, the layout
+// PackSum found) the sum over ranks of each rank's share times its values,
+// accumulated in float64 in rank order: the same bits on every rank.
+void SumFromVote(const VoteOutcome& vote, std::span<const SumBuffer> buffers);
 
 // What a rank can restore: what each rank reports before a rollback, a
 // resume or Finish (checkpoint_commit.h finds the steps every rank holds).
@@ -97,8 +138,9 @@ class StepChannel {
 
   StatusOr<VoteOutcome> Vote(const RankVote& mine);
 
-  // Sums `buffers` (scales already set) and the status words over ranks.
-  StatusOr<SyncOutcome> Sync(std::span<const SumBuffer> buffers, SyncStatus mine);
+  // Sums `buffers` (scales already set) over ranks, with two sequence words.
+  // Every rank that calls it voted ok: nothing fails between the vote and it.
+  Status Sync(std::span<const SumBuffer> buffers);
 
   // Every rank's `words` (the same count on every rank), index = rank.
   StatusOr<std::vector<std::vector<int64_t>>> Agree(std::span<const int64_t> words);

@@ -73,7 +73,7 @@ bool FormatMarker(std::string_view l) {
                          "return code = -9", "return code -9", "exitcode: -9", "exit code -9", "错误码-9",
                          "cudnn_status_not_supported", "cublas_status_not_initialized",
                          "less than desired gpu memory utilization", "no available memory for the cache blocks",
-                         "could not create cudnn handle",
+                         "could not create cudnn handle", "can be stored in kv cache",
                          // PaddlePaddle 1.x: "Insufficient GPU memory to allocation."
                          "insufficient gpu memory"});
 }
@@ -115,8 +115,13 @@ bool Mention(std::string_view l) {
                       // "Increase batch size causes Cudamalloc error"
                       "cudamalloc error", "cuda malloc error", "cudamalloc failed",
                       // A title naming the shell's kill: "# Killed error".
-                      "killed error"}))
+                      "killed error",
+                      // "causing `cuda:0` memory to explode", "显存爆炸" (memory explosion).
+                      "memory to explode", "memory explosion", "显存爆炸", "内存爆炸", "显存炸"}))
     return true;
+  // A progress bar cut by a notebook's kill: "Loading checkpoint shards: 0% 0/2 [00:00<?, ?it/s]^C"
+  // (Colab prints ^C when its runtime kills the process for RAM).
+  if (size_t at = l.find("]^c"); at != std::string_view::npos && Contains(l.substr(0, at), "/")) return true;
   // "为什么会out memory": "out memory" as words (not the end of "without memory").
   for (size_t at = l.find("out memory"); at != std::string_view::npos; at = l.find("out memory", at + 1))
     if (at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]))) return true;
@@ -126,9 +131,10 @@ bool Mention(std::string_view l) {
                                  "failure to allocate", "unable to allocate", "could not allocate"}) {
     size_t at = l.find(verb);
     if (at == std::string_view::npos) continue;
-    // "... memory", or a size: "alloc failure to allocate ~286GB"
+    // "... memory", a size ("alloc failure to allocate ~286GB"), or a library's
+    // scratch memory ("If we can't allocate the workspace for the desired algorithm").
     std::string_view rest = l.substr(at + verb.size());
-    if (Contains(rest, "memory") || HasSize(rest.substr(0, 40))) return true;
+    if (ContainsAny(rest, {"memory", "workspace"}) || HasSize(rest.substr(0, 40))) return true;
   }
   // "storing ... quickly eats up memory and kills the job": memory taken until the process died.
   if (ContainsAny(l, {"eats up", "eating up", "eat up", "ate up", "eats all", "eating all"}) &&

@@ -212,5 +212,28 @@ TEST(LogParserFormatsTest, PaddleShortfallAKilledTitleAndOutMemoryInWords) {
   EXPECT_TRUE(Parse("The model runs without memory problems on the CPU.\n").empty());
 }
 
+TEST(LogParserFormatsTest, Batch13FormatsAKvCacheShortfallAColabKillAndExplodingMemory) {
+  // QwenLM/Qwen3#295: vLLM refusing a max model length its KV cache cannot hold.
+  auto incs = Parse(
+      " raise ValueError(\n"
+      "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens that can be stored "
+      "in KV cache (7344). Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing "
+      "the engine.\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
+  // kaleido-lab/dolphin#1: Colab's ^C when its runtime kills a process that filled the RAM.
+  incs = Parse("# Loading checkpoint shards: 0% 0/2 [00:00<?, ?it/s]^C\nCan't run it on free colab T4\n");
+  ASSERT_EQ(incs.size(), 1u);
+  // pytorch/pytorch#558: a library's scratch memory that could not be allocated, in words.
+  EXPECT_EQ(Parse("If we can't allocate the workspace for the desired algorithm, we fall\nback to a default.\n").size(),
+            1u);
+  // huggingface/accelerate#3655 and Algolzw/image-restoration-sde#103.
+  EXPECT_EQ(Parse("all are loaded into `cuda:0`, causing `cuda:0` memory to explode. Is my usage correct?\n").size(), 1u);
+  EXPECT_EQ(Parse("# 关于采样阶段显存爆炸问题，训练正常\n我在deshadow文件夹训练正常\n").size(), 1u);
+  // A bar a user interrupted is no OOM without a bar's fraction before it; a ^C alone is not one.
+  EXPECT_TRUE(Parse("I pressed ^C to stop it.\n").empty());
+  EXPECT_TRUE(Parse("We store the workspace path in the config.\n").empty());
+}
+
 }  // namespace
 }  // namespace oomguard::kb

@@ -441,6 +441,9 @@ OomInfo ClassifyMessage(std::string_view message) {
     kind = OomKind::kHost;
   } else if (Has(m, "less than desired gpu memory utilization") ||
              Has(m, "no available memory for the cache blocks") ||
+             // vLLM: "The model's max seq len (32768) is larger than the maximum
+             // number of tokens that can be stored in KV cache (7344)."
+             Has(m, "can be stored in kv cache") ||
              // PaddlePaddle 1.x: "Insufficient GPU memory to allocation."
              Has(m, "insufficient gpu memory")) {
     // vLLM at startup: the card's free memory does not cover the share it

@@ -11,6 +11,7 @@
 #include "oomguard/mpi_coordinator.h"
 #include "oomguard/recovery.h"
 #include "sdk/guard/guard_testing.h"
+#include "sdk/guard/step_protocol.h"
 
 namespace oomguard {
 namespace {
@@ -215,7 +216,7 @@ TEST(MpiGuard, DivergedCollectiveSequenceIsDetected) {
   auto guard = Guard::Create(o).value();
   if (c.rank() == 1) {
     // An allgather of the vote's size where the others vote.
-    std::vector<int64_t> mine(19, 7), all(19 * static_cast<size_t>(c.size()));
+    std::vector<int64_t> mine(internal::kVoteWords + 1, 7), all(mine.size() * static_cast<size_t>(c.size()));
     (void)c.Allgather(mine, all, milliseconds(3000));
   }
   StepRequest req;

@@ -158,7 +158,8 @@ def test_coordination_timeout_raises_timeout_error():
 
 def test_python_coordinator_carries_the_whole_step():
     """A one-rank Python coordinator: the vote and the agreement arrive as
-    all-gathers, the sync as a sum of the step's own buffers (scale 1 here)."""
+    all-gathers, the sync as a sum of the step's own buffers (scale 1 here),
+    or inside the vote when they are small (8 host floats or fewer)."""
     import numpy as np
 
     class Single(_TimingOutCoordinator):
@@ -175,7 +176,7 @@ def test_python_coordinator_carries_the_whole_step():
     c = Single()
     c.sums = []
     guard = oomguard.Guard(coordinator=c)
-    grad = np.zeros(3)
+    grad = np.zeros(9)
     done = []
 
     def micro(mb):
@@ -184,9 +185,19 @@ def test_python_coordinator_carries_the_whole_step():
     report = guard.step(3, micro, apply=lambda: done.append(grad.copy()), reset=lambda: grad.fill(0),
                         sync=lambda: [grad])
     assert report.status.ok and len(done) == 1 and c.calls == 2  # the vote and the agreement
-    assert done[0] == pytest.approx([1.0, 1.0, 1.0])
+    assert done[0] == pytest.approx([1.0] * 9)
     assert len(c.sums) == 1 and c.sums[0][0] == ("ndarray", 1.0), c.sums
-    assert c.sums[0][-1][0] == "ndarray", "the guard's status words travel as a float64 array"
+    assert c.sums[0][-1][0] == "ndarray", "the guard's sequence words travel as a float64 array"
+    # A loss alone rides in the vote: no sum of its own, the same result.
+    loss = np.zeros(1)
+
+    def micro_loss(mb):
+        loss[:] += mb.weight * 2.0
+
+    report = guard.step(3, micro_loss, apply=lambda: done.append(loss.copy()), reset=lambda: loss.fill(0),
+                        sync=lambda: [loss])
+    assert report.status.ok and c.calls == 4 and len(c.sums) == 1, c.sums
+    assert done[1] == pytest.approx([2.0])
     assert guard.finish() == -1
 
 

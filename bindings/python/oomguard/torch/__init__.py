@@ -16,6 +16,8 @@ One module a job:
 ``device``          torch's memory figures for the guard (``TorchDevice``)
 ``distributed``     torch.distributed as the guard's transport
                     (``TorchDistributedCoordinator``)
+``fsdp``            FSDP2 (``fully_shard``) under TrainStep: the agreement that
+                    keeps every rank's micro-batches in lockstep
 ==================  ============================================================
 
 Supported: torch 2.4 and later (see the README).
@@ -26,6 +28,7 @@ from __future__ import annotations
 from .data import StepBatchSampler, StepLoader
 from .device import TorchDevice, memory_figures
 from .distributed import TorchDistributedCoordinator
+from . import fsdp
 from .fit import FitResult, fit
 from .state import StateReplacedError, flat_parameters, register_state
 from .step import TrainStep, batch_samples, evaluate, split_batch

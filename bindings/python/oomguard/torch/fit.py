@@ -30,6 +30,7 @@ from .._guard import Guard
 from .._oomguard import Incident, KnowledgeBase
 from ..checkpoint import Checkpointer
 from . import distributed as _distributed
+from . import fsdp as _fsdp
 from ._model import DDP, ddp_of, model_device, unwrap
 from .data import StepBatchSampler, StepLoader
 from .device import TorchDevice
@@ -245,7 +246,10 @@ def fit(
 
     _init_distributed_from_env(model)
     world = _distributed.world_size()
-    if world > 1 and ddp_of(model) is None:
+    sharded = _fsdp.is_fsdp(unwrap(model))
+    if sharded:  # FSDP2: no DDP wrap; the guard shrinks the same way on every rank (docs/distributed.md)
+        guard_options = {**_fsdp.GUARD_OPTIONS, **guard_options}
+    if world > 1 and ddp_of(model) is None and not sharded:
         device = model_device(model)
         ids = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device is not None and device.type == "cuda" else None

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..checkpoint import Checkpointer
+from . import fsdp as _fsdp
 from ._model import unwrap
 
 __all__ = ["register_state", "flat_parameters", "StateReplacedError"]
@@ -96,7 +97,8 @@ class _ModuleState:
         return (self.module.get_submodule(path) if path else self.module), attr
 
     def _live(self) -> Dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items()}
+        # A DTensor (FSDP2) is represented by this rank's local shard: each rank saves its own.
+        return {k: _fsdp.local_tensor(v.detach()) for k, v in self.module.state_dict(keep_vars=True).items()}
 
     def register(self) -> None:
         other: List[str] = []
@@ -126,6 +128,8 @@ class _ModuleState:
             t = owner._parameters.get(attr)
             if t is None:
                 t = owner._buffers.get(attr)
+            if t is not None:
+                t = _fsdp.local_tensor(t)
             if t is not None and t.data_ptr() == ptr and t.dtype == dtype and t.device == device and \
                     tuple(t.shape) == shape:
                 continue
@@ -167,7 +171,10 @@ def register_state(
         ckpt.defer(state.register, state.check)
         ckpt.registered[model_prefix] = state.module
     if optimizer is not None:
-        _add_stateful(ckpt, "optimizer", optimizer)
+        if any(_fsdp.is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
+            _fsdp.add_sharded_optimizer(ckpt, optimizer, _to_bytes, _from_bytes)
+        else:
+            _add_stateful(ckpt, "optimizer", optimizer)
     if scheduler is not None:
         _add_stateful(ckpt, "scheduler", scheduler)
     if scaler is not None:
@@ -180,5 +187,7 @@ def register_state(
 
 def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
     """Every tensor of the state_dict, in its order, flattened into one float64 tensor."""
-    tensors = [t.detach().reshape(-1).to(torch.float64).cpu() for t in unwrap(model).state_dict().values()]
+    # A DTensor (FSDP2) is gathered whole: every rank must call this then.
+    tensors = [(t.full_tensor() if _fsdp.is_dtensor(t) else t).detach().reshape(-1).to(torch.float64).cpu()
+               for t in unwrap(model).state_dict().values()]
     return torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.float64)

@@ -39,6 +39,7 @@ from .._guard import Guard
 from . import _evidence
 from . import ddp as _ddp
 from . import distributed as _distributed
+from . import fsdp as _fsdp
 from ._model import ddp_of, model_device, unwrap
 from .device import TorchDevice
 from .distributed import TorchDistributedCoordinator
@@ -233,6 +234,7 @@ class TrainStep:
         clip_grad_norm: Optional[float] = None,
         before_apply: Optional[Callable[[], Any]] = None,
         after_apply: Optional[Callable[[], Any]] = None,
+        fsdp_sync: str = "every",
         ddp_overlap: bool = False,
         **guard_options: Any,
     ) -> None:
@@ -268,6 +270,21 @@ class TrainStep:
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.before_apply = before_apply
         self.after_apply = after_apply
+        fsdp = _fsdp.is_fsdp(unwrap(model))
+        if fsdp:
+            # Every rank must shrink the same way after an abandoned micro-batch (docs/distributed.md).
+            fsdp_options = _fsdp.GUARD_OPTIONS
+            if guard is None:
+                guard_options = {**fsdp_options, **guard_options}
+            for name, want in fsdp_options.items():
+                have = getattr(guard.options, name) if guard is not None else guard_options[name]
+                if have != want:
+                    raise ValueError(f"a model sharded with fully_shard needs a guard with {name}={want!r} (got "
+                                     f"{have!r}): every rank must shrink its micro-batches the same way")
+            if scaler is not None:
+                raise ValueError("TrainStep with a GradScaler is not supported on a model sharded with fully_shard")
+            if fsdp_sync not in ("every", "last"):
+                raise ValueError(f"fsdp_sync must be 'every' or 'last', got {fsdp_sync!r}")
         if guard is None:
             if _distributed.world_size() > 1 and guard_options.get("coordinator") is None:
                 guard_options["coordinator"] = TorchDistributedCoordinator()
@@ -287,8 +304,12 @@ class TrainStep:
             raise ValueError("DistributedDataParallel with broadcast_buffers=True broadcasts buffers inside "
                              "forward, a collective before the guard's vote; build it with broadcast_buffers=False")
         self._sync = guard_world > 1 if sync_gradients is None else bool(sync_gradients)
+        self._fsdp = (_fsdp.FsdpAgreement(unwrap(model), deadline_s=guard.options.vote_deadline_ms / 1000.0,
+                                          sync_every=fsdp_sync == "every") if fsdp else None)
         self._overlap: Optional[_ddp.DdpOverlap] = None
         if ddp_overlap:
+            if self._fsdp is not None:
+                raise ValueError("ddp_overlap=True is for DistributedDataParallel, not for a model sharded with fully_shard")
             if self._ddp is None or guard_world < 2 or not self._sync:
                 raise ValueError("ddp_overlap=True needs a DistributedDataParallel model and a guard with several "
                                  "ranks that sums gradients (sync_gradients not False)")
@@ -334,11 +355,17 @@ class TrainStep:
         self._local_units = float(prefix[-1] if prefix is not None else n)
         guard = self.guard
         overlap = self._overlap
+        fsdp = self._fsdp
+        if fsdp is not None:
+            if costs is not None:
+                raise ValueError("costs= is not supported on a model sharded with fully_shard: every rank must "
+                                 "run the same micro-batches")
+            fsdp.begin_step(n, None if prefix is None else prefix[-1])
 
         def run(offset: int, size: int, weight: float, synced: bool = False, marks: bool = True) -> None:
             parts = part(offset, offset + size)
             # Gradients accumulate locally (the guard sums them after its
-            # vote), except in the overlap mode's round (ddp.py).
+            # vote), except in the DDP overlap mode's round (ddp.py).
             with contextlib.nullcontext() if synced or self._ddp is None else self._ddp.no_sync():
                 if marks:
                     guard.mark_phase("forward")
@@ -348,6 +375,11 @@ class TrainStep:
                 weighted = loss * weight
                 if synced:
                     overlap.begin_round()
+                if fsdp is not None:
+                    # FSDP averages over ranks: weigh by this rank's share of the global units.
+                    fsdp.ensure_checked()
+                    weighted = weighted * (fsdp.world * fsdp.local_units / fsdp.global_units)
+                    fsdp.backward = True
                 (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
             # On the loss's device: no host sync per micro-batch.
             contribution = loss.detach().to(torch.float64) * weight
@@ -359,9 +391,18 @@ class TrainStep:
         def micro(mb: _C.MicroBatch) -> None:
             if overlap is not None:
                 return self._overlap_micro(mb, n, prefix, run)
-            if prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]:
-                return  # no loss units: nothing to add, and its mean would be 0/0
-            run(mb.offset, mb.size, mb.weight)
+            empty = prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]
+            if fsdp is not None:
+                if empty:
+                    raise ValueError(f"micro-batch [{mb.offset}, {mb.offset + mb.size}) has no loss units: under "
+                                     "fully_shard every rank must run every micro-batch's collectives")
+                last = mb.offset + mb.size == n
+                sq_norm = self._grad_params if self.clip_grad_norm is not None else None
+                fsdp.run_micro(lambda: run(mb.offset, mb.size, mb.weight), last,
+                               None if sq_norm is None else lambda: fsdp.local_sq_norm(sq_norm()),
+                               guard.mark_phase)
+            elif not empty:  # no loss units: nothing to add, and its mean would be 0/0
+                run(mb.offset, mb.size, mb.weight)
 
         if overlap is not None:
             overlap.start_step(self._local_units, guard.options.vote_deadline_ms / 1000.0)
@@ -390,6 +431,9 @@ class TrainStep:
         ``torch.no_grad()``. ``forward(model, *batch_slices)`` defaults to the
         TrainStep's loss; see ``oomguard.torch.evaluate`` for how outputs are
         combined. The model's train/eval mode is the caller's."""
+        if self._fsdp is not None:
+            raise ValueError("TrainStep.evaluate on a model sharded with fully_shard is not supported: the guarded "
+                             "evaluation is per rank, while FSDP's all-gathers need every rank in lockstep")
         return evaluate(self.model, *batch, forward=forward or self.forward, guard=self.guard,
                         loss_units=self._loss_units, split=self._split, costs=costs, samples=samples,
                         report_to=report_to)
@@ -397,6 +441,11 @@ class TrainStep:
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
+        if self._fsdp is not None:
+            self._fsdp.clear_gradients()
+
+    def _grad_params(self) -> list:
+        return [p for p in unwrap(self.model).parameters() if p.grad is not None]
 
     def _overlap_micro(self, mb: _C.MicroBatch, n: int, prefix: Optional[List[int]], run: Callable[..., None]) -> None:
         """A micro-batch in the DDP overlap mode: under no_sync, except the
@@ -461,8 +510,9 @@ class TrainStep:
         (the gradient of a parameter no micro-batch touched) is allocated while
         an OOM can still go through the ladder."""
         params = [p for p in unwrap(self.model).parameters() if p.requires_grad]
-        if self._overlap is not None:
-            # The gradients were summed in the round: the guard sums the loss.
+        if self._fsdp is not None or self._overlap is not None:
+            # FSDP reduce-scattered the gradients inside the micro-batches, the
+            # DDP overlap mode summed them in its round: only the loss is summed here.
             if self._loss is None:
                 self._loss = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
             return [self._loss]
@@ -504,7 +554,15 @@ class TrainStep:
             self.after_apply()
 
     def _clip(self) -> None:
-        if self.clip_grad_norm is not None:
+        if self.clip_grad_norm is not None and self._fsdp is not None:
+            # The norm came with the step's last agreement check: no collective here, where an OOM
+            # on one rank would leave the others inside it. As clip_grad_norm_ computes it.
+            total = math.sqrt(self._fsdp.sq_norm)
+            coef = min(self.clip_grad_norm / (total + 1e-6), 1.0)
+            with torch.no_grad():
+                for p in self._grad_params():
+                    p.grad.mul_(coef)
+        elif self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in unwrap(self.model).parameters() if p.grad is not None],
                                            self.clip_grad_norm)
 

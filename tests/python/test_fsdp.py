@@ -1,0 +1,160 @@
+"""FSDP2 under the guard (issue 29): the project's small GPT sharded per block
+with fully_shard, 2 and 4 ranks over gloo on the CPU. OOMs on one rank at a
+unit's forward or backward (injected), at the guard's sites (forward,
+backward, sync, apply) and from oomguard.budget end with every rank having
+abandoned the same micro-batches and the parameters of the unconstrained FSDP
+run (float64, 1e-10); a run killed with SIGKILL resumes to the same result.
+Every run is bounded: a hang fails the test at its timeout."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import oomguard
+import oomguard.budget
+from conftest import subprocess_env
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):
+    pytest.skip("this torch has no torch.distributed.fsdp.fully_shard", allow_module_level=True)
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "fsdp_worker.py"
+TRAIN_GPT = HERE.parents[1] / "examples" / "python" / "train_gpt.py"
+UNITS = ["0", "1", "root"]
+
+
+def run_plans(tmp_path, world: int, plans: list, timeout_s: float) -> dict:
+    (tmp_path / "plans.json").write_text(json.dumps(plans))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(tmp_path / "init"),
+                               str(tmp_path), str(tmp_path / "plans.json")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+             for r in range(world)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"the ranks did not finish within {timeout_s} s: a collective hung")
+        logs.append(out)
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r}: {logs[r][-4000:]}"
+    results = {}
+    for plan in plans:
+        summaries = json.loads((tmp_path / f"{plan['name']}.json").read_text())
+        params = np.fromfile(tmp_path / f"{plan['name']}.f64", dtype="<f8") \
+            if (tmp_path / f"{plan['name']}.f64").exists() else None
+        results[plan["name"]] = (summaries, params)
+    return results
+
+
+def random_plans(seed: int, world: int, count: int, steps: int) -> list:
+    """Plans of one or two faults on one rank: an OOM at a unit's forward or
+    backward, or at a guard site, on a random step and micro-batch."""
+    rng = random.Random(seed)
+    plans = []
+    for i in range(count):
+        rank = rng.randrange(world)
+        units, rules = [], []
+        for _ in range(rng.choice([1, 2])):
+            kind = rng.choice(["unit", "unit", "site"])
+            step = rng.randrange(steps)
+            if kind == "unit":
+                units.append([rank, step, rng.choice(UNITS), rng.choice(["forward", "backward"]), rng.randrange(2)])
+            else:
+                site = rng.choice(["forward", "backward", "sync", "apply"])
+                micro = f",micro={rng.randrange(2)}" if site in ("forward", "backward") else ""
+                rules.append(f"oom@step={step},rank={rank},site={site}{micro}")
+        plans.append({"name": f"random{i}", "steps": steps, "micro": 16 // world // 2, "ckpt": 2,
+                      "sync": rng.choice(["every", "last"]), "units": units, "faults": ";".join(rules)})
+    return plans
+
+
+def check_against(results: dict, reference: str = "plain") -> None:
+    ref = results[reference][1]
+    assert ref is not None, results[reference][0]
+    for name, (summaries, params) in results.items():
+        assert all(s["error"] is None for s in summaries), (name, summaries)
+        assert params is not None, name
+        rel = np.max(np.abs(params - ref)) / np.max(np.abs(ref))
+        assert rel <= 1e-10, (name, rel, summaries)
+        if name != reference:
+            # Every rank ran the same checks and FSDP collectives: the micro-batches stayed in lockstep.
+            assert len({(s["checks"], s["collectives"], s["abandoned"]) for s in summaries}) == 1, (name, summaries)
+
+
+@pytest.mark.skipif(not oomguard.budget.available(), reason="built without oomguard._budget")
+def test_two_ranks_every_unit_forward_and_backward_the_sites_and_the_budget(tmp_path):
+    steps = 3
+    plans = [{"name": "plain", "plain": True, "steps": steps},
+             {"name": "clean", "steps": steps, "micro": 4}]
+    # Each unit's forward and backward on rank 1, on the second micro-batch of step 1.
+    for unit in UNITS:
+        plans.append({"name": f"unit{unit}", "steps": steps, "micro": 4, "ckpt": 2,
+                      "units": [[1, 1, unit, "forward", 1], [1, 2, unit, "backward", 0]]})
+    # Inside FSDP's own buffer allocation, after the last check and before the collective.
+    plans.append({"name": "alloc", "steps": steps, "micro": 8, "ckpt": 2,
+                  "units": [[1, 0, "1", "all_gather", 1], [1, 2, "0", "reduce_scatter", 0]]})
+    plans.append({"name": "sites", "steps": steps, "micro": 4, "ckpt": 2, "sync": "last",
+                  "faults": "oom@step=0,rank=0,site=sync;oom@step=1,rank=1,site=apply;"
+                            "oom@step=2,rank=0,site=backward,micro=1"})
+    # Real allocation failures anywhere on rank 1 (FSDP's own buffers included) until the micro-batch fits.
+    plans.append({"name": "budget", "steps": steps, "micro": 8, "ckpt": 2, "budget": [1, 300_000]})
+    results = run_plans(tmp_path, 2, plans, timeout_s=600)
+    check_against(results)
+    summaries = {name: s for name, (s, _) in results.items()}
+    assert all(s["abandoned"] == 0 and s["ooms"] == 0 for s in summaries["clean"])
+    for unit in UNITS:
+        s = summaries[f"unit{unit}"]
+        assert s[1]["unit_faults"] == 2 and s[1]["ooms"] >= 2 and s[0]["abandoned"] == 2, (unit, s)
+    assert summaries["alloc"][1]["unit_faults"] == 2 and summaries["alloc"][0]["abandoned"] == 2, summaries["alloc"]
+    assert summaries["sites"][1]["rollbacks"] == 1, summaries["sites"]
+    assert summaries["budget"][1]["ooms"] >= 1, summaries["budget"]
+
+
+def test_two_ranks_random_plans(tmp_path):
+    plans = [{"name": "plain", "plain": True, "steps": 3}] + random_plans(29, 2, 5, 3)
+    check_against(run_plans(tmp_path, 2, plans, timeout_s=600))
+
+
+def test_four_ranks_random_plans(tmp_path):
+    plans = [{"name": "plain", "plain": True, "steps": 3}] + random_plans(4, 4, 3, 3)
+    check_against(run_plans(tmp_path, 4, plans, timeout_s=600))
+
+
+def _train_gpt(tmp_path, *extra, timeout_s=300):
+    args = [sys.executable, str(TRAIN_GPT), "--steps", "5", "--dtype", "float64", "--global-batch", "8",
+            "--context", "8", "--width", "16", "--layers", "2", "--heads", "2", "--vocab", "31", "--json", *extra]
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=subprocess_env())
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"train_gpt {' '.join(extra)} did not finish within {timeout_s} s")
+
+
+def test_a_rank_killed_mid_step_is_resumed_to_the_plain_result(tmp_path):
+    ref = _train_gpt(tmp_path, "--plain", "--dump-params", str(tmp_path / "ref.f64"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    common = ["--ranks", "2", "--parallel", "fsdp", "--micro-batch", "2", "--ckpt-dir", str(ckpt),
+              "--ckpt-every", "1", "--deadline-ms", "4000"]
+    killed = _train_gpt(tmp_path, *common, "--faults", "kill@step=3,rank=1,site=backward")
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    assert "rank 1 ended with signal 9" in killed.stderr or "ended with" in killed.stderr, killed.stderr[-3000:]
+    committed = json.loads((ckpt / "MANIFEST.json").read_text()) if (ckpt / "MANIFEST.json").exists() else None
+    resumed = _train_gpt(tmp_path, *common, "--resume", "--dump-params", str(tmp_path / "resumed.f64"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["identical"] and summary["world_size"] == 2, summary
+    if committed is not None:
+        assert "resumed from step" in resumed.stderr, resumed.stderr[-3000:]
+    a, b = (np.fromfile(tmp_path / n, dtype="<f8") for n in ("ref.f64", "resumed.f64"))
+    assert np.max(np.abs(a - b)) / np.max(np.abs(a)) <= 1e-10
