@@ -15,6 +15,7 @@ guard) within 1e-10; compare two runs with ``--dump-params`` and ``--json``.
     ... --ranks 2 --ckpt-dir /tmp/gpt-ckpt        # two processes, DDP over gloo
     ... --faults 'oom@step=2,rank=1,site=apply'   # injected OOMs (OOMGUARD_FAULTS too)
     ... --ranks 2 --parallel fsdp                 # FSDP2: fully_shard per block and on the model
+    ... --parallel ddp-overlap --faults 'oom@step=1,rank=1,site=bucket,after=2'  # OOM mid-backward
     ... --plain                                   # the reference run
 
 Data for step k is a pure function of (seed, k), so a rolled-back or resumed
@@ -149,6 +150,14 @@ def warmup_cosine(warmup: int, steps: int):
 
 # ---- command line ----
 
+# How --ranks > 1 distributes the model: the one place that lists the modes.
+PARALLEL = {
+    "ddp": "DDP; the guard sums the gradients after the last backward (the default)",
+    "ddp-overlap": "DDP; its bucketed all-reduce overlaps the last backward (TrainStep(ddp_overlap=True))",
+    "fsdp": "FSDP2 (fully_shard per block and on the model)",
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
@@ -166,8 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grow-after", type=int, default=10, help="clean steps before the micro-batch grows")
     p.add_argument("--budget-mib", type=float, default=0, help="CPU allocator budget per rank in MiB (0: none)")
     p.add_argument("--ranks", type=int, default=1, help="processes, DDP over gloo (1: no DDP)")
-    p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
-                   help="with --ranks > 1: DDP, or FSDP2 (fully_shard per block and on the model)")
+    p.add_argument("--parallel", choices=list(PARALLEL), default="ddp",
+                   help="with --ranks > 1: " + "; ".join(f"{k}: {v}" for k, v in PARALLEL.items()))
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (gradient bucket size)")
     p.add_argument("--plain", action="store_true", help="the reference: whole batch, no guard (one process)")
     p.add_argument("--ckpt-dir", default="", help="checkpoint directory (empty: no checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=0,
@@ -187,8 +197,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("micro_batch", "grow_after", "warmup", "ckpt_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
-    if args.budget_mib < 0 or args.clip < 0 or args.lr <= 0 or args.deadline_ms < 1:
-        p.error("--budget-mib and --clip must be >= 0, --lr > 0, --deadline-ms >= 1")
+    if args.budget_mib < 0 or args.clip < 0 or args.lr <= 0 or args.deadline_ms < 1 or args.bucket_mb <= 0:
+        p.error("--budget-mib and --clip must be >= 0, --lr > 0, --deadline-ms >= 1, --bucket-mb > 0")
     if args.width % args.heads:
         p.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
     if args.global_batch < args.ranks:
@@ -198,11 +208,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
     if args.faults:
+        native, bucket = ogt.ddp.split_fault_spec(args.faults)
+        if bucket and args.parallel != "ddp-overlap":
+            p.error("--faults: site=bucket rules need --parallel ddp-overlap")
         try:
-            oomguard.set_fault_rules(args.faults)
+            oomguard.set_fault_rules(native)
+            ogt.ddp.set_bucket_faults(bucket)
         except ValueError as e:
             p.error(f"--faults: {e}")
         oomguard.clear_fault_rules()
+        ogt.ddp.clear_bucket_faults()
     return args
 
 
@@ -286,17 +301,23 @@ def run_guarded(args, rank, world, model, optimizer, scheduler):
                            coordinator=coordinator, vote_deadline_ms=args.deadline_ms,
                            workload=f"train_gpt-w{args.width}-l{args.layers}-c{args.context}-{args.dtype}",
                            **(ogt.fsdp.GUARD_OPTIONS if world > 1 and args.parallel == "fsdp" else {}))
-    if world > 1 and args.parallel == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    if world > 1 and args.parallel in ("ddp", "ddp-overlap"):
+        # The first bucket DDP builds after its first step is capped by this
+        # module-level default (1 MiB), not by bucket_cap_mb: cap it too.
+        dist._DEFAULT_FIRST_BUCKET_BYTES = min(dist._DEFAULT_FIRST_BUCKET_BYTES, int(args.bucket_mb * (1 << 20)))
+        model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=args.bucket_mb)
     train_step = ogt.TrainStep(model, optimizer, token_loss, guard=guard, loss_units=valid_tokens,
-                               scheduler=scheduler, clip_grad_norm=args.clip or None)
+                               scheduler=scheduler, clip_grad_norm=args.clip or None,
+                               ddp_overlap=world > 1 and args.parallel == "ddp-overlap")
     if args.resume:
         resumed = guard.resume()
         if resumed is not None and rank == 0:
             print(f"resumed from step {resumed}", file=sys.stderr)
     lo, hi = rank * args.global_batch // world, (rank + 1) * args.global_batch // world
     if args.faults:
-        oomguard.set_fault_rules(args.faults)
+        native, bucket = ogt.ddp.split_fault_spec(args.faults)
+        oomguard.set_fault_rules(native)
+        ogt.ddp.set_bucket_faults(bucket)
     if args.budget_mib > 0:
         oomguard.budget.install(int(args.budget_mib * (1 << 20)))
     losses, rollbacks = {}, 0
@@ -323,6 +344,7 @@ def run_guarded(args, rank, world, model, optimizer, scheduler):
         if args.budget_mib > 0:
             oomguard.budget.uninstall()
         oomguard.clear_fault_rules()
+        ogt.ddp.clear_bucket_faults()
     last = guard.finish()
     return {"losses": [losses[k] for k in sorted(losses)], "ooms": guard.total_ooms, "rollbacks": rollbacks,
             "final_micro_batch": min(guard.micro_limit or hi - lo, hi - lo), "last_checkpoint": last}

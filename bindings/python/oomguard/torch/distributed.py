@@ -11,7 +11,7 @@ instead of a hang.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,7 @@ class TorchDistributedCoordinator(_C.Coordinator):
         self._stage = (torch.zeros(self._STAGE_FLOATS, dtype=torch.float64, device=self._device)
                        if self._device.type == "cuda" else None)
         self._broken: Optional[str] = None
+        self._before: Optional[Callable[[], None]] = None
         # A first collective now, so that the backend's own buffers exist too.
         self._wait([dist.all_reduce(self._mine[:1], group=self._group, async_op=True)], 600.0, "warm-up")
 
@@ -80,6 +81,20 @@ class TorchDistributedCoordinator(_C.Coordinator):
 
     def engine(self) -> str:
         return "torch.distributed"
+
+    def set_before_collective(self, fn: Optional[Callable[[], None]]) -> None:
+        """``fn()`` runs before each of the guard's collectives (``TrainStep``'s
+        DDP overlap mode pays a gradient round this rank still owes there). An
+        exception from it breaks the coordinator, like a failed collective."""
+        self._before = fn
+
+    def _run_before(self) -> None:
+        if self._before is not None and self._broken is None:
+            try:
+                self._before()
+            except Exception as e:  # noqa: BLE001 - a round that cannot complete is a coordination failure
+                self._broken = f"the DDP round owed before this collective failed: {type(e).__name__}: {e}"
+                raise TimeoutError(self._broken) from None
 
     def _wait(self, works: Sequence[Any], deadline_s: float, what: str) -> None:
         if self._broken is not None:
@@ -104,6 +119,7 @@ class TorchDistributedCoordinator(_C.Coordinator):
                 raise TimeoutError(self._broken) from None
 
     def allgather(self, mine: Any, deadline_s: float) -> list:
+        self._run_before()
         n = len(mine)
         if n > self._mine.numel():  # a record larger than planned: grow once
             self._mine = torch.zeros(n, dtype=torch.int64, device=self._device)
@@ -115,6 +131,7 @@ class TorchDistributedCoordinator(_C.Coordinator):
         return self._records[:n * self._size].tolist()
 
     def allreduce_sum(self, buffers: Sequence[Any], deadline_s: float) -> None:
+        self._run_before()
         works, staged, at = [], [], 0
         for buf, scale in buffers:
             t = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)

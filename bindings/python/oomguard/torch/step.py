@@ -37,6 +37,7 @@ import torch
 from .. import _oomguard as _C
 from .._guard import Guard
 from . import _evidence
+from . import ddp as _ddp
 from . import distributed as _distributed
 from . import fsdp as _fsdp
 from ._model import ddp_of, model_device, unwrap
@@ -175,6 +176,12 @@ class TrainStep:
             optimizer step (``torch.nn.utils.clip_grad_norm_``).
         before_apply, after_apply: called without arguments before the optimizer
             step (after the gradients were summed over ranks) and after it.
+        ddp_overlap: with a DistributedDataParallel model (several ranks): the
+            last micro-batch's backward runs with DDP's sync on, so its
+            bucketed all-reduce overlaps backward, through a comm hook this
+            registers on the model (``oomguard.torch.ddp``); the step stays
+            atomic across ranks and the gradient the global batch's. Default
+            False: every micro-batch under ``no_sync``, the guard sums after.
 
     Call it with the batch: ``loss = step(x, y)`` or ``step({"input_ids": ...})``.
     It returns the global batch's mean loss (over samples or units, over every
@@ -228,6 +235,7 @@ class TrainStep:
         before_apply: Optional[Callable[[], Any]] = None,
         after_apply: Optional[Callable[[], Any]] = None,
         fsdp_sync: str = "every",
+        ddp_overlap: bool = False,
         **guard_options: Any,
     ) -> None:
         if (loss_fn is None) == (forward is None):
@@ -298,6 +306,17 @@ class TrainStep:
         self._sync = guard_world > 1 if sync_gradients is None else bool(sync_gradients)
         self._fsdp = (_fsdp.FsdpAgreement(unwrap(model), deadline_s=guard.options.vote_deadline_ms / 1000.0,
                                           sync_every=fsdp_sync == "every") if fsdp else None)
+        self._overlap: Optional[_ddp.DdpOverlap] = None
+        if ddp_overlap:
+            if self._fsdp is not None:
+                raise ValueError("ddp_overlap=True is for DistributedDataParallel, not for a model sharded with fully_shard")
+            if self._ddp is None or guard_world < 2 or not self._sync:
+                raise ValueError("ddp_overlap=True needs a DistributedDataParallel model and a guard with several "
+                                 "ranks that sums gradients (sync_gradients not False)")
+            self._overlap = _ddp.DdpOverlap(self._ddp, getattr(guard, "_coordinator", None),
+                                            lambda: guard.next_step)
+        self._done: List[Tuple[int, int, float]] = []  # micro-batches accumulated in this attempt (overlap)
+        self._local_units = 0.0
         self._loss: Optional[torch.Tensor] = None
         self.last_report: Optional[_C.StepReport] = None
         self.last_loss: Optional[float] = None
@@ -332,7 +351,10 @@ class TrainStep:
             costs = costs.tolist()
         self._zero_grad()
         self._loss = None
+        self._done = []
+        self._local_units = float(prefix[-1] if prefix is not None else n)
         guard = self.guard
+        overlap = self._overlap
         fsdp = self._fsdp
         if fsdp is not None:
             if costs is not None:
@@ -340,29 +362,19 @@ class TrainStep:
                                  "run the same micro-batches")
             fsdp.begin_step(n, None if prefix is None else prefix[-1])
 
-        def micro(mb: _C.MicroBatch) -> None:
-            if fsdp is not None:
-                last = mb.offset + mb.size == n
-                sq_norm = self._grad_params if self.clip_grad_norm is not None else None
-                fsdp.run_micro(lambda: run(mb), last,
-                               None if sq_norm is None else lambda: fsdp.local_sq_norm(sq_norm()),
-                               guard.mark_phase)
-            else:
-                run(mb)
-
-        def run(mb: _C.MicroBatch) -> None:
-            if prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]:
-                if fsdp is not None:
-                    raise ValueError(f"micro-batch [{mb.offset}, {mb.offset + mb.size}) has no loss units: under "
-                                     "fully_shard every rank must run every micro-batch's collectives")
-                return  # no loss units: nothing to add, and its mean would be 0/0
-            parts = part(mb.offset, mb.offset + mb.size)
-            # Gradients accumulate locally; the guard sums them after its vote.
-            with self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext():
-                guard.mark_phase("forward")
+        def run(offset: int, size: int, weight: float, synced: bool = False, marks: bool = True) -> None:
+            parts = part(offset, offset + size)
+            # Gradients accumulate locally (the guard sums them after its
+            # vote), except in the DDP overlap mode's round (ddp.py).
+            with contextlib.nullcontext() if synced or self._ddp is None else self._ddp.no_sync():
+                if marks:
+                    guard.mark_phase("forward")
                 loss = self.forward(self.model, *parts)
-                guard.mark_phase("backward")
-                weighted = loss * mb.weight
+                if marks:
+                    guard.mark_phase("backward")
+                weighted = loss * weight
+                if synced:
+                    overlap.begin_round()
                 if fsdp is not None:
                     # FSDP averages over ranks: weigh by this rank's share of the global units.
                     fsdp.ensure_checked()
@@ -370,14 +382,37 @@ class TrainStep:
                     fsdp.backward = True
                 (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
             # On the loss's device: no host sync per micro-batch.
-            contribution = loss.detach().to(torch.float64) * mb.weight
+            contribution = loss.detach().to(torch.float64) * weight
             if self._loss is None:
                 self._loss = contribution
             else:
                 self._loss.add_(contribution)
 
-        self.last_report = guard.step(n, micro, self._apply, self._reset, costs, units=units,
-                                      sync=self._sync_buffers if self._sync else None)
+        def micro(mb: _C.MicroBatch) -> None:
+            if overlap is not None:
+                return self._overlap_micro(mb, n, prefix, run)
+            empty = prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]
+            if fsdp is not None:
+                if empty:
+                    raise ValueError(f"micro-batch [{mb.offset}, {mb.offset + mb.size}) has no loss units: under "
+                                     "fully_shard every rank must run every micro-batch's collectives")
+                last = mb.offset + mb.size == n
+                sq_norm = self._grad_params if self.clip_grad_norm is not None else None
+                fsdp.run_micro(lambda: run(mb.offset, mb.size, mb.weight), last,
+                               None if sq_norm is None else lambda: fsdp.local_sq_norm(sq_norm()),
+                               guard.mark_phase)
+            elif not empty:  # no loss units: nothing to add, and its mean would be 0/0
+                run(mb.offset, mb.size, mb.weight)
+
+        if overlap is not None:
+            overlap.start_step(self._local_units, guard.options.vote_deadline_ms / 1000.0)
+            overlap.open_attempt()
+        try:
+            self.last_report = guard.step(n, micro, self._apply, self._reset, costs, units=units,
+                                          sync=self._sync_buffers if self._sync else None)
+        finally:
+            if overlap is not None:
+                overlap.close_attempt()
         self.last_loss = math.nan if self._loss is None else float(self._loss)  # the step's one host sync
         return self.last_loss
 
@@ -412,7 +447,60 @@ class TrainStep:
     def _grad_params(self) -> list:
         return [p for p in unwrap(self.model).parameters() if p.grad is not None]
 
+    def _overlap_micro(self, mb: _C.MicroBatch, n: int, prefix: Optional[List[int]], run: Callable[..., None]) -> None:
+        """A micro-batch in the DDP overlap mode: under no_sync, except the
+        rank's last one, whose backward is the round (ddp.py). A round that
+        another rank must redo is redone here, at this rank's sizes."""
+        ov = self._overlap
+        if not ov.attempt_open:
+            ov.open_attempt()  # the guard redoes the step on every rank after its sum (an OOM at commit/sync)
+        if ov.round_result is not None:
+            return  # the round ended (the gradients are the global batch's) or the step goes to the vote
+        empty = prefix is not None and prefix[mb.offset + mb.size] == prefix[mb.offset]
+        if mb.offset + mb.size < n:
+            if not empty:
+                run(mb.offset, mb.size, mb.weight)
+                self._done.append((mb.offset, mb.size, mb.weight))
+            return
+        while True:
+            if not empty:
+                try:
+                    run(mb.offset, mb.size, mb.weight, synced=True)
+                except Exception as e:
+                    if ov.comm_error is not None:
+                        raise ov.lost_peer(ov.comm_error) from e
+                    raise
+                if ov.hook_error is not None:
+                    raise ov.hook_error  # the round stays owed: the guard's reset or vote pays it
+            ok, vote = ov.end_round()
+            if ok or vote:
+                return
+            # Another rank failed inside the round and redoes the step: so does
+            # this rank, at its own sizes. An OOM from here on is in "backward"
+            # for the guard, which then zeroes and re-plans the whole step.
+            ov.clear_result()
+            self.guard.mark_phase("backward")
+            self._zero_grad()
+            self._loss = None
+            for offset, size, weight in self._done:
+                run(offset, size, weight, marks=False)
+
     def _reset(self) -> None:
+        ov = self._overlap
+        if ov is not None:
+            # After the guard's collectives (a rollback, or a redo of the step
+            # on every rank) nothing is owed and the gradients just go: the
+            # next micro-batch opens a new attempt. Before them:
+            if ov.attempt_open and ov.owes_round:
+                # This rank failed inside its round and the guard redoes the
+                # step here: the others get the rest of the round as zeros and
+                # redo theirs (or, if some rank went to the vote, all do).
+                ov.end_round(_ddp.REDO)
+                if ov.round_result == _ddp.REDO:
+                    ov.clear_result()
+            elif ov.attempt_open and ov.round_result is not None:
+                return  # the round ended: the gradients stay, what the guard re-runs is skipped
+        self._done = []
         self._zero_grad()
         self._loss = None
 
@@ -422,8 +510,9 @@ class TrainStep:
         (the gradient of a parameter no micro-batch touched) is allocated while
         an OOM can still go through the ladder."""
         params = [p for p in unwrap(self.model).parameters() if p.requires_grad]
-        if self._fsdp is not None:
-            # FSDP reduce-scattered the gradients inside the micro-batches: only the loss is summed here.
+        if self._fsdp is not None or self._overlap is not None:
+            # FSDP reduce-scattered the gradients inside the micro-batches, the
+            # DDP overlap mode summed them in its round: only the loss is summed here.
             if self._loss is None:
                 self._loss = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
             return [self._loss]

@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""What guarding a DDP step costs, on a link where communication takes wall
+time without taking CPU: plain DDP against TrainStep in today's mode (every
+micro-batch under no_sync, the guard sums the gradients after backward) and in
+the overlap mode (DDP's bucketed all-reduce overlapped with the last backward,
+through oomguard's comm hook), same model, same ranks, alternating in one run (each round starts with the
+next mode).
+
+The two ranks run in two network namespaces joined by a veth pair whose
+bandwidth is limited with tc (tbf, --rate), gloo over that link. On a 2-core
+machine a plain run cannot show overlap (compute and gloo's copies compete
+for the same CPUs); through the limited link the wire time is real wall time.
+
+    sudo scripts/python bench/parallel_bench.py --json         # root: netns, veth, tc
+
+The last line of --json is a JSON object with ``<mode>_ms`` (median step
+time per mode) and ``ddp_overlap_ratio``, ``ddp_today_ratio`` (guarded over
+plain: the median of the per-round ratios, each round running every mode back
+to back). Modes are the rows of MODES: a new mode (fsdp) is one function there
+and one entry in RATIOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from typing import Callable, Dict, List
+
+SUBNET = "10.231.{}.{}"
+
+
+# ---- the network: two namespaces, one veth pair, tbf on both ends ----
+
+class Link:
+    """Two network namespaces joined by a veth pair limited to ``rate`` by tbf
+    on both ends; removed on exit (and on errors)."""
+
+    def __init__(self, rate: str, burst: str) -> None:
+        if os.geteuid() != 0:
+            raise SystemExit("parallel_bench: needs root (ip netns, veth and tc); run it with sudo")
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise SystemExit(f"parallel_bench: '{tool}' not found (iproute2)")
+        tag = uuid.uuid4().hex[:6]
+        self.ns = [f"ogb{tag}a", f"ogb{tag}b"]
+        self.dev = [f"ogv{tag}a", f"ogv{tag}b"]
+        octet = int(tag[:2], 16) % 200 + 20
+        self.addr = [SUBNET.format(octet, 1), SUBNET.format(octet, 2)]
+        self.rate, self.burst = rate, burst
+        self._made: List[str] = []
+
+    def _ip(self, *args: str) -> None:
+        r = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"parallel_bench: 'ip {' '.join(args)}' failed: {r.stderr.strip()} "
+                             "(network namespaces unavailable here?)")
+
+    def __enter__(self) -> "Link":
+        try:
+            for ns in self.ns:
+                self._ip("netns", "add", ns)
+                self._made.append(ns)
+            self._ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
+                self._ip("link", "set", dev, "netns", ns)
+                self._ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                self._ip("-n", ns, "link", "set", dev, "up")
+                self._ip("-n", ns, "link", "set", "lo", "up")
+                r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                                    "rate", self.rate, "burst", self.burst, "latency", "200ms"],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"parallel_bench: tc tbf failed: {r.stderr.strip()}")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self._made:  # deleting a namespace removes its end of the veth, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made = []
+
+
+# ---- one rank ----
+
+def build(args, torch):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
+    layers.append(torch.nn.Linear(args.width, 1))
+    return torch.nn.Sequential(*layers)
+
+
+def plain_mode(args, torch, ogt, oomguard, ddp_model, opt):
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(ddp_model(x), y).backward()
+        opt.step()
+    return step
+
+
+def _guarded(overlap: bool):
+    def mode(args, torch, ogt, oomguard, ddp_model, opt):
+        guard = oomguard.Guard(coordinator=ogt.TorchDistributedCoordinator(), vote_deadline_ms=120000,
+                               initial_micro_batch=args.batch, grow_after=0)
+        ts = ogt.TrainStep(ddp_model, opt, torch.nn.functional.mse_loss, guard=guard, ddp_overlap=overlap)
+        return lambda x, y: ts(x, y)
+    return mode
+
+
+# The modes, measured in this order in every round; ratios are over "plain".
+MODES: Dict[str, Callable] = {
+    "plain": plain_mode,
+    "ddp_today": _guarded(False),
+    "ddp_overlap": _guarded(True),
+}
+RATIOS = {"ddp_today_ratio": "ddp_today", "ddp_overlap_ratio": "ddp_overlap"}
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import oomguard
+    import oomguard.torch as ogt
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    steps = {}
+    for name, make in MODES.items():
+        model = build(args, torch)
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False,
+                                                              bucket_cap_mb=args.bucket_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        steps[name] = make(args, torch, ogt, oomguard, ddp_model, opt)
+    g = torch.Generator().manual_seed(1 + args.rank)
+    x = torch.randn(args.batch, args.width, generator=g)
+    y = torch.randn(args.batch, 1, generator=g)
+    times: Dict[str, List[float]] = {name: [] for name in MODES}
+    for name, step in steps.items():  # warm-up: DDP rebuilds its buckets after its first synced step
+        for _ in range(2):
+            step(x, y)
+    order = list(steps.items())
+    for r in range(args.rounds):
+        # Each round starts with another mode, so that none always runs first
+        # (or last) in a round while the load on the machine drifts.
+        for name, step in order[r % len(order):] + order[:r % len(order)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(x, y)
+            times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+    if args.rank == 0:
+        print(json.dumps(times), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rate", default="1gbit", help="tbf rate of each direction of the link")
+    p.add_argument("--burst", default="256kb", help="tbf burst")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=256, help="samples per rank per step")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="DDP bucket_cap_mb")
+    p.add_argument("--steps", type=int, default=3, help="steps per mode per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each mode once per round")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--master", default="", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=29581, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    for name in ("width", "layers", "batch", "steps", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.worker:
+        return worker(args)
+
+    with Link(args.rate, args.burst) as link:
+        env = dict(os.environ)
+        procs = []
+        for rank in (0, 1):
+            cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__), "--worker",
+                   "--rank", str(rank), "--master", link.addr[0]]
+            for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads", "port"):
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": link.dev[rank]},
+                                          stdout=subprocess.PIPE, text=True))
+        try:
+            out, _ = procs[0].communicate(timeout=3600)
+            procs[1].wait(timeout=120)
+        finally:
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+        if any(q.returncode != 0 for q in procs):
+            print(f"parallel_bench: a rank failed (exit codes {[q.returncode for q in procs]})", file=sys.stderr)
+            return 1
+    times = json.loads(out.strip().splitlines()[-1])
+    result = {f"{name}_ms": round(statistics.median(ts), 2) for name, ts in times.items()}
+    for ratio, name in RATIOS.items():
+        # Median of the per-round ratios: each round ran every mode back to back,
+        # so a ratio compares steps taken under the same load.
+        result[ratio] = round(statistics.median(t / p for t, p in zip(times[name], times["plain"])), 3)
+        result[ratio.replace("_ratio", "_ratio_of_medians")] = round(
+            statistics.median(times[name]) / statistics.median(times["plain"]), 3)
+    result.update({"rate": args.rate, "params": (args.width * args.width + args.width) * args.layers + args.width + 1,
+                   "batch_per_rank": args.batch, "bucket_mb": args.bucket_mb, "rounds": args.rounds,
+                   "steps_per_round": args.steps, "all_ms": times})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            if k != "all_ms":
+                print(f"{k:20s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

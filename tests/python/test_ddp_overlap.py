@@ -1,0 +1,164 @@
+"""TrainStep(ddp_overlap=True) through examples/python/train_gpt.py --parallel
+ddp-overlap: DDP's bucketed all-reduce runs inside the last micro-batch's
+backward, and the step stays atomic. 2 and 4 gloo ranks (processes), the small
+GPT in float64 with small buckets (several per round), OOMs on one rank at
+every site the guard fires at, inside backward after k buckets were launched
+(site=bucket) and from the budgeted allocator, in fixed and random plans: every
+run ends with the parameters of the plain whole-batch run within 1e-10. An
+error on one rank stops every rank at the same step; a rank killed with
+SIGKILL inside the round makes its peer exit 75; both runs resume to the
+plain run's parameters. Every run has a deadline: a hang fails the test."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import oomguard
+import oomguard.budget
+from conftest import REPO, subprocess_env
+
+GPT = REPO / "examples" / "python" / "train_gpt.py"
+
+pytestmark = pytest.mark.skipif(not oomguard.budget.available(), reason="built without oomguard._budget")
+
+COMMON = ["--steps", "6", "--global-batch", "16", "--dtype", "float64", "--seed", "3"]
+# 0.02 MB buckets: the GPT's gradients (float64) fill ten per round from step 1 on
+# (DDP's first step runs one bucket of everything, then rebuilds them by size).
+OVERLAP = ["--parallel", "ddp-overlap", "--bucket-mb", "0.02", "--deadline-ms", "30000", "--json"]
+RUN_TIMEOUT_S = 240
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("train_gpt", GPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict:
+    gpt = _module()
+    return gpt.train(gpt.parse_args([*COMMON, "--plain"]))
+
+
+def _run(tmp_path, name, ranks, *flags, expect_ok=True):
+    """train_gpt with its forked ranks in a session of their own, killed as a
+    whole at the deadline (a hang fails the test and leaves no rank behind)."""
+    params = tmp_path / f"{name}.f64"
+    cmd = [sys.executable, str(GPT), *COMMON, *OVERLAP, "--ranks", str(ranks), "--dump-params", str(params),
+           *map(str, flags)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{name}: the ranks did not finish within {RUN_TIMEOUT_S} s (a hang)\n{err[-4000:]}")
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{name}: exit {proc.returncode}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-6000:]}")
+    summary = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    got = np.fromfile(params, dtype="<f8") if proc.returncode == 0 else None
+    return proc.returncode, summary, got, err
+
+
+def _assert_equals_plain(summary, params, plain) -> None:
+    ref = np.asarray(plain["params"], dtype=np.float64)
+    assert summary["identical"], summary
+    assert params.shape == ref.shape
+    rel = float(np.max(np.abs(params - ref)) / np.max(np.abs(ref)))
+    assert rel <= 1e-10, rel
+    assert summary["scheduler"]["last_epoch"] == plain["scheduler"]["last_epoch"] == 6
+    assert summary["loss_last"] == pytest.approx(plain["loss_last"], rel=1e-10)
+
+
+def test_two_ranks_every_site_mid_backward_and_a_budget_equal_the_plain_run(tmp_path, plain):
+    faults = ("oom@step=0,rank=1,site=micro_batch;oom@step=1,rank=0,site=forward;"
+              "oom@step=1,rank=1,site=bucket,after=3;oom@step=2,rank=1,site=backward;"
+              "oom@step=2,rank=0,site=bucket,after=0;oom@step=3,rank=0,site=optimizer;oom@step=3,rank=1,site=vote;"
+              "oom@step=4,rank=1,site=commit;oom@step=4,rank=0,site=sync;oom@step=5,rank=1,site=apply;"
+              "oom@step=5,rank=0,site=bucket,after=5")
+    code, got, params, log = _run(tmp_path, "every", 2, "--budget-mib", "5", "--grow-after", "1", "--ckpt-dir",
+                                  tmp_path / "ckpt", "--ckpt-every", "2", "--faults", faults)
+    assert got["ooms"] >= 11 and got["rollbacks"] >= 2, log[-3000:]  # the budget adds its own
+    _assert_equals_plain(got, params, plain)
+
+
+SITES = ("micro_batch", "forward", "backward", "bucket", "optimizer", "vote", "commit", "sync", "apply")
+
+
+def _plan(seed: int, ranks: int) -> str:
+    """One or two OOMs on one rank per step, at random sites (bucket: after a
+    random number of launched buckets, 0 to 7; 0 at step 0, which has one)."""
+    rng = random.Random(seed)
+    rules = []
+    for step in range(6):
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            site, rank = rng.choice(SITES), rng.randrange(ranks)
+            extra = f",after={rng.randrange(8) if step else 0}" if site == "bucket" else ""
+            rules.append(f"oom@step={step},rank={rank},site={site}{extra}")
+    return ";".join(rules)
+
+
+@pytest.mark.parametrize("ranks,seed", [(2, 11), (2, 12), (4, 21)])
+def test_random_plans_equal_the_plain_run(tmp_path, plain, ranks, seed):
+    faults = _plan(seed, ranks)
+    budget = ["--budget-mib", "5"] if seed % 2 else []
+    code, got, params, log = _run(tmp_path, f"plan{seed}", ranks, "--grow-after", "1", "--ckpt-dir",
+                                  tmp_path / "ckpt", "--ckpt-every", "1", "--faults", faults, *budget)
+    assert got["world_size"] == ranks, got
+    assert got["ooms"] >= faults.count("oom@"), (faults, log[-3000:])
+    _assert_equals_plain(got, params, plain)
+
+
+def test_an_error_in_the_last_forward_stops_every_rank_then_resumes(tmp_path, plain):
+    ckpt = tmp_path / "ckpt"
+    code, _, _, log = _run(tmp_path, "error", 2, "--ckpt-dir", ckpt, "--ckpt-every", "1", "--faults",
+                           "error@step=3,rank=1,site=forward", expect_ok=False)
+    assert code == 1, log[-3000:]
+    assert "rank 1 stopped at step 3" in log, log[-3000:]  # rank 0 names the failing rank
+    code, got, params, log = _run(tmp_path, "error-resumed", 2, "--ckpt-dir", ckpt, "--ckpt-every", "1", "--resume")
+    assert "resumed from step" in log
+    _assert_equals_plain(got, params, plain)
+
+
+def test_a_rank_killed_inside_the_round_ends_its_peer_with_75_then_resumes(tmp_path, plain):
+    """SIGKILL on rank 1 in its last micro-batch's backward (rank 0 waits inside
+    a bucket's all-reduce): rank 0 leaves with exit 75, not at a timeout of its
+    own; the job resumes from the checkpoint every rank holds."""
+    ckpt = tmp_path / "ckpt"
+    code, _, _, log = _run(tmp_path, "kill", 2, "--ckpt-dir", ckpt, "--ckpt-every", "1", "--faults",
+                           "kill@step=3,rank=1,site=backward", expect_ok=False)
+    assert code != 0, log[-3000:]
+    assert "rank 0 ended with exit code 75" in log or "rank 1 ended with signal 9" in log, log[-3000:]
+    code, got, params, log = _run(tmp_path, "kill-resumed", 2, "--ckpt-dir", ckpt, "--ckpt-every", "1", "--resume")
+    _assert_equals_plain(got, params, plain)
+
+
+def test_bad_options_name_what_is_wrong(capsys):
+    import torch
+
+    import oomguard.torch as ogt
+
+    gpt = _module()
+    for flags, message in ((["--faults", "oom@step=1,site=bucket,after=1"], "need --parallel ddp-overlap"),
+                           (["--parallel", "ddp-overlap", "--faults", "oom@step=1,site=bucket"], "after=K"),
+                           (["--parallel", "ddp-overlap", "--faults", "error@site=bucket,after=1"], "only 'oom'"),
+                           (["--parallel", "fsdp-nope"], "invalid choice"),
+                           (["--bucket-mb", "0"], "--bucket-mb > 0")):
+        with pytest.raises(SystemExit):
+            gpt.parse_args(flags)
+        assert message in capsys.readouterr().err, flags
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="ddp_overlap=True needs a DistributedDataParallel model"):
+        ogt.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      ddp_overlap=True)
