@@ -44,6 +44,32 @@ def run_python(args, timeout: float = 120, **env: str) -> subprocess.CompletedPr
     return proc
 
 
+def start_ranks(argvs, **env: str) -> list:
+    """Starts one child of this interpreter per argv (the ranks of one job)."""
+    return [subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=subprocess_env(**env)) for argv in argvs]
+
+
+def wait_ranks(procs, timeout: float = 120) -> list:
+    """Waits for every rank; on a timeout kills them all and fails the test (a
+    collective hung), on a non-zero exit fails with that rank's stderr.
+    Returns [(stdout, stderr)] in rank order."""
+    outputs = []
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"rank {rank} did not finish within {timeout} s: a collective hung")
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"rank {rank} exited with {p.returncode}\nstderr:\n{err[-4000:]}")
+        outputs.append((out, err))
+    return outputs
+
+
 @pytest.fixture(autouse=True)
 def _no_fault_rules():
     import oomguard

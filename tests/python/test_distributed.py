@@ -13,7 +13,7 @@ import pytest
 
 import oomguard
 import oomguard.budget
-from conftest import run_python, subprocess_env
+from conftest import run_python, start_ranks, subprocess_env, wait_ranks
 
 WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
 
@@ -22,22 +22,10 @@ pytestmark = pytest.mark.skipif(not oomguard.budget.available(), reason="built w
 
 def test_ooms_on_one_rank_only_end_in_agreement(tmp_path):
     init = tmp_path / "init"
-    procs = []
-    for rank, budget_mib in ((0, 0), (1, 2)):  # only rank 1 runs out of memory
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(init),
-                                       str(tmp_path / f"rank{rank}"), str(budget_mib)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=subprocess_env()))
-    outputs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the ranks did not finish: a collective hung")
-        outputs.append(err)
-        assert p.returncode == 0, err[-4000:]
+    # Only rank 1 runs out of memory.
+    procs = start_ranks([WORKER, rank, 2, init, tmp_path / f"rank{rank}", budget_mib]
+                        for rank, budget_mib in ((0, 0), (1, 2)))
+    outputs = [err for _, err in wait_ranks(procs)]
     run_python([WORKER, 0, 1, "unused", tmp_path / "reference", 0])
 
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
