@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""What guarding a DDP step costs, on a link where communication takes wall
-time without taking CPU: plain DDP against TrainStep in today's mode (every
+"""What guarding a DDP or FSDP2 step costs, on a link where communication takes
+wall time without taking CPU: plain DDP against TrainStep in today's mode (every
 micro-batch under no_sync, the guard sums the gradients after backward) and in
 the overlap mode (DDP's bucketed all-reduce overlapped with the last backward,
-through oomguard's comm hook), same model, same ranks, alternating in one run (each round starts with the
-next mode).
+through oomguard's comm hook), and plain FSDP2 against TrainStep on the same
+sharded model (a check before every FSDP collective); same model, same ranks,
+alternating in one run (each round starts with the next mode).
 
 The two ranks run in two network namespaces joined by a veth pair whose
 bandwidth is limited with tc (tbf, --rate), gloo over that link. On a 2-core
@@ -14,10 +15,11 @@ for the same CPUs); through the limited link the wire time is real wall time.
     sudo scripts/python bench/parallel_bench.py --json         # root: netns, veth, tc
 
 The last line of --json is a JSON object with ``<mode>_ms`` (median step
-time per mode) and ``ddp_overlap_ratio``, ``ddp_today_ratio`` (guarded over
-plain: the median of the per-round ratios, each round running every mode back
-to back). Modes are the rows of MODES: a new mode (fsdp) is one function there
-and one entry in RATIOS.
+time per mode) and ``ddp_overlap_ratio``, ``ddp_today_ratio`` (guarded DDP over
+plain DDP) and ``fsdp_ratio`` (TrainStep on the model sharded with FSDP2, one
+unit per Linear, over the plain FSDP2 step): the median of the per-round
+ratios, each round running every mode back to back. Modes are the rows of
+MODES, ratios the rows of RATIOS.
 """
 
 from __future__ import annotations
@@ -101,30 +103,60 @@ def build(args, torch):
     return torch.nn.Sequential(*layers)
 
 
-def plain_mode(args, torch, ogt, oomguard, ddp_model, opt):
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(ddp_model(x), y).backward()
-        opt.step()
-    return step
+def _ddp(args, torch):
+    model = build(args, torch)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False,
+                                                          bucket_cap_mb=args.bucket_mb)
+    return ddp_model, torch.optim.SGD(model.parameters(), lr=1e-4)
 
 
-def _guarded(overlap: bool):
-    def mode(args, torch, ogt, oomguard, ddp_model, opt):
-        guard = oomguard.Guard(coordinator=ogt.TorchDistributedCoordinator(), vote_deadline_ms=120000,
-                               initial_micro_batch=args.batch, grow_after=0)
-        ts = ogt.TrainStep(ddp_model, opt, torch.nn.functional.mse_loss, guard=guard, ddp_overlap=overlap)
+def _fsdp(args, torch):
+    """The same model sharded with FSDP2: one unit per Linear, the rest in the root's."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(args, torch)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-4)
+
+
+def _plain(wrap):
+    def mode(args, torch, ogt, oomguard):
+        model, opt = wrap(args, torch)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return step
+    return mode
+
+
+def _guarded(wrap, **train_step_options):
+    def mode(args, torch, ogt, oomguard):
+        model, opt = wrap(args, torch)
+        options = dict(vote_deadline_ms=120000, initial_micro_batch=args.batch, grow_after=0)
+        if wrap is _fsdp:
+            options.update(ogt.fsdp.GUARD_OPTIONS)
+        guard = oomguard.Guard(coordinator=ogt.TorchDistributedCoordinator(), **options)
+        ts = ogt.TrainStep(model, opt, torch.nn.functional.mse_loss, guard=guard, **train_step_options)
         return lambda x, y: ts(x, y)
     return mode
 
 
-# The modes, measured in this order in every round; ratios are over "plain".
+# The modes, measured in this order in every round.
 MODES: Dict[str, Callable] = {
-    "plain": plain_mode,
-    "ddp_today": _guarded(False),
-    "ddp_overlap": _guarded(True),
+    "plain": _plain(_ddp),
+    "ddp_today": _guarded(_ddp, ddp_overlap=False),
+    "ddp_overlap": _guarded(_ddp, ddp_overlap=True),
+    "fsdp_plain": _plain(_fsdp),
+    "fsdp": _guarded(_fsdp),
 }
-RATIOS = {"ddp_today_ratio": "ddp_today", "ddp_overlap_ratio": "ddp_overlap"}
+# Each ratio: (guarded mode, its plain baseline).
+RATIOS = {"ddp_today_ratio": ("ddp_today", "plain"), "ddp_overlap_ratio": ("ddp_overlap", "plain"),
+          "fsdp_ratio": ("fsdp", "fsdp_plain")}
 
 
 def worker(args) -> int:
@@ -137,13 +169,7 @@ def worker(args) -> int:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2,
                             timeout=timedelta(seconds=300))
-    steps = {}
-    for name, make in MODES.items():
-        model = build(args, torch)
-        ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False,
-                                                              bucket_cap_mb=args.bucket_mb)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        steps[name] = make(args, torch, ogt, oomguard, ddp_model, opt)
+    steps = {name: make(args, torch, ogt, oomguard) for name, make in MODES.items()}
     g = torch.Generator().manual_seed(1 + args.rank)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, 1, generator=g)
@@ -213,12 +239,12 @@ def main() -> int:
             return 1
     times = json.loads(out.strip().splitlines()[-1])
     result = {f"{name}_ms": round(statistics.median(ts), 2) for name, ts in times.items()}
-    for ratio, name in RATIOS.items():
+    for ratio, (name, base) in RATIOS.items():
         # Median of the per-round ratios: each round ran every mode back to back,
         # so a ratio compares steps taken under the same load.
-        result[ratio] = round(statistics.median(t / p for t, p in zip(times[name], times["plain"])), 3)
+        result[ratio] = round(statistics.median(t / p for t, p in zip(times[name], times[base])), 3)
         result[ratio.replace("_ratio", "_ratio_of_medians")] = round(
-            statistics.median(times[name]) / statistics.median(times["plain"]), 3)
+            statistics.median(times[name]) / statistics.median(times[base]), 3)
     result.update({"rate": args.rate, "params": (args.width * args.width + args.width) * args.layers + args.width + 1,
                    "batch_per_rank": args.batch, "bucket_mb": args.bucket_mb, "rounds": args.rounds,
                    "steps_per_round": args.steps, "all_ms": times})
