@@ -185,13 +185,18 @@ Status Store::Write(const std::vector<Incident>& incidents, const std::vector<Pr
   }
   for (const PriorUpdate& p : priors) {
     // Applied only over what was learned no later (PriorUpdate.learned_unix_ms).
+    // updated_unix_ms is the time of the newest limit (a replace: an OOM met
+    // it); a raise (a clean session) keeps the larger size and leaves that
+    // time alone, so raises commute (the largest wins in any order, as when
+    // several jobs flush at once) while a raise learned before the newest
+    // limit never undoes it.
     const int64_t learned = p.learned_unix_ms > 0 ? p.learned_unix_ms : internal::NowUnixMs();
     if (p.micro_batch > 0) {
       const char* sql = p.replace ? "INSERT INTO priors(workload, micro_batch, updated_unix_ms) VALUES(?1, ?2, ?3)"
                                     " ON CONFLICT(workload) DO UPDATE SET micro_batch = excluded.micro_batch,"
                                     " updated_unix_ms = excluded.updated_unix_ms"
                                     " WHERE priors.updated_unix_ms <= excluded.updated_unix_ms"
-                                  : "UPDATE priors SET micro_batch = ?2, updated_unix_ms = ?3"
+                                  : "UPDATE priors SET micro_batch = ?2"
                                     " WHERE workload = ?1 AND micro_batch < ?2 AND updated_unix_ms <= ?3";
       Status s = Run(sql, {p.workload, p.micro_batch, learned}, nullptr, "update prior");
       if (!s.ok()) return fail(s);

@@ -340,6 +340,12 @@ TEST_F(KbPgTest, APriorThatArrivesLateNeverUndoesANewerOne) {
   EXPECT_EQ(prior(), "64");
   ASSERT_TRUE(write(40, true, 4000).ok());  // a newer limit (a real OOM) replaces
   EXPECT_EQ(prior(), "40");
+  ASSERT_TRUE(write(72, false, 6000).ok());  // raises commute: the largest wins whatever the order
+  ASSERT_TRUE(write(80, false, 5000).ok());
+  ASSERT_TRUE(write(48, false, 7000).ok());
+  EXPECT_EQ(prior(), "80");
+  ASSERT_TRUE(write(96, false, 3500).ok());  // but not one learned before the newest limit (4000)
+  EXPECT_EQ(prior(), "80");
 }
 
 // The roles of docs/knowledge_base.md (scripts/kb_postgres_roles.sql): a job

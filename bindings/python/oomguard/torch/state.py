@@ -171,7 +171,9 @@ def register_state(
         ckpt.defer(state.register, state.check)
         ckpt.registered[model_prefix] = state.module
     if optimizer is not None:
-        if any(_fsdp.is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
+        # Anything with state_dict/load_state_dict is accepted (the integrations
+        # pass a wrapper that keeps the scheduler's hyperparameters on load).
+        if any(_fsdp.is_dtensor(p) for g in getattr(optimizer, "param_groups", ()) for p in g["params"]):
             _fsdp.add_sharded_optimizer(ckpt, optimizer, _to_bytes, _from_bytes)
         else:
             _add_stateful(ckpt, "optimizer", optimizer)
