@@ -44,15 +44,18 @@ def run_python(args, timeout: float = 120, **env: str) -> subprocess.CompletedPr
     return proc
 
 
-def start_ranks(argvs, **env: str) -> list:
-    """Starts one child of this interpreter per argv (the ranks of one job)."""
-    return [subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def start_ranks(argvs, merge_stderr: bool = False, **env: str) -> list:
+    """Starts one child of this interpreter per argv (the ranks of one job);
+    merge_stderr: each rank's stderr goes into its stdout (one log)."""
+    return [subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                              text=True, env=subprocess_env(**env)) for argv in argvs]
 
 
 def wait_ranks(procs, timeout: float = 120) -> list:
     """Waits for every rank; on a timeout kills them all and fails the test (a
-    collective hung), on a non-zero exit fails with that rank's stderr.
+    collective hung), on a non-zero exit fails with that rank's stderr (its
+    log, if merged).
     Returns [(stdout, stderr)] in rank order."""
     outputs = []
     for rank, p in enumerate(procs):
@@ -65,7 +68,7 @@ def wait_ranks(procs, timeout: float = 120) -> list:
         if p.returncode != 0:
             for q in procs:
                 q.kill()
-            pytest.fail(f"rank {rank} exited with {p.returncode}\nstderr:\n{err[-4000:]}")
+            pytest.fail(f"rank {rank} exited with {p.returncode}\n{(err if err is not None else out)[-4000:]}")
         outputs.append((out, err))
     return outputs
 

@@ -19,7 +19,7 @@ import pytest
 
 import oomguard
 import oomguard.budget
-from conftest import subprocess_env
+from conftest import start_ranks, subprocess_env, wait_ranks
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
@@ -33,21 +33,9 @@ UNITS = ["0", "1", "root"]
 
 def run_plans(tmp_path, world: int, plans: list, timeout_s: float) -> dict:
     (tmp_path / "plans.json").write_text(json.dumps(plans))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(tmp_path / "init"),
-                               str(tmp_path), str(tmp_path / "plans.json")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
-             for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"the ranks did not finish within {timeout_s} s: a collective hung")
-        logs.append(out)
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r}: {logs[r][-4000:]}"
+    procs = start_ranks(([WORKER, r, world, tmp_path / "init", tmp_path, tmp_path / "plans.json"]
+                         for r in range(world)), merge_stderr=True)
+    wait_ranks(procs, timeout_s)
     results = {}
     for plan in plans:
         summaries = json.loads((tmp_path / f"{plan['name']}.json").read_text())
