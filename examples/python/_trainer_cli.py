@@ -72,6 +72,16 @@ def launch(argv: List[str], ranks: int) -> Optional[int]:
     return 0
 
 
+def start(description: str, argv: Optional[List[str]]) -> tuple:
+    """The common start of an example's main: parses and checks the command
+    line, and in the first process of a --ranks run starts the ranks.
+    Returns (args, exit code); the code is None in a process that trains."""
+    p = parser(description)
+    args = p.parse_args(argv)
+    check(p, args)
+    return args, launch(sys.argv[1:] if argv is None else argv, args.ranks)
+
+
 def rank_and_world() -> tuple:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -71,10 +71,7 @@ def loss_in_model_dtype(outputs, labels, num_items_in_batch=None):
 
 
 def main(argv=None) -> int:
-    p = cli.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    cli.check(p, args)
-    code = cli.launch(sys.argv[1:] if argv is None else argv, args.ranks)
+    args, code = cli.start(__doc__.splitlines()[0], argv)
     if code is not None:
         return code
 

@@ -32,10 +32,7 @@ VOCAB, CONTEXT = 64, 32
 
 
 def main(argv=None) -> int:
-    p = cli.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    cli.check(p, args)
-    code = cli.launch(sys.argv[1:] if argv is None else argv, args.ranks)
+    args, code = cli.start(__doc__.splitlines()[0], argv)
     if code is not None:
         return code
 
