@@ -21,6 +21,24 @@ from .. import _oomguard as _C
 __all__ = ["TorchDistributedCoordinator", "world_size", "rank"]
 
 
+def completed_by(works: Sequence[Any], deadline_s: float) -> bool:
+    """Polls collectives (async work handles) until every one has completed
+    (True) or ``deadline_s`` has passed (False). Polling, not ``wait()``: a
+    lost peer would hold ``wait()`` until the process group's own timeout."""
+    until = time.monotonic() + deadline_s
+    pause = 20e-6
+    pending = list(works)
+    while pending:
+        pending = [w for w in pending if not w.is_completed()]
+        if not pending:
+            break
+        if time.monotonic() >= until:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    return True
+
+
 def world_size() -> int:
     """Ranks of torch.distributed's default group (1 when it is not initialised)."""
     if dist.is_available() and dist.is_initialized():
@@ -99,18 +117,9 @@ class TorchDistributedCoordinator(_C.Coordinator):
     def _wait(self, works: Sequence[Any], deadline_s: float, what: str) -> None:
         if self._broken is not None:
             raise TimeoutError(f"coordinator is broken: {self._broken}")
-        until = time.monotonic() + deadline_s
-        pause = 20e-6
-        pending = list(works)
-        while pending:
-            pending = [w for w in pending if not w.is_completed()]
-            if not pending:
-                break
-            if time.monotonic() >= until:
-                self._broken = f"{what} did not complete within {deadline_s:.3f} s"
-                raise TimeoutError(self._broken)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        if not completed_by(works, deadline_s):
+            self._broken = f"{what} did not complete within {deadline_s:.3f} s"
+            raise TimeoutError(self._broken)
         for w in works:
             try:
                 w.wait()  # completed: returns at once, or raises the collective's own error

@@ -43,13 +43,13 @@ for the measured cost.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import errors as _errors
+from .distributed import completed_by
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule
@@ -209,14 +209,9 @@ class FsdpAgreement:
         if w is not self._host_words:
             w.copy_(self._host_words)
         work = dist.all_reduce(w, group=group if group is not None else self.group, async_op=True)
-        until = time.monotonic() + self.deadline_s
-        pause = 20e-6
-        while not work.is_completed():
-            if time.monotonic() >= until:
-                raise TimeoutError(f"an FSDP agreement check did not complete within {self.deadline_s:.1f} s "
-                                   "(a peer is lost)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        if not completed_by([work], self.deadline_s):
+            raise TimeoutError(f"an FSDP agreement check did not complete within {self.deadline_s:.1f} s "
+                               "(a peer is lost)")
         work.wait()
         self.checks += 1
         out = w.tolist()
