@@ -12,6 +12,13 @@ bool Recovered(const Incident& i) {
   return i.outcome == IncidentOutcome::kRecovered || i.outcome == IncidentOutcome::kRolledBack;
 }
 
+// No filter set (paging aside): the whole library's groups, which both
+// sources keep ready.
+bool Unfiltered(const IncidentQuery& q) {
+  return q.pattern.empty() && !q.rank && q.run_id.empty() && q.since_unix_ms == 0 && q.workload.empty() &&
+         q.fingerprint.empty() && q.text.empty() && q.outcome.empty() && q.id.empty() && q.id_prefix.empty();
+}
+
 void ByStep(std::vector<Incident>* v) {
   std::stable_sort(v->begin(), v->end(), [](const Incident& x, const Incident& y) {
     return x.step != y.step ? x.step < y.step : x.time_unix_ms < y.time_unix_ms;
@@ -53,9 +60,7 @@ StatusOr<std::vector<RunSummary>> IndexData::Runs() { return snapshot_()->runs()
 
 StatusOr<std::vector<IncidentGroup>> IndexData::Groups(const IncidentQuery& filters) {
   auto snap = snapshot_();
-  if (filters.pattern.empty() && !filters.rank && filters.run_id.empty() && filters.since_unix_ms == 0 &&
-      filters.workload.empty() && filters.fingerprint.empty() && filters.text.empty() && filters.outcome.empty())
-    return snap->groups();
+  if (Unfiltered(filters)) return snap->groups();
   std::vector<Incident> matching;
   for (const Incident& i : snap->incidents())
     if (kb::MatchesQuery(i, filters)) matching.push_back(i);
@@ -186,10 +191,7 @@ StatusOr<std::vector<RunSummary>> StoreData::Runs() {
 }
 
 StatusOr<std::vector<IncidentGroup>> StoreData::Groups(const IncidentQuery& filters) {
-  const bool unfiltered = filters.pattern.empty() && !filters.rank && filters.run_id.empty() &&
-                          filters.since_unix_ms == 0 && filters.workload.empty() && filters.fingerprint.empty() &&
-                          filters.text.empty() && filters.outcome.empty() && filters.id.empty() &&
-                          filters.id_prefix.empty();
+  const bool unfiltered = Unfiltered(filters);
   std::vector<IncidentGroup> out;
   OOMGUARD_RETURN_IF_ERROR(With([&](kb::KnowledgeBaseSet& set) -> Status {
     if (unfiltered && groups_) {
