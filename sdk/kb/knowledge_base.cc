@@ -380,14 +380,13 @@ class KnowledgeBaseImpl final : public KnowledgeBase {
                                            std::chrono::milliseconds(options_.retry_interval_ms);
         spool_has_data_ = true;
       }
-      const int64_t lost_here = static_cast<int64_t>(batch.size()) - spooled;
+      // What did not go to the spool reached the store, or (on an error) is lost.
+      const int64_t not_spooled = static_cast<int64_t>(batch.size()) - spooled;
       if (s.ok()) {
-        stats_.written += lost_here;
+        stats_.written += not_spooled;
       } else {
-        // What did not reach the spool (or, without a spool, the store).
-        const int64_t lost = lost_here;
+        const int64_t lost = not_spooled;
         stats_.write_errors += lost;
-        stats_.written += lost_here - lost;
         stats_.last_error = s.ToString();
         if (flush_error_.ok()) flush_error_ = s;
         // The first failure and then every 100th, so a dead disk does not flood the log.
