@@ -45,6 +45,10 @@ struct Line {
 bool BareKill(std::string_view l) {
   std::string_view t = Trim(l);
   if (t == "killed" || t == "**killed**") return true;
+  // The shell's "Killed" in a Chinese locale ("已杀死"), alone or after a progress bar.
+  if (size_t at = t.find("已杀死"); at != std::string_view::npos &&
+      (at == 0 || t[at - 1] == ']' || Contains(t.substr(0, at), "it/s")))
+    return true;
   if (t.size() > 7 && t.substr(t.size() - 6) == "killed" && (t[t.size() - 7] == ']' || Contains(t, "it/s")))
     return true;
   // A progress bar's "]Killed" quoted inside a sentence or a title
@@ -117,7 +121,9 @@ bool Mention(std::string_view l) {
                       // A title naming the shell's kill: "# Killed error".
                       "killed error",
                       // "causing `cuda:0` memory to explode", "显存爆炸" (memory explosion).
-                      "memory to explode", "memory explosion", "显存爆炸", "内存爆炸", "显存炸"}))
+                      "memory to explode", "memory explosion", "显存爆炸", "内存爆炸", "显存炸",
+                      // "溢出显存" (overflows the GPU memory), "爆内存" (RAM blown).
+                      "溢出显存", "溢出内存", "爆内存"}))
     return true;
   // A progress bar cut by a notebook's kill: "Loading checkpoint shards: 0% 0/2 [00:00<?, ?it/s]^C"
   // (Colab prints ^C when its runtime kills the process for RAM).
@@ -142,7 +148,8 @@ bool Mention(std::string_view l) {
     return true;
   // Shared memory exhausted in a container: "Bus error / No space left on device due to
   // Docker's default /dev/shm limit".
-  if (ContainsAny(l, {"bus error", "no space left on device"}) && ContainsAny(l, {"/dev/shm", "shared memory", " shm"}))
+  // "bus error，insufficient shared memery (shm)": the marker's words misspelt, and "(shm)".
+  if (ContainsAny(l, {"bus error", "no space left on device"}) && ContainsAny(l, {"/dev/shm", "shared mem", "(shm)", " shm"}))
     return true;
   // "I crash the memory of my GPUs", "Batch size changes for memory crashing"
   if (ContainsAny(l, {"crash the memory", "crashing the memory", "crashes the memory", "memory crashing",
@@ -161,6 +168,11 @@ bool Mention(std::string_view l) {
       if (end == std::string_view::npos || rest[end] != ' ') break;
       k = end + 1;
     }
+  }
+  // A notebook's crash in the reporter's own words, misspelt: "Colab crashes after using all avilable RAM".
+  if (size_t at = l.find("after using all"); at != std::string_view::npos) {
+    std::string_view rest = l.substr(at + 15, 30);
+    if (ContainsAny(rest, {"ram", "memory"})) return true;
   }
   // "It runs until the RAM is full."
   if (ContainsAny(l, {"until the ram is full", "until ram is full", "until the memory is full", "until memory is full",

@@ -235,5 +235,25 @@ TEST(LogParserFormatsTest, Batch13FormatsAKvCacheShortfallAColabKillAndExploding
   EXPECT_TRUE(Parse("We store the workspace path in the config.\n").empty());
 }
 
+TEST(LogParserFormatsTest, Batch14FormatsTheParsersMissedAtFirstContact) {
+  // Gary3410/TaPA#1: a conversion killed for host RAM, the shell's "Killed" in a Chinese locale after the bar.
+  auto incs = Parse("  0%|                                   | 0/1 [00:00<?, ?it/s]已杀死\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  // hiyouga/LlamaFactory#7315: a title with the marker's words misspelt.
+  incs = Parse("# 提示bus error，insufficient shared memery (shm)\n同样的脚本，但是单机能运行\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  // openai/jukebox#27: a notebook's crash, misspelt.
+  incs = Parse("# Colab crashes after using all avilable RAM\nOn the model loading step\n");
+  ASSERT_EQ(incs.size(), 1u);
+  // jingyaogong/minimind#522: "overflows the GPU memory" after training a while.
+  incs = Parse("# 求问为什么训练一段时间后就会溢出显存\n训练开始的时候，显存应该是有空余的\n");
+  ASSERT_EQ(incs.size(), 1u);
+  // Near misses stay quiet: a bus error with no shared memory, a process the user killed, a sentence about RAM.
+  EXPECT_TRUE(Parse("Bus error (core dumped) in the CUDA extension's build step.\n").empty());
+  EXPECT_TRUE(Parse("我手动把进程杀死了\n").empty());
+  EXPECT_TRUE(Parse("After using all the augmentations the accuracy improved.\n").empty());
+}
 }  // namespace
 }  // namespace oomguard::kb
