@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <map>
 #include <numeric>
+#include <string>
 
 namespace oomguard::kb {
 namespace {
@@ -52,7 +53,8 @@ TEST(TextModelTest, FeaturesMatchTheTrainingScript) {
 #else
   const std::string text = "torch.OutOfMemoryError: CUDA out of memory in validate() 显存不足 _cuda_deserialize";
   const std::string cmd = std::string(OOMGUARD_TEST_PYTHON) + " " + OOMGUARD_SOURCE_DIR +
-                          "/scripts/train_text_model.py --self-check '" + text + "' 2>/dev/null";
+                          "/scripts/train_text_model.py --buckets " + std::to_string(TextModel().buckets) +
+                          " --self-check '" + text + "' 2>/dev/null";
   FILE* f = popen(cmd.c_str(), "r");
   ASSERT_NE(f, nullptr);
   std::map<int, double> py;
@@ -61,11 +63,40 @@ TEST(TextModelTest, FeaturesMatchTheTrainingScript) {
   while (std::fscanf(f, "%d %lf", &k, &v) == 2) py[k] = v;
   const int rc = pclose(f);
   if (rc != 0 && py.empty()) GTEST_SKIP() << "the training script did not run here (numpy missing?)";
-  const auto cc = TextFeatures(text, 4096);
+  const auto cc = TextFeatures(text, TextModel().buckets);
   ASSERT_EQ(cc.size(), py.size());
   for (const auto& [bucket, value] : cc) {
     ASSERT_TRUE(py.count(bucket)) << bucket;
     EXPECT_NEAR(value, py[bucket], 1e-5) << bucket;
+  }
+#endif
+}
+
+// The script answers from the shipped weights (--probs) what the C++
+// inference answers: the weights file is read the same way on both sides.
+TEST(TextModelTest, ProbabilitiesMatchTheTrainingScript) {
+#ifndef OOMGUARD_TEST_PYTHON
+  GTEST_SKIP() << "no Python interpreter configured";
+#else
+  const std::string text =
+      "# OOM after 3 epochs\nRuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB; memory keeps growing";
+  const std::string cmd = std::string(OOMGUARD_TEST_PYTHON) + " " + OOMGUARD_SOURCE_DIR +
+                          "/scripts/train_text_model.py --out " + OOMGUARD_SOURCE_DIR +
+                          "/sdk/kb/text_model_weights.inc --probs '" + text + "' 2>/dev/null";
+  FILE* f = popen(cmd.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::map<std::string, double> py;
+  char name[64];
+  double v;
+  while (std::fscanf(f, "%63s %lf", name, &v) == 2) py[name] = v;
+  const int rc = pclose(f);
+  if (rc != 0 && py.empty()) GTEST_SKIP() << "the training script did not run here (numpy missing?)";
+  const auto& m = TextModel();
+  const auto cc = TextProbabilities(text);
+  ASSERT_EQ(py.size(), m.classes.size());
+  for (size_t c = 0; c < cc.size(); ++c) {
+    ASSERT_TRUE(py.count(m.classes[c])) << m.classes[c];
+    EXPECT_NEAR(cc[c], py[m.classes[c]], 1e-5) << m.classes[c];
   }
 #endif
 }
