@@ -123,7 +123,13 @@ bool Mention(std::string_view l) {
                       // "causing `cuda:0` memory to explode", "显存爆炸" (memory explosion).
                       "memory to explode", "memory explosion", "显存爆炸", "内存爆炸", "显存炸",
                       // "溢出显存" (overflows the GPU memory), "爆内存" (RAM blown).
-                      "溢出显存", "溢出内存", "爆内存"}))
+                      "溢出显存", "溢出内存", "爆内存",
+                      // "will drain memory easily", "exhaust memory", "crashes due to lack of memory",
+                      // "the program will get kill", a Colab kill named "C^ error".
+                      "drain memory", "drains memory", "draining memory", "drain the memory", "exhaust memory",
+                      "exhausts memory", "exhausting memory", "exhaust the memory", "lack of memory", "lack of ram",
+                      "lack of gpu memory", "lack of vram", "not enough ram", "get kill", "gets kill", "got kill",
+                      "c^ error", "^c error"}))
     return true;
   // A progress bar cut by a notebook's kill: "Loading checkpoint shards: 0% 0/2 [00:00<?, ?it/s]^C"
   // (Colab prints ^C when its runtime kills the process for RAM).
@@ -173,6 +179,15 @@ bool Mention(std::string_view l) {
   if (size_t at = l.find("after using all"); at != std::string_view::npos) {
     std::string_view rest = l.substr(at + 15, 30);
     if (ContainsAny(rest, {"ram", "memory"})) return true;
+  }
+  // A memory limit reached: "the max RAM memory is reached", "hits the maximum GPU memory".
+  if (ContainsAny(l, {"max", "limit"}) && ContainsAny(l, {"ram", "memory"}) &&
+      ContainsAny(l, {"is reached", "was reached", "gets reached", "got reached"}))
+    return true;
+  // All of a memory taken, then a crash or a kill: "keeps taking up all the 12 GB RAM and then crashes".
+  for (size_t at = l.find("all the "); at != std::string_view::npos; at = l.find("all the ", at + 1)) {
+    std::string_view rest = l.substr(at + 8, 24);
+    if (ContainsAny(rest, {"ram", "memory"}) && ContainsAny(l.substr(at), {"crash", "kill"})) return true;
   }
   // "It runs until the RAM is full."
   if (ContainsAny(l, {"until the ram is full", "until ram is full", "until the memory is full", "until memory is full",

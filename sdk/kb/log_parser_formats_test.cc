@@ -7,6 +7,7 @@
 
 #include "oomguard/knowledge_base.h"
 #include "sdk/kb/log_parser.h"
+#include "sdk/kb/text_scan.h"
 
 namespace oomguard::kb {
 namespace {
@@ -254,6 +255,36 @@ TEST(LogParserFormatsTest, Batch14FormatsTheParsersMissedAtFirstContact) {
   EXPECT_TRUE(Parse("Bus error (core dumped) in the CUDA extension's build step.\n").empty());
   EXPECT_TRUE(Parse("我手动把进程杀死了\n").empty());
   EXPECT_TRUE(Parse("After using all the augmentations the accuracy improved.\n").empty());
+}
+TEST(LogParserFormatsTest, Batch15FormatsTheParsersMissedAtFirstContact) {
+  // FenTechSolutions/CausalDiscoveryToolbox#9: PyTorch 0.4's CPU allocator.
+  auto incs = Parse("```\nnot enough memory: you tried to allocate 160465GB. Buy new RAM! at "
+                    "/opt/conda/conda-bld/pytorch_1524584710464/work/aten/src/TH/THGeneral.c:218\n```\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  // In words: keras-team/keras#246, huggingface/transformers#24946, microsoft/BitNet#120,
+  // TheLastBen/fast-stable-diffusion#1567, #200 and #1344.
+  for (const char* text :
+       {"# The test method of model will drain memory easily and result in errors\nit's very easy to exhaust "
+        "memory when the size of test example is large enough\n",
+        "# convertion to hf format of llama2 70b get kill\nRAM: 20G, 8Core\n",
+        "# Model conversion from HF to GGUF crashes due to lack of memory\nquickly ran through the 32GB RAM on my "
+        "Linux PC.\n",
+        "# huge ram issue when changing models\nmost of the time when you want to change a model, the max RAM memory "
+        "is reached.\n",
+        "# Doesn't load v1.5 pruned(7gb)\nIt gives a C^ error instead of loading it.\n",
+        "# Running from colab doesn't work anymore...\nIt just keeps taking up all the 12 GB RAM and then crashes.\n"}) {
+    incs = Parse(text);
+    ASSERT_EQ(incs.size(), 1u) << text;
+    // Host memory where the report names RAM or a kill; with no word for either memory, a device OOM.
+    const std::string lower = text::Lower(text);
+    const bool host = lower.find("ram") != std::string::npos || lower.find("kill") != std::string::npos;
+    EXPECT_EQ(incs[0].kind, host ? IncidentKind::kHost : IncidentKind::kDevice) << text;
+  }
+  // Near misses stay quiet.
+  EXPECT_TRUE(Parse("The maximum learning rate is reached at step 500.\n").empty());
+  EXPECT_TRUE(Parse("We use all the memory-efficient attention kernels we can.\n").empty());
+  EXPECT_TRUE(Parse("Drain the queue before you exit.\n").empty());
 }
 }  // namespace
 }  // namespace oomguard::kb

@@ -316,6 +316,10 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"DefaultCPUAllocator: not enough memory: you tried to allocate 4000000000 bytes.", OomKind::kHost,
        4000000000},
       {"std::bad_alloc", OomKind::kHost, 0},
+      // PyTorch 0.4's TH allocator (FenTechSolutions/CausalDiscoveryToolbox#9).
+      {"not enough memory: you tried to allocate 160465GB. Buy new RAM! at /opt/conda/conda-bld/pytorch_1524584710464/"
+       "work/aten/src/TH/THGeneral.c:218",
+       OomKind::kHost, 160465000000000ull},
       {"mmap failed: Cannot allocate memory", OomKind::kHost, 0},
       // Shared memory exhausted (tahoebio/tahoe-x1#63).
       {"DataLoader crashed with Bus error / No space left on device due to the 64 MB /dev/shm", OomKind::kHost, 0},

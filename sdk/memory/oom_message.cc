@@ -437,7 +437,10 @@ OomInfo ClassifyMessage(std::string_view message) {
     kind = (Has(m, "defaultcpuallocator")) ? OomKind::kHost : OomKind::kDevice;
   } else if ((Has(m, "defaultcpuallocator") && alloc_failed) || Has(m, "std::bad_alloc") ||
              Has(m, "cannot allocate memory") || Has(m, "can't allocate memory") || Has(m, "memoryerror") ||
-             Has(m, "bad_alloc") || Has(m, "bad allocation")) {
+             Has(m, "bad_alloc") || Has(m, "bad allocation") ||
+             // PyTorch 0.4's CPU allocator (THGeneral.c): "not enough memory: you tried to
+             // allocate 160465GB. Buy new RAM!"
+             Has(m, "not enough memory: you tried to allocate")) {
     kind = OomKind::kHost;
   } else if (Has(m, "less than desired gpu memory utilization") ||
              Has(m, "no available memory for the cache blocks") ||
