@@ -3,7 +3,9 @@ ddp-overlap: DDP's bucketed all-reduce runs inside the last micro-batch's
 backward, and the step stays atomic. 2 and 4 gloo ranks (processes), the small
 GPT in float64 with small buckets (several per round), OOMs on one rank at
 every site the guard fires at, inside backward after k buckets were launched
-(site=bucket) and from the budgeted allocator, in fixed and random plans: every
+(site=bucket, after=K) or once the round's last bucket and status were
+launched (after=last: while backward waits on the round), and from the
+budgeted allocator, in fixed and random plans: every
 run ends with the parameters of the plain whole-batch run within 1e-10. An
 error on one rank stops every rank at the same step; a rank killed with
 SIGKILL inside the round makes its peer exit 75; both runs resume to the
@@ -93,23 +95,39 @@ def test_two_ranks_every_site_mid_backward_and_a_budget_equal_the_plain_run(tmp_
     _assert_equals_plain(got, params, plain)
 
 
+def test_two_ranks_ooms_past_the_status_complete_the_round_and_equal_the_plain_run(tmp_path, plain):
+    """after=last: the failing rank's status already said "ok" to the others;
+    it completes the round from the summed buckets, its guard counts the OOM,
+    and the step goes on (with a fault mid-round on the other rank in the
+    same step, and on one rank in two rounds of a step)."""
+    faults = ("oom@step=1,rank=0,site=bucket,after=last;oom@step=2,rank=1,site=bucket,after=last;"
+              "oom@step=2,rank=0,site=bucket,after=4;oom@step=3,rank=0,site=bucket,after=last,times=2;"
+              "oom@step=3,rank=1,site=bucket,after=2;oom@step=4,rank=1,site=bucket,after=last;"
+              "oom@step=4,rank=1,site=sync")
+    code, got, params, log = _run(tmp_path, "late", 2, "--grow-after", "1", "--faults", faults)
+    assert got["ooms"] >= 8, log[-3000:]
+    _assert_equals_plain(got, params, plain)
+
+
 SITES = ("micro_batch", "forward", "backward", "bucket", "optimizer", "vote", "commit", "sync", "apply")
 
 
 def _plan(seed: int, ranks: int) -> str:
     """One or two OOMs on one rank per step, at random sites (bucket: after a
-    random number of launched buckets, 0 to 7; 0 at step 0, which has one)."""
+    random number of launched buckets, 0 to 7, 0 at step 0, which has one; or
+    after the last one and the status)."""
     rng = random.Random(seed)
     rules = []
     for step in range(6):
         for _ in range(rng.choice((0, 1, 1, 2))):
             site, rank = rng.choice(SITES), rng.randrange(ranks)
-            extra = f",after={rng.randrange(8) if step else 0}" if site == "bucket" else ""
+            after = rng.choice((rng.randrange(8) if step else 0, "last"))
+            extra = f",after={after}" if site == "bucket" else ""
             rules.append(f"oom@step={step},rank={rank},site={site}{extra}")
     return ";".join(rules)
 
 
-@pytest.mark.parametrize("ranks,seed", [(2, 11), (2, 12), (4, 21)])
+@pytest.mark.parametrize("ranks,seed", [(2, 11), (2, 12), (4, 21), (4, 22)])
 def test_random_plans_equal_the_plain_run(tmp_path, plain, ranks, seed):
     faults = _plan(seed, ranks)
     budget = ["--budget-mib", "5"] if seed % 2 else []
@@ -153,6 +171,8 @@ def test_bad_options_name_what_is_wrong(capsys):
     for flags, message in ((["--faults", "oom@step=1,site=bucket,after=1"], "need --parallel ddp-overlap"),
                            (["--parallel", "ddp-overlap", "--faults", "oom@step=1,site=bucket"], "after=K"),
                            (["--parallel", "ddp-overlap", "--faults", "error@site=bucket,after=1"], "only 'oom'"),
+                           (["--parallel", "ddp-overlap", "--faults", "oom@site=bucket,after=-1"], "after=last"),
+                           (["--parallel", "ddp-overlap", "--faults", "oom@site=bucket,after=first"], "integers"),
                            (["--parallel", "fsdp-nope"], "invalid choice"),
                            (["--bucket-mb", "0"], "--bucket-mb > 0")):
         with pytest.raises(SystemExit):

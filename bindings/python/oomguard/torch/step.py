@@ -374,6 +374,9 @@ class TrainStep:
                     guard.mark_phase("backward")
                 weighted = loss * weight
                 if synced:
+                    # The loss first: once backward has sent the round's
+                    # status, nothing of this micro-batch may be left to fail.
+                    add_loss(loss, weight)
                     overlap.begin_round()
                 if fsdp is not None:
                     # FSDP averages over ranks: weigh by this rank's share of the global units.
@@ -381,6 +384,10 @@ class TrainStep:
                     weighted = weighted * (fsdp.world * fsdp.local_units / fsdp.global_units)
                     fsdp.backward = True
                 (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+            if not synced:
+                add_loss(loss, weight)
+
+        def add_loss(loss: torch.Tensor, weight: float) -> None:
             # On the loss's device: no host sync per micro-batch.
             contribution = loss.detach().to(torch.float64) * weight
             if self._loss is None:
@@ -469,10 +476,17 @@ class TrainStep:
                 except Exception as e:
                     if ov.comm_error is not None:
                         raise ov.lost_peer(ov.comm_error) from e
+                    if ov.owes_round and ov.status_sent:
+                        # Past the status (while backward waited on the round):
+                        # every bucket of this rank went out, the round completes
+                        # here; the guard then hears of the error.
+                        ov.end_round(failed=True)
+                        if ov.late_error is not None:
+                            raise ov.late_error from None
                     raise
-                if ov.hook_error is not None:
-                    raise ov.hook_error  # the round stays owed: the guard's reset or vote pays it
             ok, vote = ov.end_round()
+            if ov.hook_error is not None:
+                raise ov.hook_error  # the round said "redo": the guard re-plans this rank
             if ok or vote:
                 return
             # Another rank failed inside the round and redoes the step: so does
@@ -491,15 +505,17 @@ class TrainStep:
             # After the guard's collectives (a rollback, or a redo of the step
             # on every rank) nothing is owed and the gradients just go: the
             # next micro-batch opens a new attempt. Before them:
-            if ov.attempt_open and ov.owes_round:
-                # This rank failed inside its round and the guard redoes the
-                # step here: the others get the rest of the round as zeros and
-                # redo theirs (or, if some rank went to the vote, all do).
-                ov.end_round(_ddp.REDO)
-                if ov.round_result == _ddp.REDO:
-                    ov.clear_result()
-            elif ov.attempt_open and ov.round_result is not None:
-                return  # the round ended: the gradients stay, what the guard re-runs is skipped
+            if ov.attempt_open:
+                if ov.owes_round:
+                    # This rank failed inside its round: the others get the
+                    # rest of it as zeros with "redo" (or, past the status, the
+                    # round completes here).
+                    ov.end_round(_ddp.REDO, failed=True)
+                if ov.round_result in (0, _ddp.VOTE):
+                    # The round ended with the global gradients, or the step goes
+                    # to the vote: the gradients stay, what the guard re-runs is skipped.
+                    return
+                ov.clear_result()  # "redo": every rank runs another round
         self._done = []
         self._zero_grad()
         self._loss = None
