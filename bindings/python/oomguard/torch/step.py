@@ -318,6 +318,7 @@ class TrainStep:
         self._done: List[Tuple[int, int, float]] = []  # micro-batches accumulated in this attempt (overlap)
         self._local_units = 0.0
         self._loss: Optional[torch.Tensor] = None
+        self._loss_host: Optional[torch.Tensor] = None  # the overlap mode's loss, as the vote sums it
         self.last_report: Optional[_C.StepReport] = None
         self.last_loss: Optional[float] = None
         self.skipped = False  # the GradScaler skipped the last optimizer step (inf/NaN gradients)
@@ -351,6 +352,7 @@ class TrainStep:
             costs = costs.tolist()
         self._zero_grad()
         self._loss = None
+        self._loss_host = None
         self._done = []
         self._local_units = float(prefix[-1] if prefix is not None else n)
         guard = self.guard
@@ -531,6 +533,12 @@ class TrainStep:
             # DDP overlap mode summed them in its round: only the loss is summed here.
             if self._loss is None:
                 self._loss = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+            if self._overlap is not None:
+                # The vote carries host memory only: on a GPU the loss would
+                # need a sum of its own after the vote. Staged on the host (the
+                # round's status already waited for the device), back in _apply.
+                self._loss_host = self._loss.detach().to("cpu", copy=True)
+                return [self._loss_host]
             return [self._loss]
         for p in params:
             if p.grad is None:
@@ -541,6 +549,9 @@ class TrainStep:
 
     def _apply(self) -> None:
         self.guard.mark_phase("optimizer")
+        if self._loss_host is not None:
+            self._loss.copy_(self._loss_host)  # the global loss, summed in the vote
+            self._loss_host = None
         if self.before_apply is not None:
             self.before_apply()
         scaler = self.scaler
