@@ -3,9 +3,9 @@ ddp-overlap: DDP's bucketed all-reduce runs inside the last micro-batch's
 backward, and the step stays atomic. 2 and 4 gloo ranks (processes), the small
 GPT in float64 with small buckets (several per round), OOMs on one rank at
 every site the guard fires at, inside backward after k buckets were launched
-(site=bucket, after=K) or once the round's last bucket and status were
-launched (after=last: while backward waits on the round), and from the
-budgeted allocator, in fixed and random plans: every
+(site=bucket, after=K), once the round's last bucket and status were
+launched (after=last: while backward waits on the round) and in the comm
+hook (hook=K), and from the budgeted allocator, in fixed and random plans: every
 run ends with the parameters of the plain whole-batch run within 1e-10. An
 error on one rank stops every rank at the same step; a rank killed with
 SIGKILL inside the round makes its peer exit 75; both runs resume to the
@@ -109,20 +109,34 @@ def test_two_ranks_ooms_past_the_status_complete_the_round_and_equal_the_plain_r
     _assert_equals_plain(got, params, plain)
 
 
+def test_two_ranks_ooms_in_the_comm_hook_redo_the_round_and_equal_the_plain_run(tmp_path, plain):
+    """hook=K: the hook sends bucket K and the rest of the round as zeros, the
+    status says "redo" (also when K is the last bucket, whose status goes out
+    right after it), every rank runs another round; twice in a row on one
+    rank, and together with an OOM past the status on the other rank."""
+    faults = ("oom@step=1,rank=1,site=bucket,hook=0;oom@step=2,rank=0,site=bucket,hook=9;"
+              "oom@step=3,rank=1,site=bucket,hook=4;oom@step=3,rank=0,site=bucket,after=last;"
+              "oom@step=4,rank=0,site=bucket,hook=2,times=2")
+    code, got, params, log = _run(tmp_path, "hook", 2, "--grow-after", "1", "--faults", faults)
+    assert got["ooms"] >= 6, log[-3000:]
+    _assert_equals_plain(got, params, plain)
+
+
 SITES = ("micro_batch", "forward", "backward", "bucket", "optimizer", "vote", "commit", "sync", "apply")
 
 
 def _plan(seed: int, ranks: int) -> str:
     """One or two OOMs on one rank per step, at random sites (bucket: after a
     random number of launched buckets, 0 to 7, 0 at step 0, which has one; or
-    after the last one and the status)."""
+    after the last one and the status; or in the comm hook of bucket 0 to 9)."""
     rng = random.Random(seed)
     rules = []
     for step in range(6):
         for _ in range(rng.choice((0, 1, 1, 2))):
             site, rank = rng.choice(SITES), rng.randrange(ranks)
-            after = rng.choice((rng.randrange(8) if step else 0, "last"))
-            extra = f",after={after}" if site == "bucket" else ""
+            where = rng.choice((f"after={rng.randrange(8) if step else 0}", "after=last",
+                                f"hook={rng.randrange(10) if step else 0}"))
+            extra = f",{where}" if site == "bucket" else ""
             rules.append(f"oom@step={step},rank={rank},site={site}{extra}")
     return ";".join(rules)
 

@@ -51,8 +51,8 @@ Where a rank fails, and what it still owes:
   if the guard goes to the vote instead), the reducer finishes as usual.
   An error in the hook itself (the scaling) sends that bucket and the rest as
   zeros with "redo" in the same round.
-* after its status went out (while backward waits on the futures, in a final
-  callback, an OOM in DDP's finalize): the others will take the round as
+* after its status went out (while backward waits on the futures, an OOM in
+  DDP's finalize): the others will take the round as
   complete, and it is: every bucket of this rank was sent with its share. The
   rank waits for the round's futures (bounded by the guard's deadline) and
   copies each bucket's summed buffer into the gradients itself, which is what
@@ -113,11 +113,13 @@ _bucket_rules: List[dict] = []
 
 
 def split_fault_spec(spec: str) -> Tuple[str, str]:
-    """Splits a fault spec into the native rules and the ``site=bucket`` rules
-    (``oom@step=S,rank=R,site=bucket,after=K[,times=N]``): an OOM raised inside
-    the backward of a rank's last micro-batch once K buckets of its round were
-    launched, which the native sites cannot express; ``after=last``: once the
-    last bucket and the status were launched, while backward waits on them."""
+    """Splits a fault spec into the native rules and the ``site=bucket`` rules,
+    which the native sites cannot express, each
+    ``oom@site=bucket,WHERE[,step=S][,rank=R][,times=N]`` in the backward of a
+    rank's last micro-batch, WHERE one of: ``after=K``, once K buckets of its
+    round were launched; ``after=last``, once the last bucket and the status
+    were launched, while backward waits on them; ``hook=K``, in the comm hook
+    of the round's bucket K (from 0, in launch order), before its scaling."""
     native, bucket = [], []
     for rule in filter(None, (r.strip() for r in spec.split(";"))):
         (bucket if "site=bucket" in rule.replace(" ", "") else native).append(rule)
@@ -127,6 +129,7 @@ def split_fault_spec(spec: str) -> Tuple[str, str]:
 def set_bucket_faults(spec: str) -> None:
     """Sets the ``site=bucket`` rules (see ``split_fault_spec``); an empty spec clears them."""
     rules = []
+    usage = "expected oom@site=bucket,after=K|after=last|hook=K[,step=S][,rank=R][,times=N]"
     for rule in filter(None, (r.strip() for r in spec.split(";"))):
         kind, _, args = rule.partition("@")
         if kind != "oom":
@@ -137,18 +140,19 @@ def set_bucket_faults(spec: str) -> None:
             if not sep:
                 raise ValueError(f"bucket fault {rule!r}: {kv!r} is not key=value")
             fields[k.strip()] = v.strip()
-        unknown = set(fields) - {"site", "step", "rank", "after", "times"}
-        if unknown or fields.get("site") != "bucket" or "after" not in fields:
-            raise ValueError(f"bucket fault {rule!r}: expected oom@site=bucket,after=K|last[,step=S][,rank=R][,times=N]")
-        last = fields["after"] == "last"
+        unknown = set(fields) - {"site", "step", "rank", "after", "hook", "times"}
+        if unknown or fields.get("site") != "bucket" or ("after" in fields) == ("hook" in fields):
+            raise ValueError(f"bucket fault {rule!r}: {usage}")
+        last = fields.get("after") == "last"
         if last:
             fields["after"] = "0"
         try:
             parsed = {k: int(v) for k, v in fields.items() if k != "site"}
         except ValueError:
-            raise ValueError(f"bucket fault {rule!r}: step, rank, after and times are integers") from None
-        if parsed["after"] < 0 or parsed.get("times", 1) < 1:
-            raise ValueError(f"bucket fault {rule!r}: after >= 0 or after=last, times >= 1")
+            raise ValueError(f"bucket fault {rule!r}: step, rank, after (or last), hook and times are "
+                             "integers") from None
+        if parsed.get("after", 0) < 0 or parsed.get("hook", 0) < 0 or parsed.get("times", 1) < 1:
+            raise ValueError(f"bucket fault {rule!r}: after >= 0 or after=last, hook >= 0, times >= 1")
         if last:
             parsed["after"] = LAST
         parsed.setdefault("times", 1)
@@ -254,6 +258,7 @@ class DdpOverlap:
         self._buckets: List[Tuple[Any, torch.futures.Future]] = []  # this round's, as launched
         self._status_future: Optional[torch.futures.Future] = None  # set once the status was launched
         self._inject_late: Optional[dict] = None
+        self._inject_hook: Optional[dict] = None
         self.hook_error: Optional[BaseException] = None
         self.late_error: Optional[BaseException] = None  # raised while backward waited on the round
         self.comm_error: Optional[BaseException] = None  # a bucket's all-reduce failed (a peer is gone)
@@ -270,6 +275,13 @@ class DdpOverlap:
     def _bucket_hook(self, bucket):  # no annotations: DDP checks them against its own types
         buf = bucket.buffer()
         try:
+            rule = self._inject_hook
+            if rule is not None and self._launched == rule["hook"]:
+                self._inject_hook = None
+                rule["times"] -= 1
+                raise _errors.InjectedOutOfMemoryError(
+                    f"injected OOM in the comm hook of bucket {self._launched} of the round on rank {self._rank} "
+                    f"(site=bucket, hook={rule['hook']})", "device", 1 << 20)
             if self._zeroing:
                 buf.zero_()
             elif self._scale != 1.0:
@@ -343,7 +355,7 @@ class DdpOverlap:
             return
         step = self._step_of()
         for rule in _bucket_rules:
-            if rule["after"] == LAST or rule["times"] <= 0 or rule.get("step", step) != step or \
+            if rule.get("after", LAST) == LAST or rule["times"] <= 0 or rule.get("step", step) != step or \
                     rule.get("rank", self._rank) != self._rank:
                 continue
             if self._launched >= rule["after"]:
@@ -352,15 +364,18 @@ class DdpOverlap:
                     f"injected OOM in backward at step {step} on rank {self._rank} after {self._launched} "
                     f"bucket(s) of the round were launched (site=bucket)", "device", 1 << 20)
 
-    def _arm_late_fault(self) -> None:
+    def _arm_faults(self) -> None:
+        """This round's after=last and hook=K rules (they fire on other threads,
+        where the guard's step is not asked)."""
         if not _bucket_rules:
             return
         step = self._step_of()
         for rule in _bucket_rules:
-            if rule["after"] == LAST and rule["times"] > 0 and rule.get("step", step) == step and \
-                    rule.get("rank", self._rank) == self._rank:
-                self._inject_late = rule  # fires (and counts) once the status is out
-                return
+            if rule["times"] > 0 and rule.get("step", step) == step and rule.get("rank", self._rank) == self._rank:
+                if rule.get("after") == LAST and self._inject_late is None:
+                    self._inject_late = rule  # fires (and counts) once the status is out
+                elif "hook" in rule and self._inject_hook is None:
+                    self._inject_hook = rule
 
     # ---- the round ----
 
@@ -388,6 +403,7 @@ class DdpOverlap:
         self._buckets = []
         self._status_future = None
         self._inject_late = None
+        self._inject_hook = None
         self.hook_error = None
         self.late_error = None
         self._in_round = True
@@ -396,7 +412,7 @@ class DdpOverlap:
         """Right before the last micro-batch's backward (DDP's forward under sync
         has prepared the reducer)."""
         self._start_round()
-        self._arm_late_fault()
+        self._arm_faults()
 
     @property
     def status_sent(self) -> bool:
