@@ -81,8 +81,8 @@ behind; gloo runs it on its second thread).
 
 The shares need the global batch's units, which no collective of the step
 carries before the first bucket. Each rank scales its buckets by its units
-over the total of the previous round (the same number on every rank: every
-rank reads it from the same status), and the status carries the round's
+over the total of the previous round (1 after a round without units; the
+same number on every rank: every rank reads it from the same status), and the status carries the round's
 units: when the total differs (a batch of another size; the units of token
 counts), every rank multiplies its summed gradients by the old total over
 the new one, the same factor on every rank, exact within rounding. Only the
@@ -239,8 +239,10 @@ class DdpOverlap:
         self._status_host = torch.zeros(3, dtype=torch.float64)
         self._units_buf = torch.zeros(1, dtype=torch.float64, device=device)
         self._local_units = 0.0
-        self._total: Optional[float] = None  # the global units of the last round (the same on every rank)
-        self._scale = 1.0  # this rank's units over _total: its share, if this round's total is the same
+        # The global units the buckets are scaled for: the last round's total (1
+        # after a total of 0), the same on every rank. None before the first step.
+        self._guess: Optional[float] = None
+        self._scale = 1.0  # this rank's units over _guess: its share, if this round's total is the same
         self._deadline_s = 600.0
         # The reducer's own per-parameter hooks make way for ours, which call it.
         ddp._remove_autograd_hooks()
@@ -385,15 +387,15 @@ class DdpOverlap:
         polled against the guard's deadline."""
         self._local_units = float(local_units)
         self._deadline_s = deadline_s
-        if self._total is None:
+        if self._guess is None:
             self._units_buf.fill_(self._local_units)
             work = dist.all_reduce(self._units_buf, group=self._group, async_op=True)
             try:
                 self._coordinator._wait([work], deadline_s, "the DDP overlap mode's units all-reduce")
             except TimeoutError as e:
                 raise _errors.CoordinationTimeoutError(str(e)) from None
-            self._total = float(self._units_buf.item())
-        self._scale = self._local_units / self._total if self._total > 0 else 0.0
+            self._guess = float(self._units_buf.item()) or 1.0
+        self._scale = self._local_units / self._guess
 
     def _start_round(self) -> None:
         self._marked = set()
@@ -457,16 +459,16 @@ class DdpOverlap:
             # redo that follows needs the memory more than a reset does).
             for p in self._params:
                 p.grad = None
-        elif total != self._total:
+        elif total != self._guess:
             # The buckets were scaled by the units over the previous round's
-            # total: the same correction on every rank.
+            # total: the same correction on every rank (a total of 0: no
+            # units, a zero gradient, as the guard's sum gives).
             grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
-                torch._foreach_mul_(grads, self._total / total if total > 0 else 0.0)
+                torch._foreach_mul_(grads, self._guess / total if total > 0 else 0.0)
             self.rescaled_rounds += 1
-        if total != self._total:
-            self._total = total
-            self._scale = self._local_units / total if total > 0 else 0.0
+        self._guess = total or 1.0
+        self._scale = self._local_units / self._guess
         return not (vote or redo), bool(vote)
 
     def _pay(self) -> None:
