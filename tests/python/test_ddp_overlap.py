@@ -26,7 +26,7 @@ import pytest
 
 import oomguard
 import oomguard.budget
-from conftest import REPO, subprocess_env
+from conftest import REPO, start_ranks, subprocess_env, wait_ranks
 
 GPT = REPO / "examples" / "python" / "train_gpt.py"
 
@@ -163,6 +163,17 @@ def test_an_error_in_the_last_forward_stops_every_rank_then_resumes(tmp_path, pl
     _assert_equals_plain(got, params, plain)
 
 
+def test_an_error_before_the_first_forward_after_step_0_stops_every_rank(tmp_path):
+    """DDP rebuilds its buckets after its first iteration with a broadcast in
+    the next forward; rank 1 fails at step 1 before any forward and goes to
+    the vote (its round as zeros), so the rebuild must not wait in rank 0's
+    forward: every rank stops at step 1, none hangs."""
+    code, _, _, log = _run(tmp_path, "error-step1", 2, "--faults", "error@step=1,rank=1,site=micro_batch",
+                           expect_ok=False)
+    assert code == 1, log[-3000:]
+    assert "rank 1 stopped at step 1" in log, log[-3000:]
+
+
 def test_a_rank_killed_inside_the_round_ends_its_peer_with_75_then_resumes(tmp_path, plain):
     """SIGKILL on rank 1 in its last micro-batch's backward (rank 0 waits inside
     a bucket's all-reduce): rank 0 leaves with exit 75, not at a timeout of its
@@ -174,6 +185,64 @@ def test_a_rank_killed_inside_the_round_ends_its_peer_with_75_then_resumes(tmp_p
     assert "rank 0 ended with exit code 75" in log or "rank 1 ended with signal 9" in log, log[-3000:]
     code, got, params, log = _run(tmp_path, "kill-resumed", 2, "--ckpt-dir", ckpt, "--ckpt-every", "1", "--resume")
     _assert_equals_plain(got, params, plain)
+
+
+# Two DDP models on the same ranks, one per mode, the same data: the loss units
+# of each step differ (the shares of the round before are wrong) and step 1 has
+# none on any rank (its gradient is zero, and the shares of step 2 are scaled
+# for a total of 1 before the status corrects them).
+UNITS_WORKER = r"""
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import oomguard
+import oomguard.torch as ogt
+
+rank, init = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+runs = []
+for overlap in (True, False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    guard = oomguard.Guard(coordinator=ogt.TorchDistributedCoordinator(), initial_micro_batch=3, grow_after=0,
+                           vote_deadline_ms=30000)
+
+    def loss_fn(out, y):
+        mask = y[:, 2:]
+        return (((out - y[:, :2]) ** 2) * mask).sum() / mask.sum().clamp(min=1)
+
+    step = ogt.TrainStep(ddp, opt, loss_fn, guard=guard, loss_units=lambda x, y: y[:, 2:].sum(dim=1).long(),
+                         ddp_overlap=overlap)
+    runs.append((model, step))
+for k in range(4):
+    g = torch.Generator().manual_seed(100 * k + rank)
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    y = torch.cat([torch.randn(8, 2, generator=g, dtype=torch.float64),
+                   (torch.rand(8, 2, generator=g) < (0.0 if k == 1 else 0.3 + 0.2 * rank + 0.1 * k)).double()], 1)
+    for model, step in runs:
+        step(x, y)
+(a, sa), (b, _) = runs
+diff = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+print(diff, sa._overlap.rescaled_rounds, sa._overlap.rounds, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_changing_and_zero_loss_units_give_todays_gradients(tmp_path):
+    """The shares come from the round before and the status corrects them: with
+    units that change every step, and a step without any, the overlap mode's
+    parameters equal today's mode's (same ranks, same data)."""
+    init = tmp_path / "init"
+    outs = wait_ranks(start_ranks([["-c", UNITS_WORKER, r, init] for r in range(2)]), timeout=RUN_TIMEOUT_S)
+    for out, _ in outs:
+        diff, rescaled, rounds = out.split()
+        assert float(diff) <= 1e-13, out
+        assert int(rounds) == 4 and int(rescaled) >= 3, out  # the first step's shares are exact
 
 
 def test_bad_options_name_what_is_wrong(capsys):

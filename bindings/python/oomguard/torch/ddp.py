@@ -23,8 +23,11 @@ oomguard owns the round through two things it installs on the DDP model:
   fails never leaves the reducer with every bucket launched but unfinished.
 
 Per round every rank runs the same collectives in the same order: DDP's
-buckets in index order (the same layout on every rank; DDP's rebuild of its
-buckets is itself agreed) and then the status. A rank's status goes out with
+buckets in index order (the same layout on every rank) and then the status.
+DDP rebuilds its buckets once, after its first iteration, with a broadcast
+from rank 0 in its next forward; a rank that goes to the vote runs no forward,
+so oomguard runs the rebuild itself at the end of the first round, where every
+rank is. A rank's status goes out with
 its last bucket, so its flag is whatever the rank knew when it sent that
 bucket, and the sum of the flags is the round's outcome on every rank:
 
@@ -244,6 +247,7 @@ class DdpOverlap:
         self._guess: Optional[float] = None
         self._scale = 1.0  # this rank's units over _guess: its share, if this round's total is the same
         self._deadline_s = 600.0
+        self._rebuilt = False  # DDP's buckets were rebuilt after its first iteration (or asked to)
         # The reducer's own per-parameter hooks make way for ours, which call it.
         ddp._remove_autograd_hooks()
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -450,6 +454,14 @@ class DdpOverlap:
             raise
         finally:
             self._in_round = False
+        if not self._rebuilt:
+            # DDP rebuilds its buckets after its first iteration, with a broadcast
+            # from rank 0 in the next forward. Here instead, at the same point on
+            # every rank: a rank that goes to the vote, or runs a whole round
+            # here, runs no forward, and two rounds would record every
+            # parameter twice for the rebuild (an internal assert of DDP's).
+            self._reducer._rebuild_buckets()
+            self._rebuilt = True
         redo, vote, total = self._status.tolist()
         self.rounds += 1
         self._round_result = VOTE if vote else (REDO if redo else 0)
