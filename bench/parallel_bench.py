@@ -18,8 +18,17 @@ The last line of --json is a JSON object with ``<mode>_ms`` (median step
 time per mode) and ``ddp_overlap_ratio``, ``ddp_today_ratio`` (guarded DDP over
 plain DDP) and ``fsdp_ratio`` (TrainStep on the model sharded with FSDP2, one
 unit per Linear, over the plain FSDP2 step): the median of the per-round
-ratios, each round running every mode back to back. Modes are the rows of
-MODES, ratios the rows of RATIOS.
+ratios, each round running every mode back to back. Next to each ratio:
+``<ratio>_of_medians`` (median step time over median step time) and
+``<ratio>_spread`` (the 25th and 75th percentiles of the per-round ratios);
+``load`` is the machine's load average before and after. Modes are the rows
+of MODES, ratios the rows of RATIOS.
+
+On a loaded machine one round's ratio moves by tens of percent: take many
+rounds (``--rounds``, each mode ``--steps`` steps per round), ``--repeat`` the
+whole run (fresh ranks each time; the rounds of every repeat are pooled, and
+each repeat's own ratios are listed), and ``--pin`` each rank to a CPU of its
+own so that the two ranks do not migrate onto one core.
 """
 
 from __future__ import annotations
@@ -167,6 +176,9 @@ def worker(args) -> int:
     import oomguard.torch as ogt
 
     torch.set_num_threads(args.threads)
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[args.rank % len(cpus)]})
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2,
                             timeout=timedelta(seconds=300))
     steps = {name: make(args, torch, ogt, oomguard) for name, make in MODES.items()}
@@ -194,6 +206,49 @@ def worker(args) -> int:
     return 0
 
 
+def summarize(times: Dict[str, List[float]]) -> dict:
+    """Median step time per mode, and per ratio: the median of the per-round
+    ratios, the ratio of the medians, and the per-round ratios' quartiles."""
+    result = {f"{name}_ms": round(statistics.median(ts), 2) for name, ts in times.items()}
+    for ratio, (name, base) in RATIOS.items():
+        # Per round: every mode ran back to back, so a ratio compares steps
+        # taken under the same load.
+        per_round = [t / p for t, p in zip(times[name], times[base])]
+        result[ratio] = round(statistics.median(per_round), 3)
+        result[ratio.replace("_ratio", "_ratio_of_medians")] = round(
+            statistics.median(times[name]) / statistics.median(times[base]), 3)
+        q1, _, q3 = (statistics.quantiles(per_round, n=4, method="inclusive") if len(per_round) > 1
+                     else per_round * 3)
+        result[ratio + "_spread"] = [round(q1, 3), round(q3, 3)]
+    return result
+
+
+def run_once(args, link: "Link", port: int) -> Dict[str, List[float]]:
+    """One run of both ranks; rank 0's step times per mode and round."""
+    env = dict(os.environ)
+    procs = []
+    for rank in (0, 1):
+        cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__), "--worker",
+               "--rank", str(rank), "--master", link.addr[0]]
+        for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads"):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        cmd += ["--port", str(port)]
+        if args.pin:
+            cmd.append("--pin")
+        procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": link.dev[rank]},
+                                      stdout=subprocess.PIPE, text=True))
+    try:
+        out, _ = procs[0].communicate(timeout=3600)
+        procs[1].wait(timeout=120)
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+    if any(q.returncode != 0 for q in procs):
+        raise SystemExit(f"parallel_bench: a rank failed (exit codes {[q.returncode for q in procs]})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", default="1gbit", help="tbf rate of each direction of the link")
@@ -203,7 +258,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256, help="samples per rank per step")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="DDP bucket_cap_mb")
     p.add_argument("--steps", type=int, default=3, help="steps per mode per round")
-    p.add_argument("--rounds", type=int, default=5, help="rounds, each mode once per round")
+    p.add_argument("--rounds", type=int, default=12, help="rounds, each mode once per round")
+    p.add_argument("--repeat", type=int, default=1, help="whole runs (fresh ranks), their rounds pooled")
+    p.add_argument("--pin", action="store_true", help="pin rank r to the r-th CPU this process may use")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -211,49 +268,31 @@ def main() -> int:
     p.add_argument("--master", default="", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=29581, help=argparse.SUPPRESS)
     args = p.parse_args()
-    for name in ("width", "layers", "batch", "steps", "rounds", "threads"):
+    for name in ("width", "layers", "batch", "steps", "rounds", "repeat", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if args.worker:
         return worker(args)
 
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    runs: List[Dict[str, List[float]]] = []
     with Link(args.rate, args.burst) as link:
-        env = dict(os.environ)
-        procs = []
-        for rank in (0, 1):
-            cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__), "--worker",
-                   "--rank", str(rank), "--master", link.addr[0]]
-            for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads", "port"):
-                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": link.dev[rank]},
-                                          stdout=subprocess.PIPE, text=True))
-        try:
-            out, _ = procs[0].communicate(timeout=3600)
-            procs[1].wait(timeout=120)
-        finally:
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-        if any(q.returncode != 0 for q in procs):
-            print(f"parallel_bench: a rank failed (exit codes {[q.returncode for q in procs]})", file=sys.stderr)
-            return 1
-    times = json.loads(out.strip().splitlines()[-1])
-    result = {f"{name}_ms": round(statistics.median(ts), 2) for name, ts in times.items()}
-    for ratio, (name, base) in RATIOS.items():
-        # Median of the per-round ratios: each round ran every mode back to back,
-        # so a ratio compares steps taken under the same load.
-        result[ratio] = round(statistics.median(t / p for t, p in zip(times[name], times[base])), 3)
-        result[ratio.replace("_ratio", "_ratio_of_medians")] = round(
-            statistics.median(times[name]) / statistics.median(times[base]), 3)
-    result.update({"rate": args.rate, "params": (args.width * args.width + args.width) * args.layers + args.width + 1,
+        for i in range(args.repeat):
+            runs.append(run_once(args, link, args.port + i))
+    times = {name: [t for run in runs for t in run[name]] for name in runs[0]}
+    result = summarize(times)
+    if args.repeat > 1:
+        result["repeats"] = [{ratio: summarize(run)[ratio] for ratio in RATIOS} for run in runs]
+    result.update({"load": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
+                   "rate": args.rate, "params": (args.width * args.width + args.width) * args.layers + args.width + 1,
                    "batch_per_rank": args.batch, "bucket_mb": args.bucket_mb, "rounds": args.rounds,
-                   "steps_per_round": args.steps, "all_ms": times})
+                   "repeat": args.repeat, "pinned": args.pin, "steps_per_round": args.steps, "all_ms": times})
     if args.json:
         print(json.dumps(result))
     else:
         for k, v in result.items():
             if k != "all_ms":
-                print(f"{k:20s} {v}")
+                print(f"{k:28s} {v}")
     return 0
 
 

@@ -16,6 +16,7 @@ guard) within 1e-10; compare two runs with ``--dump-params`` and ``--json``.
     ... --faults 'oom@step=2,rank=1,site=apply'   # injected OOMs (OOMGUARD_FAULTS too)
     ... --ranks 2 --parallel fsdp                 # FSDP2: fully_shard per block and on the model
     ... --parallel ddp-overlap --faults 'oom@step=1,rank=1,site=bucket,after=2'  # OOM mid-backward
+                                                  # (after=last: past the round's status; hook=K: in the comm hook)
     ... --plain                                   # the reference run
 
 Data for step k is a pure function of (seed, k), so a rolled-back or resumed

@@ -318,6 +318,7 @@ class TrainStep:
         self._done: List[Tuple[int, int, float]] = []  # micro-batches accumulated in this attempt (overlap)
         self._local_units = 0.0
         self._loss: Optional[torch.Tensor] = None
+        self._loss_host: Optional[torch.Tensor] = None  # the overlap mode's loss, as the vote sums it
         self.last_report: Optional[_C.StepReport] = None
         self.last_loss: Optional[float] = None
         self.skipped = False  # the GradScaler skipped the last optimizer step (inf/NaN gradients)
@@ -351,6 +352,7 @@ class TrainStep:
             costs = costs.tolist()
         self._zero_grad()
         self._loss = None
+        self._loss_host = None
         self._done = []
         self._local_units = float(prefix[-1] if prefix is not None else n)
         guard = self.guard
@@ -374,6 +376,9 @@ class TrainStep:
                     guard.mark_phase("backward")
                 weighted = loss * weight
                 if synced:
+                    # The loss first: once backward has sent the round's
+                    # status, nothing of this micro-batch may be left to fail.
+                    add_loss(loss, weight)
                     overlap.begin_round()
                 if fsdp is not None:
                     # FSDP averages over ranks: weigh by this rank's share of the global units.
@@ -381,6 +386,10 @@ class TrainStep:
                     weighted = weighted * (fsdp.world * fsdp.local_units / fsdp.global_units)
                     fsdp.backward = True
                 (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+            if not synced:
+                add_loss(loss, weight)
+
+        def add_loss(loss: torch.Tensor, weight: float) -> None:
             # On the loss's device: no host sync per micro-batch.
             contribution = loss.detach().to(torch.float64) * weight
             if self._loss is None:
@@ -469,10 +478,17 @@ class TrainStep:
                 except Exception as e:
                     if ov.comm_error is not None:
                         raise ov.lost_peer(ov.comm_error) from e
+                    if ov.owes_round and ov.status_sent:
+                        # Past the status (while backward waited on the round):
+                        # every bucket of this rank went out, the round completes
+                        # here; the guard then hears of the error.
+                        ov.end_round(failed=True)
+                        if ov.late_error is not None:
+                            raise ov.late_error from None
                     raise
-                if ov.hook_error is not None:
-                    raise ov.hook_error  # the round stays owed: the guard's reset or vote pays it
             ok, vote = ov.end_round()
+            if ov.hook_error is not None:
+                raise ov.hook_error  # the round said "redo": the guard re-plans this rank
             if ok or vote:
                 return
             # Another rank failed inside the round and redoes the step: so does
@@ -491,15 +507,17 @@ class TrainStep:
             # After the guard's collectives (a rollback, or a redo of the step
             # on every rank) nothing is owed and the gradients just go: the
             # next micro-batch opens a new attempt. Before them:
-            if ov.attempt_open and ov.owes_round:
-                # This rank failed inside its round and the guard redoes the
-                # step here: the others get the rest of the round as zeros and
-                # redo theirs (or, if some rank went to the vote, all do).
-                ov.end_round(_ddp.REDO)
-                if ov.round_result == _ddp.REDO:
-                    ov.clear_result()
-            elif ov.attempt_open and ov.round_result is not None:
-                return  # the round ended: the gradients stay, what the guard re-runs is skipped
+            if ov.attempt_open:
+                if ov.owes_round:
+                    # This rank failed inside its round: the others get the
+                    # rest of it as zeros with "redo" (or, past the status, the
+                    # round completes here).
+                    ov.end_round(_ddp.REDO, failed=True)
+                if ov.round_result in (0, _ddp.VOTE):
+                    # The round ended with the global gradients, or the step goes
+                    # to the vote: the gradients stay, what the guard re-runs is skipped.
+                    return
+                ov.clear_result()  # "redo": every rank runs another round
         self._done = []
         self._zero_grad()
         self._loss = None
@@ -515,6 +533,12 @@ class TrainStep:
             # DDP overlap mode summed them in its round: only the loss is summed here.
             if self._loss is None:
                 self._loss = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+            if self._overlap is not None:
+                # The vote carries host memory only: on a GPU the loss would
+                # need a sum of its own after the vote. Staged on the host (the
+                # round's status already waited for the device), back in _apply.
+                self._loss_host = self._loss.detach().to("cpu", copy=True)
+                return [self._loss_host]
             return [self._loss]
         for p in params:
             if p.grad is None:
@@ -525,6 +549,9 @@ class TrainStep:
 
     def _apply(self) -> None:
         self.guard.mark_phase("optimizer")
+        if self._loss_host is not None:
+            self._loss.copy_(self._loss_host)  # the global loss, summed in the vote
+            self._loss_host = None
         if self.before_apply is not None:
             self.before_apply()
         scaler = self.scaler
