@@ -4,7 +4,8 @@ wall time without taking CPU: plain DDP against TrainStep in today's mode (every
 micro-batch under no_sync, the guard sums the gradients after backward) and in
 the overlap mode (DDP's bucketed all-reduce overlapped with the last backward,
 through oomguard's comm hook), and plain FSDP2 against TrainStep on the same
-sharded model (a check before every FSDP collective); same model, same ranks,
+sharded model (the agreement's flags inside FSDP's collectives, and the check
+mode: a check before every FSDP collective); same model, same ranks,
 alternating in one run (each round starts with the next mode).
 
 The two ranks run in two network namespaces joined by a veth pair whose
@@ -17,9 +18,10 @@ for the same CPUs); through the limited link the wire time is real wall time.
 The last line of --json is a JSON object with ``<mode>_ms`` (median step
 time per mode) and ``ddp_overlap_ratio``, ``ddp_today_ratio`` (guarded DDP over
 plain DDP) and ``fsdp_ratio`` (TrainStep on the model sharded with FSDP2, one
-unit per Linear, over the plain FSDP2 step): the median of the per-round
-ratios, each round running every mode back to back. Modes are the rows of
-MODES, ratios the rows of RATIOS.
+unit per Linear, over the plain FSDP2 step; ``fsdp_check_ratio`` the same in
+check mode): the median of the per-round ratios, each round running every mode
+back to back. Modes are the rows of MODES (``--modes`` picks some), ratios the
+rows of RATIOS whose modes ran.
 """
 
 from __future__ import annotations
@@ -152,11 +154,12 @@ MODES: Dict[str, Callable] = {
     "ddp_today": _guarded(_ddp, ddp_overlap=False),
     "ddp_overlap": _guarded(_ddp, ddp_overlap=True),
     "fsdp_plain": _plain(_fsdp),
-    "fsdp": _guarded(_fsdp),
+    "fsdp": _guarded(_fsdp),  # the flags inside FSDP's collectives (the default agreement)
+    "fsdp_check": _guarded(_fsdp, fsdp_agreement="check"),  # a check before every FSDP collective
 }
 # Each ratio: (guarded mode, its plain baseline).
 RATIOS = {"ddp_today_ratio": ("ddp_today", "plain"), "ddp_overlap_ratio": ("ddp_overlap", "plain"),
-          "fsdp_ratio": ("fsdp", "fsdp_plain")}
+          "fsdp_ratio": ("fsdp", "fsdp_plain"), "fsdp_check_ratio": ("fsdp_check", "fsdp_plain")}
 
 
 def worker(args) -> int:
@@ -169,11 +172,12 @@ def worker(args) -> int:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2,
                             timeout=timedelta(seconds=300))
-    steps = {name: make(args, torch, ogt, oomguard) for name, make in MODES.items()}
+    modes = args.modes.split(",")
+    steps = {name: MODES[name](args, torch, ogt, oomguard) for name in modes}
     g = torch.Generator().manual_seed(1 + args.rank)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, 1, generator=g)
-    times: Dict[str, List[float]] = {name: [] for name in MODES}
+    times: Dict[str, List[float]] = {name: [] for name in modes}
     for name, step in steps.items():  # warm-up: DDP rebuilds its buckets after its first synced step
         for _ in range(2):
             step(x, y)
@@ -205,6 +209,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per mode per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds, each mode once per round")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--modes", default=",".join(MODES), help=f"modes to run, comma-separated (of {','.join(MODES)})")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -214,6 +219,9 @@ def main() -> int:
     for name in ("width", "layers", "batch", "steps", "rounds", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {unknown} (modes: {', '.join(MODES)})")
     if args.worker:
         return worker(args)
 
@@ -223,7 +231,7 @@ def main() -> int:
         for rank in (0, 1):
             cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__), "--worker",
                    "--rank", str(rank), "--master", link.addr[0]]
-            for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads", "port"):
+            for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads", "port", "modes"):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
             procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": link.dev[rank]},
                                           stdout=subprocess.PIPE, text=True))
@@ -240,6 +248,8 @@ def main() -> int:
     times = json.loads(out.strip().splitlines()[-1])
     result = {f"{name}_ms": round(statistics.median(ts), 2) for name, ts in times.items()}
     for ratio, (name, base) in RATIOS.items():
+        if name not in times or base not in times:
+            continue
         # Median of the per-round ratios: each round ran every mode back to back,
         # so a ratio compares steps taken under the same load.
         result[ratio] = round(statistics.median(t / p for t, p in zip(times[name], times[base])), 3)

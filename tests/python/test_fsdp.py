@@ -109,6 +109,85 @@ def test_two_ranks_every_unit_forward_and_backward_the_sites_and_the_budget(tmp_
     assert summaries["budget"][1]["ooms"] >= 1, summaries["budget"]
 
 
+# The tests' GPT runs 8 FSDP collectives per micro-batch (reshard after forward): the forward
+# all-gathers of the root and the two blocks, then in backward the blocks' all-gathers and every
+# unit's reduce-scatter. Positions 0-7 of that schedule.
+POSITIONS = 8
+
+
+def test_two_ranks_data_mode_every_position(tmp_path):
+    """The flags inside FSDP's collectives (data mode, the default): an OOM on rank 1 before each
+    collective of a micro-batch (the rank replays that collective with its flag), after the last
+    collective of a micro-batch (it replays the next micro-batch's first; on the step's last
+    micro-batch it answers the step's closing check), in the first micro-batch ever run (check mode
+    while the schedule is recorded), on two ranks at once, and after the schedule stopped matching
+    what FSDP runs (a new reshard setting, a schedule made wrong): every rank abandons the same
+    micro-batches and ends with the unconstrained run's parameters."""
+    steps = 3
+    plans = [{"name": "plain", "plain": True, "steps": steps}]
+    # Step 1's second micro-batch (2 of 4 samples per rank: data mode since step 0), and step 2's first
+    # (micro-batches of 2 after the halving).
+    for p in range(POSITIONS // 2):
+        plans.append({"name": f"before{p}", "steps": steps, "micro": 4,
+                      "at": [[1, 1, 1, "before", p], [1, 2, 0, "before", p + POSITIONS // 2]]})
+    plans.append({"name": "after_last", "steps": steps, "micro": 4,
+                  "at": [[1, 1, 1, "after", POSITIONS - 1], [1, 2, 0, "after", POSITIONS - 1]]})
+    plans.append({"name": "first", "steps": steps, "micro": 4,
+                  "at": [[1, 0, 0, "before", 3], [1, 0, 1, "after", POSITIONS - 1]]})
+    plans.append({"name": "both", "steps": steps, "micro": 4,
+                  "at": [[0, 1, 1, "before", 5], [1, 1, 1, "before", 5], [0, 2, 0, "after", POSITIONS - 1],
+                         [1, 2, 0, "after", POSITIONS - 1]]})
+    plans.append({"name": "reshard", "steps": 4, "micro": 4, "reshard_at": 2,
+                  "at": [[1, 2, 0, "before", 2], [1, 3, 1, "before", 4]]})
+    plans.append({"name": "corrupt", "steps": steps, "micro": 4, "corrupt_at": [1, 4],
+                  "at": [[1, 1, 0, "before", 6], [1, 2, 1, "before", 1]]})
+    plans.append({"name": "check_mode", "steps": steps, "micro": 4, "agreement": "check",
+                  "at": [[1, 1, 1, "before", 5], [1, 2, 0, "after", POSITIONS - 1]]})
+    plans.append({"name": "plain4", "plain": True, "steps": 4})
+    results = run_plans(tmp_path, 2, plans, timeout_s=600)
+    check_against({n: r for n, r in results.items() if n != "reshard" and n != "plain4"})
+    check_against({"plain4": results["plain4"], "reshard": results["reshard"]}, reference="plain4")
+    s = {name: summaries for name, (summaries, _) in results.items()}
+    for name in [f"before{p}" for p in range(POSITIONS // 2)] + ["after_last", "both", "reshard", "corrupt"]:
+        injected = sum(r["position_faults"] for r in s[name])
+        assert injected == {"both": 4}.get(name, 2), (name, s[name])
+        assert s[name][0]["abandoned"] == 2, (name, s[name])
+        assert all(r["data_mode"] for r in s[name]), (name, s[name])
+    for p in range(POSITIONS // 2):
+        # Rank 1 ran the collective it had not entered; rank 0 never ran a check inside a micro-batch.
+        assert s[f"before{p}"][1]["replays"] == 2 and s[f"before{p}"][0]["replays"] == 0, s[f"before{p}"]
+    # After the last collective: step 1's last micro-batch answers the closing check, step 2's first
+    # replays the second micro-batch's first collective.
+    assert s["after_last"][1]["replays"] == 1, s["after_last"]
+    # Step 0's first micro-batch records the schedule in check mode: both faults there are answered checks.
+    assert s["first"][1]["replays"] == 0 and s["first"][0]["abandoned"] == 2, s["first"]
+    # Two ranks fail before the same collective: both replay it; then both after the last one.
+    assert s["both"][0]["replays"] == 2 and s["both"][1]["replays"] == 2, s["both"]
+    assert s["both"][0]["abandoned"] == 2, s["both"]
+    assert all(r["fallbacks"] >= 1 for r in s["corrupt"]), s["corrupt"]
+    assert s["check_mode"][1]["replays"] == 0 and s["check_mode"][0]["abandoned"] == 2, s["check_mode"]
+    # Data mode runs no check inside a micro-batch: fewer checks than check mode, same FSDP collectives.
+    assert s["before0"][0]["checks"] < s["check_mode"][0]["checks"], (s["before0"], s["check_mode"])
+
+
+def test_two_ranks_replay_that_does_not_fit_stops_every_rank(tmp_path):
+    """The failing rank's replay cannot allocate its buffers (injected, twice): it raises
+    FsdpReplayError and its guard's coordinator refuses to issue another collective on the group
+    that is now out of step (the vote fails at once); the other rank stops at the agreement's
+    deadline or when the failing process leaves. No rank hangs."""
+    plans = [{"name": "replay_oom", "steps": 3, "micro": 4, "alone": True,
+              "at": [[1, 1, 1, "before", 2]], "replay_oom": [[1, 1]]}]
+    (tmp_path / "plans.json").write_text(json.dumps(plans))
+    procs = start_ranks(([WORKER, r, 2, tmp_path / "init", tmp_path, tmp_path / "plans.json"] for r in range(2)),
+                        merge_stderr=True)
+    wait_ranks(procs, 300)
+    ranks = [json.loads((tmp_path / f"replay_oom.rank{r}.json").read_text()) for r in range(2)]
+    assert "replay" in ranks[1]["error"], ranks
+    assert ranks[0]["error"] is not None, ranks
+    # Bounded: the worker's deadline is 20 s; every rank stopped within a few deadlines.
+    assert all(r["seconds_total"] < 150 for r in ranks), ranks
+
+
 def test_two_ranks_random_plans(tmp_path):
     plans = [{"name": "plain", "plain": True, "steps": 3}] + random_plans(29, 2, 5, 3)
     check_against(run_plans(tmp_path, 2, plans, timeout_s=600))
