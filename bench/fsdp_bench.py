@@ -13,8 +13,8 @@ the step's closing check) and check (TrainStep with a check before every FSDP
 collective). Every torch.distributed collective of a step is counted, split
 into data collectives (FSDP's) and small ones (checks, the units all-reduce,
 clipping's norm, the guard's vote and agreement), per step and per
-micro-batch, beside the anchor: one small collective per FSDP unit per
-micro-batch (Composer's flag before each FSDP1 unshard). The last line
+micro-batch, beside the anchor: one small collective per FSDP unshard per
+micro-batch (Composer's flag before each FSDP1 unshard, forward and backward). The last line
 (--json) is a JSON object with ``fsdp_ratio`` (median data / median plain step
 time), ``fsdp_check_ratio`` (check over plain), the medians, the counts, and
 the time of one check on its own (``check_ms``, median of batches of 50):
@@ -145,7 +145,7 @@ def rank_main(rank: int, args, init: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "measured": measured, "check_ms": statistics.median(per_check) * 1e3,
-                       "units": len(agreements["data"].modules),
+                       "unshards": sum(1 for k in agreements["data"].schedules.get(True, []) if k[0] == "all_gather"),
                        "schedule": len(agreements["data"].schedules.get(True, [])),
                        "data_mode": bool(agreements["data"].schedules),
                        "fallbacks": agreements["data"].fallbacks}, f)
@@ -200,7 +200,7 @@ def main() -> int:
         "fsdp_check_ratio": round(ms["check"] / ms["plain"], 4),
         "collectives_per_step": per_step,
         "small_per_micro_batch": {m: round(per_step[m]["small"] / micro_per_step, 2) for m in MODES},
-        "anchor_small_per_micro_batch": r["units"],
+        "anchor_small_per_micro_batch": r["unshards"],
         "fsdp_collectives_per_micro_batch": r["schedule"],
         "data_mode_reached": r["data_mode"], "fallbacks": r["fallbacks"],
         "check_ms": round(r["check_ms"], 4),

@@ -238,6 +238,9 @@ def main() -> int:
             summary["seconds_total"] = round(time.monotonic() - started, 3)
             pathlib.Path(out_dir, f"{plan['name']}.rank{rank}.json").write_text(json.dumps(summary))
             sys.stdout.flush()
+            # "linger": stay alive that long (from the plan's start), so that the other ranks must stop
+            # by their deadline, not because this process left.
+            time.sleep(max(0.0, plan.get("linger", 0) - (time.monotonic() - started)))
             os._exit(0)
         # Every rank's summary; the parameters gathered whole (a collective on every rank).
         gathered = [None] * world

@@ -438,10 +438,15 @@ class FsdpAgreement:
         self.fallbacks += 1
         self.fallback_reason = why
 
-    def after_collective(self, key: tuple, counted: bool = False) -> None:
+    def completed(self) -> None:
+        """A collective of this micro-batch completed on this rank: counted at
+        once, so that a failure while its result is read replays the next one."""
         self._pos += 1
+        self.collectives += 1
+
+    def after_collective(self, key: tuple, counted: bool = False) -> None:
         if not counted:
-            self.collectives += 1
+            self.completed()
         if self._recording is not None:
             self._recording.append(key)
         if self.fault_hook is not None:
@@ -452,7 +457,7 @@ class FsdpAgreement:
         m[0], m[1], m[2] = flags, self.local_units, self.local_samples
         tail.view(torch.uint8)[:_WORD_BYTES].copy_(self._mine.view(torch.uint8))
 
-    def _gather(self, big: torch.Tensor, shard: int, group: Any, flags: int) -> List[List[int]]:
+    def _gather(self, big: torch.Tensor, shard: int, group: Any, flags: int, replay: bool = False) -> List[List[int]]:
         """The data-mode all-gather on ``big`` (world rows of ``shard`` + spare
         elements, this rank's shard at ``rank * shard`` as FSDP copied it in):
         every rank's words, the rows back at FSDP's offsets."""
@@ -461,7 +466,8 @@ class FsdpAgreement:
         self._put_words(big[r * shard + shard:r * shard + row], flags)
         work = dist.all_gather_into_tensor(big, big[r * shard:r * shard + row], group=group, async_op=True)
         self._wait(work, "an FSDP all-gather")
-        self.collectives += 1
+        if not replay:
+            self.completed()
         theirs = self._theirs.view(torch.uint8)
         for j in range(self.world):
             theirs[j * _WORD_BYTES:(j + 1) * _WORD_BYTES].copy_(
@@ -493,7 +499,7 @@ class FsdpAgreement:
         big[-1] = 0
         work = dist.all_reduce(big, group=group, async_op=True)
         self._wait(work, "an FSDP reduce-scatter")
-        self.collectives += 1
+        self.completed()
         flags = int(round(float(big[-1])))
         if flags:
             raise self._abandon(flags % (self.world + 1), flags // (self.world + 1), True)
@@ -542,7 +548,9 @@ class FsdpAgreement:
                 gc.collect()
         flags = _BIT_OOM if oom else _BIT_ERROR
         if kind == "all_gather":
-            words = self._gather(buf, numel, self.group, flags | (_BIT_BACKWARD if self.backward else 0))
+            words = self._gather(buf, numel, self.group, flags | (_BIT_BACKWARD if self.backward else 0),
+                                 replay=True)
+            self.collectives += 1
             backward = any(w[0] & _BIT_BACKWARD for w in words)
         else:
             buf[-1] = 1 if oom else self.world + 1
