@@ -61,13 +61,16 @@ class Counter:
     running."""
 
     NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+    FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor")  # DTensor's (clipping's norm)
 
     def __init__(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
         self.mode: str = ""
         self.counts = {m: {"small": 0, "data": 0} for m in MODES}
-        for name in self.NAMES:
-            inner = getattr(dist, name)
-            setattr(dist, name, self._wrap(inner))
+        for module, names in ((dist, self.NAMES), (funcol, self.FUNCTIONAL)):
+            for name in names:
+                setattr(module, name, self._wrap(getattr(module, name)))
 
     def _wrap(self, inner):
         def call(*args, **kwargs):
@@ -148,7 +151,8 @@ def rank_main(rank: int, args, init: str, out: str) -> None:
                        "unshards": sum(1 for k in agreements["data"].schedules.get(True, []) if k[0] == "all_gather"),
                        "schedule": len(agreements["data"].schedules.get(True, [])),
                        "data_mode": bool(agreements["data"].schedules),
-                       "fallbacks": agreements["data"].fallbacks}, f)
+                       "fallbacks": agreements["data"].fallbacks,
+                       "fallback_reason": agreements["data"].fallback_reason}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -202,7 +206,7 @@ def main() -> int:
         "small_per_micro_batch": {m: round(per_step[m]["small"] / micro_per_step, 2) for m in MODES},
         "anchor_small_per_micro_batch": r["unshards"],
         "fsdp_collectives_per_micro_batch": r["schedule"],
-        "data_mode_reached": r["data_mode"], "fallbacks": r["fallbacks"],
+        "data_mode_reached": r["data_mode"], "fallbacks": r["fallbacks"], "fallback_reason": r["fallback_reason"],
         "check_ms": round(r["check_ms"], 4),
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }

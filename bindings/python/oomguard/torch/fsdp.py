@@ -62,6 +62,7 @@ import ctypes
 import gc
 import math
 import traceback
+from datetime import timedelta
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
@@ -224,15 +225,16 @@ class _CheckedReduceScatter(_Comm, ReduceScatter):  # type: ignore[misc,valid-ty
             output_tensor.is_contiguous() and input_tensor.numel() == n * dist.get_world_size(group)
         if a.before_collective(key):
             if inplace and big is not None and big.data_ptr() == input_tensor.data_ptr() and \
-                    big.numel() == input_tensor.numel() + 1 and op == dist.ReduceOp.SUM and \
+                    big.numel() == input_tensor.numel() + 1 and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and \
                     _exact_flag_sum(big.dtype, a.world):
-                a.reduce_with_flag(big, group)
+                a.reduce_with_flag(big, group, op)
                 output_tensor.view(-1).copy_(input_tensor.view(-1)[rank * n:(rank + 1) * n])
                 a.after_collective(key, counted=True)
                 return None
             a.leave_data_mode("an FSDP reduce-scatter cannot carry the flag (not an in-place SUM of the "
                               "agreement's buffer, or a dtype too narrow for the flags' sum)")
         a.check(group)
+        a._reduce_ops[key] = op
         if inplace:
             flat = input_tensor.view(-1)
             dist.all_reduce(flat, op=op, group=group)
@@ -246,7 +248,8 @@ class _CheckedReduceScatter(_Comm, ReduceScatter):  # type: ignore[misc,valid-ty
 
 
 def _exact_flag_sum(dtype: torch.dtype, world: int) -> bool:
-    """Whether ``dtype`` holds the flags' largest sum (every rank an error) exactly."""
+    """Whether ``dtype`` holds the flags' largest sum (every rank an error) exactly (or its mean
+    closely enough to round back to it)."""
     exact = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24}.get(dtype, 2 ** 53)
     return world * (world + 1) <= exact
 
@@ -278,6 +281,7 @@ class FsdpAgreement:
         if not self.modules:
             raise ValueError("the model has no module sharded with fully_shard")
         self.deadline_s = float(deadline_s)
+        self._deadline = timedelta(seconds=self.deadline_s)
         self._sync_every = bool(sync_every)
         self.group = None
         for m in self.modules:
@@ -322,6 +326,7 @@ class FsdpAgreement:
         self._data = False      # this micro-batch runs in data mode
         self._schedule: List[tuple] = []
         self._first: Optional[tuple] = None  # the first collective of every micro-batch's schedule
+        self._reduce_ops: dict = {}  # the reduce op FSDP used for each reduce-scatter of the schedule
         self.fallback_reason = ""
         self._recording: Optional[List[tuple]] = None
         self._pos = 0           # collectives of this micro-batch completed on this rank
@@ -357,9 +362,20 @@ class FsdpAgreement:
         return out
 
     def _wait(self, work: Any, what: str) -> None:
+        lost = f"{what} did not complete within {self.deadline_s:.1f} s (a peer is lost)"
+        if self._words.device.type == "cpu":
+            # gloo: a blocking wait with the deadline (polling would add up to a millisecond per collective).
+            try:
+                work.wait(timeout=self._deadline)
+            except RuntimeError as e:
+                self._comm_error = True
+                if "timed out" in str(e).lower():
+                    raise TimeoutError(lost) from None
+                raise
+            return
         if not completed_by([work], self.deadline_s):
             self._comm_error = True
-            raise TimeoutError(f"{what} did not complete within {self.deadline_s:.1f} s (a peer is lost)")
+            raise TimeoutError(lost)
         try:
             work.wait()
         except BaseException:
@@ -495,12 +511,13 @@ class FsdpAgreement:
         self._units_known = True
         self.after_collective(key, counted=True)
 
-    def reduce_with_flag(self, big: torch.Tensor, group: Any) -> None:
+    def reduce_with_flag(self, big: torch.Tensor, group: Any, op: Any) -> None:
         big[-1] = 0
-        work = dist.all_reduce(big, group=group, async_op=True)
+        work = dist.all_reduce(big, op=op, group=group, async_op=True)
         self._wait(work, "an FSDP reduce-scatter")
         self.completed()
-        flags = int(round(float(big[-1])))
+        # FSDP averages float32 and bfloat16 gradients (AVG) and sums the others after a division.
+        flags = int(round(float(big[-1]) * (self.world if op == dist.ReduceOp.AVG else 1)))
         if flags:
             raise self._abandon(flags % (self.world + 1), flags // (self.world + 1), True)
 
@@ -554,7 +571,8 @@ class FsdpAgreement:
             backward = any(w[0] & _BIT_BACKWARD for w in words)
         else:
             buf[-1] = 1 if oom else self.world + 1
-            work = dist.all_reduce(buf, group=self.group, async_op=True)
+            work = dist.all_reduce(buf, op=self._reduce_ops.get(key, dist.ReduceOp.SUM), group=self.group,
+                                   async_op=True)
             self._wait(work, "an FSDP reduce-scatter (replayed)")
             self.collectives += 1
             backward = True  # every other rank is in backward
