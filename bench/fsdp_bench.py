@@ -16,7 +16,8 @@ clipping's norm, the guard's vote and agreement), per step and per
 micro-batch, beside the anchor: one small collective per FSDP unshard per
 micro-batch (Composer's flag before each FSDP1 unshard, forward and backward). The last line
 (--json) is a JSON object with ``fsdp_ratio`` (median data / median plain step
-time), ``fsdp_check_ratio`` (check over plain), the medians, the counts, and
+time), ``fsdp_check_ratio`` (check over plain), the same as medians of the
+per-round ratios, the medians, rank 0's CPU time per step, the counts, and
 the time of one check on its own (``check_ms``, median of batches of 50):
 on a loaded host the ratios are noisy, that time much less so.
 """
@@ -100,6 +101,7 @@ def rank_main(rank: int, args, init: str, out: str) -> None:
     plain, plain_opt = models["plain"]
     lo, hi = rank * args.batch // world, (rank + 1) * args.batch // world
     times = {m: [] for m in MODES}
+    cpu = {m: [] for m in MODES}  # this process's CPU time (all its threads): less moved by other jobs' load
     measured = {m: {"small": 0, "data": 0} for m in MODES}
 
     def plain_step(tokens, labels):
@@ -125,7 +127,7 @@ def rank_main(rank: int, args, init: str, out: str) -> None:
             dist.barrier()
             before = dict(counter.counts[which])
             counter.mode = which
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if which == "plain":
                 plain_step(tokens, labels)
             else:
@@ -134,6 +136,7 @@ def rank_main(rank: int, args, init: str, out: str) -> None:
             dist.barrier()
             if i >= args.warmup:
                 times[which].append(time.perf_counter() - t0)
+                cpu[which].append(time.process_time() - c0)
                 for k in ("small", "data"):
                     measured[which][k] += counter.counts[which][k] - before[k]
     agreements = {m: steps[m]._fsdp for m in ("data", "check")}
@@ -147,7 +150,7 @@ def rank_main(rank: int, args, init: str, out: str) -> None:
         per_check.append((time.perf_counter() - t0) / 50)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"times": times, "measured": measured, "check_ms": statistics.median(per_check) * 1e3,
+            json.dump({"times": times, "cpu": cpu, "measured": measured, "check_ms": statistics.median(per_check) * 1e3,
                        "unshards": sum(1 for k in agreements["data"].schedules.get(True, []) if k[0] == "all_gather"),
                        "schedule": len(agreements["data"].schedules.get(True, [])),
                        "data_mode": bool(agreements["data"].schedules),
@@ -202,6 +205,12 @@ def main() -> int:
         "plain_ms": round(ms["plain"], 2), "data_ms": round(ms["data"], 2), "check_ms_per_step": round(ms["check"], 2),
         "fsdp_ratio": round(ms["data"] / ms["plain"], 4),
         "fsdp_check_ratio": round(ms["check"] / ms["plain"], 4),
+        # The median of the per-round ratios (each round ran the three modes back to back).
+        "fsdp_ratio_of_rounds": round(statistics.median(
+            d / p for d, p in zip(r["times"]["data"], r["times"]["plain"])), 4),
+        "fsdp_check_ratio_of_rounds": round(statistics.median(
+            c / p for c, p in zip(r["times"]["check"], r["times"]["plain"])), 4),
+        "cpu_ms": {m: round(statistics.median(r["cpu"][m]) * 1e3, 2) for m in MODES},
         "collectives_per_step": per_step,
         "small_per_micro_batch": {m: round(per_step[m]["small"] / micro_per_step, 2) for m in MODES},
         "anchor_small_per_micro_batch": r["unshards"],
