@@ -1,10 +1,13 @@
 """FSDP2 under the guard (issue 29): the project's small GPT sharded per block
-with fully_shard, 2 and 4 ranks over gloo on the CPU. OOMs on one rank at a
-unit's forward or backward (injected), at the guard's sites (forward,
-backward, sync, apply) and from oomguard.budget end with every rank having
-abandoned the same micro-batches and the parameters of the unconstrained FSDP
-run (float64, 1e-10); a run killed with SIGKILL resumes to the same result.
-Every run is bounded: a hang fails the test at its timeout."""
+with fully_shard, 2 and 4 ranks over gloo on the CPU, under the agreement's
+data mode (the flags inside FSDP's collectives) unless a plan asks for check
+mode. OOMs on one rank at a unit's forward or backward (injected), at every
+position of a micro-batch's collective schedule, at the guard's sites
+(forward, backward, sync, apply) and from oomguard.budget end with every rank
+having abandoned the same micro-batches and the parameters of the
+unconstrained FSDP run (float64, 1e-10); a replay that cannot allocate stops
+every rank; a run killed with SIGKILL resumes to the same result. Every run is
+bounded: a hang fails the test at its timeout."""
 
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "fsdp_worker.py"
 TRAIN_GPT = HERE.parents[1] / "examples" / "python" / "train_gpt.py"
 UNITS = ["0", "1", "root"]
+# The tests' GPT runs 8 FSDP collectives per micro-batch (reshard after forward): the forward
+# all-gathers of the root and the two blocks, then in backward the blocks' all-gathers and every
+# unit's reduce-scatter. Positions 0-7 of that schedule.
+POSITIONS = 8
 
 
 def run_plans(tmp_path, world: int, plans: list, timeout_s: float) -> dict:
@@ -46,24 +53,30 @@ def run_plans(tmp_path, world: int, plans: list, timeout_s: float) -> dict:
 
 
 def random_plans(seed: int, world: int, count: int, steps: int) -> list:
-    """Plans of one or two faults on one rank: an OOM at a unit's forward or
-    backward, or at a guard site, on a random step and micro-batch."""
+    """Plans of one or two faults: an OOM at a unit's forward or backward, at a
+    guard site (one rank), or before or after a position of a micro-batch's
+    collective schedule (one rank, or two ranks at the same point), on a random
+    step and micro-batch."""
     rng = random.Random(seed)
     plans = []
     for i in range(count):
         rank = rng.randrange(world)
-        units, rules = [], []
+        units, rules, at = [], [], []
         for _ in range(rng.choice([1, 2])):
-            kind = rng.choice(["unit", "unit", "site"])
+            kind = rng.choice(["unit", "unit", "site", "at", "at"])
             step = rng.randrange(steps)
-            if kind == "unit":
+            if kind == "at":
+                point = [step, rng.randrange(2), rng.choice(["before", "after"]), rng.randrange(POSITIONS)]
+                ranks = {rank, rng.randrange(world)} if rng.random() < 0.4 else {rank}
+                at += [[r] + point for r in sorted(ranks)]
+            elif kind == "unit":
                 units.append([rank, step, rng.choice(UNITS), rng.choice(["forward", "backward"]), rng.randrange(2)])
             else:
                 site = rng.choice(["forward", "backward", "sync", "apply"])
                 micro = f",micro={rng.randrange(2)}" if site in ("forward", "backward") else ""
                 rules.append(f"oom@step={step},rank={rank},site={site}{micro}")
         plans.append({"name": f"random{i}", "steps": steps, "micro": 16 // world // 2, "ckpt": 2,
-                      "sync": rng.choice(["every", "last"]), "units": units, "faults": ";".join(rules)})
+                      "sync": rng.choice(["every", "last"]), "units": units, "faults": ";".join(rules), "at": at})
     return plans
 
 
@@ -107,12 +120,6 @@ def test_two_ranks_every_unit_forward_and_backward_the_sites_and_the_budget(tmp_
     assert summaries["alloc"][1]["unit_faults"] == 2 and summaries["alloc"][0]["abandoned"] == 2, summaries["alloc"]
     assert summaries["sites"][1]["rollbacks"] == 1, summaries["sites"]
     assert summaries["budget"][1]["ooms"] >= 1, summaries["budget"]
-
-
-# The tests' GPT runs 8 FSDP collectives per micro-batch (reshard after forward): the forward
-# all-gathers of the root and the two blocks, then in backward the blocks' all-gathers and every
-# unit's reduce-scatter. Positions 0-7 of that schedule.
-POSITIONS = 8
 
 
 def test_two_ranks_data_mode_every_position(tmp_path):
