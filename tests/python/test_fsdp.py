@@ -197,14 +197,23 @@ def test_two_ranks_replay_that_does_not_fit_stops_every_rank(tmp_path):
     assert 15 < ranks[0]["seconds_total"] < 55, ranks
 
 
+def assert_positions_hit(results: dict) -> None:
+    """The seeds were picked so that position faults fire, on two ranks at once in some plan."""
+    fired = [[r.get("position_faults", 0) for r in summaries] for summaries, _ in results.values()]
+    assert any(sum(f) for f in fired), fired
+    assert any(sum(1 for x in f if x) >= 2 for f in fired), fired
+
+
 def test_two_ranks_random_plans(tmp_path):
-    plans = [{"name": "plain", "plain": True, "steps": 3}] + random_plans(29, 2, 5, 3)
-    check_against(run_plans(tmp_path, 2, plans, timeout_s=600))
+    plans = [{"name": "plain", "plain": True, "steps": 3}] + random_plans(38, 2, 5, 3)
+    check_against(results := run_plans(tmp_path, 2, plans, timeout_s=600))
+    assert_positions_hit(results)
 
 
 def test_four_ranks_random_plans(tmp_path):
-    plans = [{"name": "plain", "plain": True, "steps": 3}] + random_plans(4, 4, 3, 3)
-    check_against(run_plans(tmp_path, 4, plans, timeout_s=600))
+    plans = [{"name": "plain", "plain": True, "steps": 3}] + random_plans(6, 4, 3, 3)
+    check_against(results := run_plans(tmp_path, 4, plans, timeout_s=600))
+    assert_positions_hit(results)
 
 
 def _train_gpt(tmp_path, *extra, timeout_s=300):

@@ -31,7 +31,7 @@ custom collectives (``set_custom_all_gather`` / ``set_custom_reduce_scatter``):
 * **check mode** (``TrainStep(fsdp_agreement="check")``, on non-CPU devices,
   and in data mode until a schedule is recorded, after the model's units
   changed, or for the rest of a micro-batch whose collectives stopped matching
-  the schedule): a check (an all-reduce of 7 float64 words) before every FSDP
+  the schedule): a check (an all-reduce of 8 float64 words) before every FSDP
   collective; a failing rank answers the next check with its flag. On the CPU,
   gloo's all-gather allocates a temporary inside the collective: it is
   reserved beside FSDP's buffer before the check and released right before the
@@ -82,7 +82,7 @@ except ImportError:  # pragma: no cover - older torch: no FSDP2 mode
     TrainingState = None  # type: ignore[assignment]
     DTensor = None  # type: ignore[assignment]
 
-__all__ = ["FsdpPeerOutOfMemoryError", "FsdpPeerError", "FsdpReplayError", "FsdpAgreement", "GUARD_OPTIONS", "is_fsdp", "fsdp_modules"]
+__all__ = ["FsdpPeerOutOfMemoryError", "FsdpPeerInjectedOutOfMemoryError", "FsdpPeerError", "FsdpReplayError", "FsdpAgreement", "GUARD_OPTIONS", "is_fsdp", "fsdp_modules"]
 
 # What a guard of an FSDP model needs: after an abandoned micro-batch every rank
 # shrinks the same way (halving, no figures-driven sizes, no same-size retry
@@ -91,13 +91,22 @@ __all__ = ["FsdpPeerOutOfMemoryError", "FsdpPeerError", "FsdpReplayError", "Fsdp
 GUARD_OPTIONS = {"controller": "search", "retry_after_release": False, "uniform_micro_batch": True}
 
 # The words of a check (summed over ranks).
-_OOM, _ERROR, _BACKWARD, _UNITS, _SAMPLES, _SAMPLES_SQ, _SQ_NORM = range(7)
-_WORDS = 7
+_OOM, _ERROR, _BACKWARD, _UNITS, _SAMPLES, _SAMPLES_SQ, _SQ_NORM, _INJECTED = range(8)
+_WORDS = 8
 
 
 class FsdpPeerOutOfMemoryError(torch.OutOfMemoryError):
     """Raised on the ranks that did not fail when another rank ran out of memory
     inside an FSDP micro-batch: every rank abandons the micro-batch together."""
+
+
+class FsdpPeerInjectedOutOfMemoryError(FsdpPeerOutOfMemoryError, _errors.InjectedOutOfMemoryError):
+    """The same, when every failing rank's OOM was injected (a fault rule):
+    the guard treats it as injected on every rank, so that every rank's size
+    controller learns the same thing (an injected OOM marks no size as bad)."""
+
+    def __init__(self, message: str) -> None:
+        _errors.InjectedOutOfMemoryError.__init__(self, message)
 
 
 class FsdpReplayError(RuntimeError):
@@ -128,7 +137,7 @@ def _extra_elements(dtype: torch.dtype) -> int:
 
 # A rank's words in a data-mode all-gather: flag bits, loss units, sample count (int64).
 _WORD_BYTES = 24
-_BIT_OOM, _BIT_ERROR, _BIT_BACKWARD = 1, 2, 4
+_BIT_OOM, _BIT_ERROR, _BIT_BACKWARD, _BIT_INJECTED = 1, 2, 4, 8
 
 
 class _Comm:
@@ -206,8 +215,8 @@ class _CheckedReduceScatter(_Comm, ReduceScatter):  # type: ignore[misc,valid-ty
     all-reduce of FSDP's scratch input, then this rank's chunk copied out:
     nothing allocated inside the collective (gloo's reduce-scatter allocates).
     Check mode: a check first. Data mode: the scratch input has one spare
-    element, this rank's flag (1: an OOM, world + 1: an error), summed with
-    the gradients."""
+    element, this rank's flag (1: an OOM, world + 1: an injected OOM,
+    (world + 1)²: an error), summed with the gradients."""
 
     def allocate(self, size, *, dtype, device):
         n = int(math.prod(int(s) for s in size))
@@ -251,7 +260,7 @@ def _exact_flag_sum(dtype: torch.dtype, world: int) -> bool:
     """Whether ``dtype`` holds the flags' largest sum (every rank an error) exactly (or its mean
     closely enough to round back to it)."""
     exact = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24}.get(dtype, 2 ** 53)
-    return world * (world + 1) <= exact
+    return world * (world + 1) ** 2 <= exact
 
 
 class FsdpAgreement:
@@ -332,6 +341,7 @@ class FsdpAgreement:
         self._pos = 0           # collectives of this micro-batch completed on this rank
         self._units_known = False
         self._comm_error = False  # a collective itself failed (not an OOM before it): nothing to replay
+        self._injected = False    # this rank's own failure was an injected OOM (a fault rule)
         for i, m in enumerate(self.modules):
             m.set_custom_all_gather(_CheckedAllGather(self, i))
             m.set_custom_reduce_scatter(_CheckedReduceScatter(self, i))
@@ -341,6 +351,7 @@ class FsdpAgreement:
         # Allocation-free: the failing rank runs this while its OOM's frames still hold memory.
         w, h = self._words, self._host
         h[_OOM] = float(oom)
+        h[_INJECTED] = float(oom and self._injected)
         h[_ERROR] = float(error)
         h[_BACKWARD] = float(self.backward)
         h[_UNITS] = float(self.local_units)
@@ -392,16 +403,16 @@ class FsdpAgreement:
         self._peer = error
         return error
 
-    def _abandon(self, ooms: int, errors: int, backward: bool) -> BaseException:
+    def _abandon(self, ooms: int, errors: int, backward: bool, injected: int = 0) -> BaseException:
         self.abandoned += 1
         self.backward = self.backward or backward
         if errors:
             err: BaseException = FsdpPeerError("another rank raised an error inside this FSDP micro-batch; every "
                                                "rank left it")
         else:
-            err = FsdpPeerOutOfMemoryError(
-                f"{ooms} other rank(s) failed to allocate inside this FSDP micro-batch; every rank abandons it "
-                "(a peer's OOM, not this rank's)")
+            text = (f"{ooms} other rank(s) failed to allocate inside this FSDP micro-batch; every rank abandons it "
+                    "(a peer's OOM, not this rank's)")
+            err = FsdpPeerInjectedOutOfMemoryError(text) if 0 < ooms == injected else FsdpPeerOutOfMemoryError(text)
         self._peer = err
         return err
 
@@ -411,7 +422,7 @@ class FsdpAgreement:
             raise self._peer  # already abandoned: issue nothing more
         out = self._exchange(False, False, group)
         if out[_OOM] or out[_ERROR]:
-            raise self._abandon(int(out[_OOM]), int(out[_ERROR]), out[_BACKWARD] > 0)
+            raise self._abandon(int(out[_OOM]), int(out[_ERROR]), out[_BACKWARD] > 0, int(out[_INJECTED]))
 
     def ensure_checked(self) -> None:
         """Before this micro-batch's weight is used: the global units are known
@@ -503,7 +514,8 @@ class FsdpAgreement:
         ooms = sum(1 for w in words if w[0] & _BIT_OOM)
         errors = sum(1 for w in words if w[0] & _BIT_ERROR)
         if ooms or errors:
-            raise self._abandon(ooms, errors, any(w[0] & _BIT_BACKWARD for w in words))
+            raise self._abandon(ooms, errors, any(w[0] & _BIT_BACKWARD for w in words),
+                                sum(1 for w in words if w[0] & _BIT_INJECTED))
         samples = [w[2] for w in words]
         if len(set(samples)) > 1:
             raise self._agreed(ValueError(self._unequal_samples(sum(samples))))
@@ -519,7 +531,9 @@ class FsdpAgreement:
         # FSDP averages float32 and bfloat16 gradients (AVG) and sums the others after a division.
         flags = int(round(float(big[-1]) * (self.world if op == dist.ReduceOp.AVG else 1)))
         if flags:
-            raise self._abandon(flags % (self.world + 1), flags // (self.world + 1), True)
+            base = self.world + 1
+            real, injected, errors = flags % base, flags // base % base, flags // (base * base)
+            raise self._abandon(real + injected, errors, True, injected)
 
     # ---- the failing rank's side in data mode ----
     def _replay_target(self, last: bool) -> Optional[tuple]:
@@ -563,14 +577,15 @@ class FsdpAgreement:
                         self.coordinator.abort(f"FSDP replay failed: {message}")
                     raise FsdpReplayError(message) from err
                 gc.collect()
-        flags = _BIT_OOM if oom else _BIT_ERROR
+        flags = (_BIT_OOM | (_BIT_INJECTED if self._injected else 0)) if oom else _BIT_ERROR
         if kind == "all_gather":
             words = self._gather(buf, numel, self.group, flags | (_BIT_BACKWARD if self.backward else 0),
                                  replay=True)
             self.collectives += 1
             backward = any(w[0] & _BIT_BACKWARD for w in words)
         else:
-            buf[-1] = 1 if oom else self.world + 1
+            base = self.world + 1
+            buf[-1] = (base if self._injected else 1) if oom else base * base
             work = dist.all_reduce(buf, op=self._reduce_ops.get(key, dist.ReduceOp.SUM), group=self.group,
                                    async_op=True)
             self._wait(work, "an FSDP reduce-scatter (replayed)")
@@ -658,6 +673,7 @@ class FsdpAgreement:
                 if isinstance(e, (KeyboardInterrupt, SystemExit, TimeoutError)) or self._comm_error:
                     raise
                 oom = _errors.oom_kind(e) is not None
+                self._injected = isinstance(e, _errors.InjectedOutOfMemoryError)
                 target = self._replay_target(last)
                 if target is None:
                     self.answer(oom)
@@ -695,9 +711,10 @@ class FsdpAgreement:
             pg._post_forward_indices.clear()
             pg._post_reduce_event = None
             pg._all_reduce_state = None
-            pg.comm_ctx.all_gather_state = None
-            pg.comm_ctx.reduce_scatter_state = None
-            pg.comm_ctx.post_forward_order.clear()
+            if hasattr(pg.comm_ctx, "post_forward_order"):  # not before FSDP's lazy init (the first forward)
+                pg.comm_ctx.all_gather_state = None
+                pg.comm_ctx.reduce_scatter_state = None
+                pg.comm_ctx.post_forward_order.clear()
             pg.reshard()
         root = self.modules[-1]._get_fsdp_state()
         ctx = root._state_ctx
