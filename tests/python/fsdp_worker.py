@@ -14,7 +14,8 @@ oomguard.budget allocator on that rank), "ckpt" (checkpoint every N steps, 0
 none), "plain" (true: the unconstrained FSDP run, no guard), "agreement"
 ("data"/"check"), "at" and "replay_oom" (PositionFaults), "reshard_at" (step:
 set_reshard_after_forward(False) before it), "corrupt_at" ([step, position]:
-the recorded schedule made wrong there), "alone" (each rank writes
+the recorded schedule made wrong there), "prefetch" (true: explicit forward and
+backward prefetching between the blocks), "alone" (each rank writes
 <name>.rank<r>.json and exits: for a plan after which the ranks are out of
 step)}. Rank 0 writes
 OUT_DIR/<name>.f64 (the full parameters) and OUT_DIR/<name>.json.
@@ -174,6 +175,16 @@ def run_guarded(plan, rank, world, out_dir):
     step_fn = ogt.TrainStep(model, optimizer, train_gpt.token_loss, guard=guard, loss_units=train_gpt.valid_tokens,
                             scheduler=scheduler, clip_grad_norm=1.0, fsdp_sync=plan.get("sync", "every"),
                             fsdp_agreement=plan.get("agreement", "data"))
+    if plan.get("prefetch"):
+        # FSDP2's explicit prefetching: each block's all-gather issued from the one before it (forward)
+        # or after it (backward), so collectives run in another order than the modules.
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+        model.set_modules_to_forward_prefetch(blocks[:1])
     faults = UnitFaults(model, rank, plan.get("units", []))
     faults.wrap_allocations(model)
     positions = PositionFaults(step_fn._fsdp, rank, plan.get("at", []), plan.get("replay_oom", []))

@@ -128,7 +128,8 @@ def test_two_ranks_data_mode_every_position(tmp_path):
     collective of a micro-batch (it replays the next micro-batch's first; on the step's last
     micro-batch it answers the step's closing check), in the first micro-batch ever run (check mode
     while the schedule is recorded), on two ranks at once, and after the schedule stopped matching
-    what FSDP runs (a new reshard setting, a schedule made wrong): every rank abandons the same
+    what FSDP runs (a new reshard setting, a schedule made wrong), with explicit prefetching
+    (collectives in another order than the modules): every rank abandons the same
     micro-batches and ends with the unconstrained run's parameters."""
     steps = 3
     plans = [{"name": "plain", "plain": True, "steps": steps}]
@@ -148,6 +149,8 @@ def test_two_ranks_data_mode_every_position(tmp_path):
                   "at": [[1, 2, 0, "before", 2], [1, 3, 1, "before", 4]]})
     plans.append({"name": "corrupt", "steps": steps, "micro": 4, "corrupt_at": [1, 4],
                   "at": [[1, 1, 0, "before", 6], [1, 2, 1, "before", 1]]})
+    plans.append({"name": "prefetch", "steps": steps, "micro": 4, "prefetch": True,
+                  "at": [[1, 1, 1, "before", 2], [1, 2, 0, "after", 4]]})
     plans.append({"name": "check_mode", "steps": steps, "micro": 4, "agreement": "check",
                   "at": [[1, 1, 1, "before", 5], [1, 2, 0, "after", POSITIONS - 1]]})
     plans.append({"name": "plain4", "plain": True, "steps": 4})
@@ -155,7 +158,8 @@ def test_two_ranks_data_mode_every_position(tmp_path):
     check_against({n: r for n, r in results.items() if n != "reshard" and n != "plain4"})
     check_against({"plain4": results["plain4"], "reshard": results["reshard"]}, reference="plain4")
     s = {name: summaries for name, (summaries, _) in results.items()}
-    for name in [f"before{p}" for p in range(POSITIONS // 2)] + ["after_last", "both", "reshard", "corrupt"]:
+    for name in [f"before{p}" for p in range(POSITIONS // 2)] + ["after_last", "both", "reshard", "corrupt",
+                                                                  "prefetch"]:
         injected = sum(r["position_faults"] for r in s[name])
         assert injected == {"both": 4}.get(name, 2), (name, s[name])
         assert s[name][0]["abandoned"] == 2, (name, s[name])
@@ -172,6 +176,7 @@ def test_two_ranks_data_mode_every_position(tmp_path):
     assert s["both"][0]["replays"] == 2 and s["both"][1]["replays"] == 2, s["both"]
     assert s["both"][0]["abandoned"] == 2, s["both"]
     assert all(r["fallbacks"] >= 1 for r in s["corrupt"]), s["corrupt"]
+    assert s["prefetch"][1]["replays"] == 2 and all(r["fallbacks"] == 0 for r in s["prefetch"]), s["prefetch"]
     assert s["check_mode"][1]["replays"] == 0 and s["check_mode"][0]["abandoned"] == 2, s["check_mode"]
     # Data mode runs no check inside a micro-batch: fewer checks than check mode, same FSDP collectives.
     assert s["before0"][0]["checks"] < s["check_mode"][0]["checks"], (s["before0"], s["check_mode"])
