@@ -129,8 +129,9 @@ class PositionFaults:
     (the agreement's fault hook): [rank, step, micro, where, position] with
     where "before" (this rank fails before entering collective `position` of
     the step's `micro`-th micro-batch call, counting redone ones) or "after"
-    (after it completed); "replay" rules [rank, step] make the replay's
-    allocation fail (both attempts)."""
+    (after it completed), and optionally "error" (a ValueError, not an OOM);
+    "replay" rules [rank, step] make the replay's allocation fail (both
+    attempts)."""
 
     def __init__(self, agreement, rank: int, rules, replay_rules) -> None:
         self.rules = [list(r) + [False] for r in rules if r[0] == rank]
@@ -156,10 +157,12 @@ class PositionFaults:
                     raise torch.OutOfMemoryError(f"injected in the replay's allocation (attempt {pos})")
             return
         for r in self.rules:
-            if not r[5] and r[1] == self.step and r[2] == self.micro and r[3] == where and r[4] == pos:
-                r[5] = True
-                raise torch.OutOfMemoryError(f"injected {where} FSDP collective {pos} of micro-batch call "
-                                             f"{self.micro} of step {self.step}")
+            if not r[-1] and r[1] == self.step and r[2] == self.micro and r[3] == where and r[4] == pos:
+                r[-1] = True
+                text = f"injected {where} FSDP collective {pos} of micro-batch call {self.micro} of step {self.step}"
+                if len(r) > 6 and r[5] == "error":
+                    raise ValueError(text)
+                raise torch.OutOfMemoryError(text)
 
 
 def run_guarded(plan, rank, world, out_dir):
@@ -224,7 +227,7 @@ def run_guarded(plan, rank, world, out_dir):
                    "collectives": agreement.collectives, "abandoned": agreement.abandoned,
                    "replays": agreement.replays, "fallbacks": agreement.fallbacks,
                    "data_mode": bool(agreement.schedules),
-                   "position_faults": sum(r[5] for r in positions.rules),
+                   "position_faults": sum(r[-1] for r in positions.rules),
                    "seconds": round(time.monotonic() - t0, 3), "unit_faults": sum(r[5] for r in faults.rules), "peak": peak}
 
 

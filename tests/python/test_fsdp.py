@@ -154,7 +154,13 @@ def test_two_ranks_data_mode_every_position(tmp_path):
     plans.append({"name": "check_mode", "steps": steps, "micro": 4, "agreement": "check",
                   "at": [[1, 1, 1, "before", 5], [1, 2, 0, "after", POSITIONS - 1]]})
     plans.append({"name": "plain4", "plain": True, "steps": 4})
+    # A non-OOM error before a collective: rank 1 replays it with its error flag, every rank leaves the
+    # micro-batch and the guard's vote stops every rank (rank 1 with its own error). Last: it ends the run.
+    plans.append({"name": "error", "steps": steps, "micro": 4, "at": [[1, 1, 1, "before", 4, "error"]]})
     results = run_plans(tmp_path, 2, plans, timeout_s=600)
+    stopped = results.pop("error")[0]
+    assert "ValueError: injected before FSDP collective 4" in stopped[1]["error"], stopped
+    assert stopped[0]["error"] is not None and "ValueError" not in stopped[0]["error"], stopped
     check_against({n: r for n, r in results.items() if n != "reshard" and n != "plain4"})
     check_against({"plain4": results["plain4"], "reshard": results["reshard"]}, reference="plain4")
     s = {name: summaries for name, (summaries, _) in results.items()}
