@@ -707,6 +707,9 @@ class FsdpAgreement:
                 if isinstance(work, dist.distributed_c10d.Work):
                     work.wait()  # issued on every rank after a check: it completes
                 pg._all_gather_result = None
+            for comm in (pg._all_gather_comm, pg._reduce_scatter_comm):
+                if isinstance(comm, _Comm):  # buffers of a collective that was never issued
+                    comm._bigs, comm._reserve = [], None
             pg._training_state = TrainingState.IDLE
             pg._post_forward_indices.clear()
             pg._post_reduce_event = None
