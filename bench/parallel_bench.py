@@ -4,7 +4,8 @@ wall time without taking CPU: plain DDP against TrainStep in today's mode (every
 micro-batch under no_sync, the guard sums the gradients after backward) and in
 the overlap mode (DDP's bucketed all-reduce overlapped with the last backward,
 through oomguard's comm hook), and plain FSDP2 against TrainStep on the same
-sharded model (a check before every FSDP collective); same model, same ranks,
+sharded model (the agreement's flags inside FSDP's collectives, and the check
+mode: a check before every FSDP collective); same model, same ranks,
 alternating in one run (each round starts with the next mode).
 
 The two ranks run in two network namespaces joined by a veth pair whose
@@ -17,12 +18,13 @@ for the same CPUs); through the limited link the wire time is real wall time.
 The last line of --json is a JSON object with ``<mode>_ms`` (median step
 time per mode) and ``ddp_overlap_ratio``, ``ddp_today_ratio`` (guarded DDP over
 plain DDP) and ``fsdp_ratio`` (TrainStep on the model sharded with FSDP2, one
-unit per Linear, over the plain FSDP2 step): the median of the per-round
+unit per Linear, over the plain FSDP2 step; ``fsdp_check_ratio`` the same in
+check mode): the median of the per-round
 ratios, each round running every mode back to back. Next to each ratio:
 ``<ratio>_of_medians`` (median step time over median step time) and
 ``<ratio>_spread`` (the 25th and 75th percentiles of the per-round ratios);
 ``load`` is the machine's load average before and after. Modes are the rows
-of MODES, ratios the rows of RATIOS.
+of MODES (``--modes`` picks some), ratios the rows of RATIOS whose modes ran.
 
 On a loaded machine one round's ratio moves by tens of percent: take many
 rounds (``--rounds``, each mode ``--steps`` steps per round), ``--repeat`` the
@@ -161,11 +163,12 @@ MODES: Dict[str, Callable] = {
     "ddp_today": _guarded(_ddp, ddp_overlap=False),
     "ddp_overlap": _guarded(_ddp, ddp_overlap=True),
     "fsdp_plain": _plain(_fsdp),
-    "fsdp": _guarded(_fsdp),
+    "fsdp": _guarded(_fsdp),  # the flags inside FSDP's collectives (the default agreement)
+    "fsdp_check": _guarded(_fsdp, fsdp_agreement="check"),  # a check before every FSDP collective
 }
 # Each ratio: (guarded mode, its plain baseline).
 RATIOS = {"ddp_today_ratio": ("ddp_today", "plain"), "ddp_overlap_ratio": ("ddp_overlap", "plain"),
-          "fsdp_ratio": ("fsdp", "fsdp_plain")}
+          "fsdp_ratio": ("fsdp", "fsdp_plain"), "fsdp_check_ratio": ("fsdp_check", "fsdp_plain")}
 
 
 def worker(args) -> int:
@@ -181,11 +184,12 @@ def worker(args) -> int:
         os.sched_setaffinity(0, {cpus[args.rank % len(cpus)]})
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2,
                             timeout=timedelta(seconds=300))
-    steps = {name: make(args, torch, ogt, oomguard) for name, make in MODES.items()}
+    modes = args.modes.split(",")
+    steps = {name: MODES[name](args, torch, ogt, oomguard) for name in modes}
     g = torch.Generator().manual_seed(1 + args.rank)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, 1, generator=g)
-    times: Dict[str, List[float]] = {name: [] for name in MODES}
+    times: Dict[str, List[float]] = {name: [] for name in modes}
     for name, step in steps.items():  # warm-up: DDP rebuilds its buckets after its first synced step
         for _ in range(2):
             step(x, y)
@@ -211,6 +215,8 @@ def summarize(times: Dict[str, List[float]]) -> dict:
     ratios, the ratio of the medians, and the per-round ratios' quartiles."""
     result = {f"{name}_ms": round(statistics.median(ts), 2) for name, ts in times.items()}
     for ratio, (name, base) in RATIOS.items():
+        if name not in times or base not in times:
+            continue
         # Per round: every mode ran back to back, so a ratio compares steps
         # taken under the same load.
         per_round = [t / p for t, p in zip(times[name], times[base])]
@@ -230,7 +236,7 @@ def run_once(args, link: "Link", port: int) -> Dict[str, List[float]]:
     for rank in (0, 1):
         cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__), "--worker",
                "--rank", str(rank), "--master", link.addr[0]]
-        for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads"):
+        for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads", "modes"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         cmd += ["--port", str(port)]
         if args.pin:
@@ -262,6 +268,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="whole runs (fresh ranks), their rounds pooled")
     p.add_argument("--pin", action="store_true", help="pin rank r to the r-th CPU this process may use")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--modes", default=",".join(MODES), help=f"modes to run, comma-separated (of {','.join(MODES)})")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -271,6 +278,9 @@ def main() -> int:
     for name in ("width", "layers", "batch", "steps", "rounds", "repeat", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {unknown} (modes: {', '.join(MODES)})")
     if args.worker:
         return worker(args)
 
@@ -282,7 +292,8 @@ def main() -> int:
     times = {name: [t for run in runs for t in run[name]] for name in runs[0]}
     result = summarize(times)
     if args.repeat > 1:
-        result["repeats"] = [{ratio: summarize(run)[ratio] for ratio in RATIOS} for run in runs]
+        result["repeats"] = [{ratio: value for ratio, value in summarize(run).items() if ratio in RATIOS}
+                             for run in runs]
     result.update({"load": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
                    "rate": args.rate, "params": (args.width * args.width + args.width) * args.layers + args.width + 1,
                    "batch_per_rank": args.batch, "bucket_mb": args.bucket_mb, "rounds": args.rounds,

@@ -179,6 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=list(PARALLEL), default="ddp",
                    help="with --ranks > 1: " + "; ".join(f"{k}: {v}" for k, v in PARALLEL.items()))
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (gradient bucket size)")
+    p.add_argument("--fsdp-agreement", choices=["data", "check"], default="data",
+                   help="with --parallel fsdp: the failure flags inside FSDP's collectives (data) or a check "
+                        "before each of them (check); docs/distributed.md")
     p.add_argument("--plain", action="store_true", help="the reference: whole batch, no guard (one process)")
     p.add_argument("--ckpt-dir", default="", help="checkpoint directory (empty: no checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=0,
@@ -309,7 +312,8 @@ def run_guarded(args, rank, world, model, optimizer, scheduler):
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=args.bucket_mb)
     train_step = ogt.TrainStep(model, optimizer, token_loss, guard=guard, loss_units=valid_tokens,
                                scheduler=scheduler, clip_grad_norm=args.clip or None,
-                               ddp_overlap=world > 1 and args.parallel == "ddp-overlap")
+                               ddp_overlap=world > 1 and args.parallel == "ddp-overlap",
+                               fsdp_agreement=args.fsdp_agreement)
     if args.resume:
         resumed = guard.resume()
         if resumed is not None and rank == 0:

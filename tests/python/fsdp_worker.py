@@ -11,7 +11,13 @@ unit, phase, nth]...]: a torch.OutOfMemoryError raised on that rank when unit
 `unit` (0..layers-1 the blocks, "root" the rest) runs its `nth` forward or
 backward ("forward"/"backward") of that step), "budget" ([rank, bytes]: the
 oomguard.budget allocator on that rank), "ckpt" (checkpoint every N steps, 0
-none), "plain" (true: the unconstrained FSDP run, no guard)}. Rank 0 writes
+none), "plain" (true: the unconstrained FSDP run, no guard), "agreement"
+("data"/"check"), "at" and "replay_oom" (PositionFaults), "reshard_at" (step:
+set_reshard_after_forward(False) before it), "corrupt_at" ([step, position]:
+the recorded schedule made wrong there), "prefetch" (true: explicit forward and
+backward prefetching between the blocks), "alone" (each rank writes
+<name>.rank<r>.json and exits: for a plan after which the ranks are out of
+step)}. Rank 0 writes
 OUT_DIR/<name>.f64 (the full parameters) and OUT_DIR/<name>.json.
 """
 
@@ -118,6 +124,47 @@ def run_plain(plan, rank, world):
     return model, {"ooms": 0}
 
 
+class PositionFaults:
+    """Injected OOMs at a position of the FSDP collectives of a micro-batch
+    (the agreement's fault hook): [rank, step, micro, where, position] with
+    where "before" (this rank fails before entering collective `position` of
+    the step's `micro`-th micro-batch call, counting redone ones) or "after"
+    (after it completed), and optionally "error" (a ValueError, not an OOM);
+    "replay" rules [rank, step] make the replay's allocation fail (both
+    attempts)."""
+
+    def __init__(self, agreement, rank: int, rules, replay_rules) -> None:
+        self.rules = [list(r) + [False] for r in rules if r[0] == rank]
+        self.replay = [list(r) + [False] for r in replay_rules if r[0] == rank]
+        self.step, self.micro = -1, -1
+        inner = agreement.run_micro
+
+        def run_micro(*a, **k):
+            self.micro += 1
+            return inner(*a, **k)
+        agreement.run_micro = run_micro
+        agreement.fault_hook = self.hit
+
+    def begin(self, step: int) -> None:
+        if step != self.step:
+            self.step, self.micro = step, -1
+
+    def hit(self, where: str, pos: int) -> None:
+        if where == "replay":
+            for r in self.replay:
+                if r[1] == self.step and (not r[2] or pos == 1):
+                    r[2] = True
+                    raise torch.OutOfMemoryError(f"injected in the replay's allocation (attempt {pos})")
+            return
+        for r in self.rules:
+            if not r[-1] and r[1] == self.step and r[2] == self.micro and r[3] == where and r[4] == pos:
+                r[-1] = True
+                text = f"injected {where} FSDP collective {pos} of micro-batch call {self.micro} of step {self.step}"
+                if len(r) > 6 and r[5] == "error":
+                    raise ValueError(text)
+                raise torch.OutOfMemoryError(text)
+
+
 def run_guarded(plan, rank, world, out_dir):
     model, optimizer = build()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_gpt.warmup_cosine(2, plan["steps"]))
@@ -129,9 +176,21 @@ def run_guarded(plan, rank, world, out_dir):
                            recovery=ckpt, coordinator=ogt.TorchDistributedCoordinator(),
                            vote_deadline_ms=DEADLINE_MS, **ogt.fsdp.GUARD_OPTIONS)
     step_fn = ogt.TrainStep(model, optimizer, train_gpt.token_loss, guard=guard, loss_units=train_gpt.valid_tokens,
-                            scheduler=scheduler, clip_grad_norm=1.0, fsdp_sync=plan.get("sync", "every"))
+                            scheduler=scheduler, clip_grad_norm=1.0, fsdp_sync=plan.get("sync", "every"),
+                            fsdp_agreement=plan.get("agreement", "data"))
+    if plan.get("prefetch"):
+        # FSDP2's explicit prefetching: each block's all-gather issued from the one before it (forward)
+        # or after it (backward), so collectives run in another order than the modules.
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+        model.set_modules_to_forward_prefetch(blocks[:1])
     faults = UnitFaults(model, rank, plan.get("units", []))
     faults.wrap_allocations(model)
+    positions = PositionFaults(step_fn._fsdp, rank, plan.get("at", []), plan.get("replay_oom", []))
     lo, hi = rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world
     oomguard.set_fault_rules(plan.get("faults", ""))
     budget = plan.get("budget")
@@ -142,6 +201,16 @@ def run_guarded(plan, rank, world, out_dir):
         while guard.next_step < plan["steps"]:
             step = guard.next_step
             faults.begin(step)
+            positions.begin(step)
+            if plan.get("reshard_at") == step:
+                # A new collective sequence (the root and blocks keep their parameters after forward): the
+                # schedule recorded so far no longer holds.
+                model.set_reshard_after_forward(False)
+            if plan.get("corrupt_at", [None])[0] == step and step_fn._fsdp.schedules:
+                # A schedule that differs from what FSDP runs at one position: every rank leaves data mode there.
+                for key, sched in step_fn._fsdp.schedules.items():
+                    kind, unit, numel, dtype = sched[plan["corrupt_at"][1]]
+                    sched[plan["corrupt_at"][1]] = (kind, unit, numel + 1, dtype)
             tokens, labels = train_gpt.make_batch(0, step, GLOBAL_BATCH, CONTEXT, VOCAB)
             try:
                 step_fn(tokens[lo:hi], labels[lo:hi])
@@ -156,6 +225,9 @@ def run_guarded(plan, rank, world, out_dir):
     agreement = step_fn._fsdp
     return model, {"ooms": guard.total_ooms, "rollbacks": rollbacks, "checks": agreement.checks,
                    "collectives": agreement.collectives, "abandoned": agreement.abandoned,
+                   "replays": agreement.replays, "fallbacks": agreement.fallbacks,
+                   "data_mode": bool(agreement.schedules),
+                   "position_faults": sum(r[-1] for r in positions.rules),
                    "seconds": round(time.monotonic() - t0, 3), "unit_faults": sum(r[5] for r in faults.rules), "peak": peak}
 
 
@@ -165,6 +237,7 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(milliseconds=DEADLINE_MS * 2))
     for plan in json.loads(pathlib.Path(plans_path).read_text()):
+        started = time.monotonic()
         try:
             if plan.get("plain"):
                 model, summary = run_plain(plan, rank, world)
@@ -173,6 +246,16 @@ def main() -> int:
             summary["error"] = None
         except Exception as e:  # noqa: BLE001 - reported per plan; every rank stopped at the same step
             model, summary = None, {"error": f"{type(e).__name__}: {e}"}
+        if plan.get("alone"):
+            # A plan that stops every rank with the process group out of step (a replay that could not
+            # run): each rank writes its own summary and the process ends without another collective.
+            summary["seconds_total"] = round(time.monotonic() - started, 3)
+            pathlib.Path(out_dir, f"{plan['name']}.rank{rank}.json").write_text(json.dumps(summary))
+            sys.stdout.flush()
+            # "linger": stay alive that long (from the plan's start), so that the other ranks must stop
+            # by their deadline, not because this process left.
+            time.sleep(max(0.0, plan.get("linger", 0) - (time.monotonic() - started)))
+            os._exit(0)
         # Every rank's summary; the parameters gathered whole (a collective on every rank).
         gathered = [None] * world
         dist.all_gather_object(gathered, summary)

@@ -107,7 +107,10 @@ class TorchDistributedCoordinator(_C.Coordinator):
         self._before = fn
 
     def _run_before(self) -> None:
-        if self._before is not None and self._broken is None:
+        if self._broken is not None:
+            # Before issuing anything: a rank whose group is out of step must not send another collective.
+            raise TimeoutError(f"coordinator is broken: {self._broken}")
+        if self._before is not None:
             try:
                 self._before()
             except Exception as e:  # noqa: BLE001 - a round that cannot complete is a coordination failure
@@ -161,5 +164,6 @@ class TorchDistributedCoordinator(_C.Coordinator):
         for host, dev in staged:
             host.copy_(dev)
 
-    def abort(self) -> None:
-        self._broken = self._broken or "aborted"
+    def abort(self, reason: str = "aborted") -> None:
+        """Every later collective fails at once, before it is issued."""
+        self._broken = self._broken or reason

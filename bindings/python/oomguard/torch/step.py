@@ -235,6 +235,7 @@ class TrainStep:
         before_apply: Optional[Callable[[], Any]] = None,
         after_apply: Optional[Callable[[], Any]] = None,
         fsdp_sync: str = "every",
+        fsdp_agreement: str = "data",
         ddp_overlap: bool = False,
         **guard_options: Any,
     ) -> None:
@@ -285,6 +286,8 @@ class TrainStep:
                 raise ValueError("TrainStep with a GradScaler is not supported on a model sharded with fully_shard")
             if fsdp_sync not in ("every", "last"):
                 raise ValueError(f"fsdp_sync must be 'every' or 'last', got {fsdp_sync!r}")
+            if fsdp_agreement not in ("data", "check"):
+                raise ValueError(f"fsdp_agreement must be 'data' or 'check', got {fsdp_agreement!r}")
         if guard is None:
             if _distributed.world_size() > 1 and guard_options.get("coordinator") is None:
                 guard_options["coordinator"] = TorchDistributedCoordinator()
@@ -305,7 +308,10 @@ class TrainStep:
                              "forward, a collective before the guard's vote; build it with broadcast_buffers=False")
         self._sync = guard_world > 1 if sync_gradients is None else bool(sync_gradients)
         self._fsdp = (_fsdp.FsdpAgreement(unwrap(model), deadline_s=guard.options.vote_deadline_ms / 1000.0,
-                                          sync_every=fsdp_sync == "every") if fsdp else None)
+                                          sync_every=fsdp_sync == "every", mode=fsdp_agreement)
+                      if fsdp else None)
+        if self._fsdp is not None:
+            self._fsdp.coordinator = getattr(guard, "_coordinator", None)
         self._overlap: Optional[_ddp.DdpOverlap] = None
         if ddp_overlap:
             if self._fsdp is not None:
