@@ -14,6 +14,13 @@ machine a plain run cannot show overlap (compute and gloo's copies compete
 for the same CPUs); through the limited link the wire time is real wall time.
 
     sudo scripts/python bench/parallel_bench.py --json         # root: netns, veth, tc
+    scripts/python bench/parallel_bench.py --backend nccl --json   # 2 GPUs, NCCL, no link
+
+With ``--backend nccl`` the two ranks run on the first two CUDA devices over
+NCCL (whatever joins them: NVLink, PCIe), with no namespaces and no tc; step
+times are taken after a device synchronisation. NCCL runs one rank per GPU, so
+this needs two devices and says so otherwise. The FSDP modes run the check
+agreement there (data mode is CPU/gloo only; docs/distributed.md).
 
 The last line of --json is a JSON object with ``<mode>_ms`` (median step
 time per mode) and ``ddp_overlap_ratio``, ``ddp_today_ratio`` (guarded DDP over
@@ -45,7 +52,7 @@ import sys
 import time
 import uuid
 from datetime import timedelta
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 SUBNET = "10.231.{}.{}"
 
@@ -111,7 +118,7 @@ def build(args, torch):
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
     layers.append(torch.nn.Linear(args.width, 1))
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers).to(args.device)
 
 
 def _ddp(args, torch):
@@ -182,13 +189,20 @@ def worker(args) -> int:
     if args.pin:
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[args.rank % len(cpus)]})
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=2,
-                            timeout=timedelta(seconds=300))
+    if args.backend == "nccl":
+        torch.cuda.set_device(args.rank)
+        args.device = torch.device("cuda", args.rank)
+        sync = torch.cuda.synchronize
+    else:
+        args.device = torch.device("cpu")
+        sync = lambda: None  # noqa: E731 - the CPU's steps end when they return
+    dist.init_process_group(args.backend, init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
+                            world_size=2, timeout=timedelta(seconds=300))
     modes = args.modes.split(",")
     steps = {name: MODES[name](args, torch, ogt, oomguard) for name in modes}
     g = torch.Generator().manual_seed(1 + args.rank)
-    x = torch.randn(args.batch, args.width, generator=g)
-    y = torch.randn(args.batch, 1, generator=g)
+    x = torch.randn(args.batch, args.width, generator=g).to(args.device)
+    y = torch.randn(args.batch, 1, generator=g).to(args.device)
     times: Dict[str, List[float]] = {name: [] for name in modes}
     for name, step in steps.items():  # warm-up: DDP rebuilds its buckets after its first synced step
         for _ in range(2):
@@ -199,9 +213,11 @@ def worker(args) -> int:
         # (or last) in a round while the load on the machine drifts.
         for name, step in order[r % len(order):] + order[:r % len(order)]:
             dist.barrier()
+            sync()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step(x, y)
+            sync()
             times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
     if args.rank == 0:
         print(json.dumps(times), flush=True)
@@ -229,20 +245,24 @@ def summarize(times: Dict[str, List[float]]) -> dict:
     return result
 
 
-def run_once(args, link: "Link", port: int) -> Dict[str, List[float]]:
-    """One run of both ranks; rank 0's step times per mode and round."""
+def run_once(args, link: Optional["Link"], port: int) -> Dict[str, List[float]]:
+    """One run of both ranks; rank 0's step times per mode and round. No
+    link: both ranks on this host's loopback (the NCCL backend)."""
     env = dict(os.environ)
     procs = []
     for rank in (0, 1):
-        cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, os.path.abspath(__file__), "--worker",
-               "--rank", str(rank), "--master", link.addr[0]]
-        for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads", "modes"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank)]
+        if link is not None:
+            cmd = ["ip", "netns", "exec", link.ns[rank]] + cmd + ["--master", link.addr[0]]
+        else:
+            cmd += ["--master", "127.0.0.1"]
+        for flag in ("width", "layers", "batch", "bucket_mb", "steps", "rounds", "threads", "modes", "backend"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         cmd += ["--port", str(port)]
         if args.pin:
             cmd.append("--pin")
-        procs.append(subprocess.Popen(cmd, env={**env, "GLOO_SOCKET_IFNAME": link.dev[rank]},
-                                      stdout=subprocess.PIPE, text=True))
+        rank_env = {**env, "GLOO_SOCKET_IFNAME": link.dev[rank]} if link is not None else env
+        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, text=True))
     try:
         out, _ = procs[0].communicate(timeout=3600)
         procs[1].wait(timeout=120)
@@ -269,6 +289,8 @@ def main() -> int:
     p.add_argument("--pin", action="store_true", help="pin rank r to the r-th CPU this process may use")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--modes", default=",".join(MODES), help=f"modes to run, comma-separated (of {','.join(MODES)})")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                   help="gloo: CPU ranks over the limited link (root); nccl: the first two CUDA devices, no link")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -286,16 +308,26 @@ def main() -> int:
 
     load_before = [round(x, 2) for x in os.getloadavg()]
     runs: List[Dict[str, List[float]]] = []
-    with Link(args.rate, args.burst) as link:
+    if args.backend == "nccl":
+        import torch
+
+        found = torch.cuda.device_count()
+        if found < 2:
+            raise SystemExit(f"parallel_bench: --backend nccl needs 2 CUDA devices (NCCL runs one rank per GPU), "
+                             f"found {found}")
         for i in range(args.repeat):
-            runs.append(run_once(args, link, args.port + i))
+            runs.append(run_once(args, None, args.port + i))
+    else:
+        with Link(args.rate, args.burst) as link:
+            for i in range(args.repeat):
+                runs.append(run_once(args, link, args.port + i))
     times = {name: [t for run in runs for t in run[name]] for name in runs[0]}
     result = summarize(times)
     if args.repeat > 1:
         result["repeats"] = [{ratio: value for ratio, value in summarize(run).items() if ratio in RATIOS}
                              for run in runs]
     result.update({"load": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
-                   "rate": args.rate, "params": (args.width * args.width + args.width) * args.layers + args.width + 1,
+                   "backend": args.backend, "rate": args.rate if args.backend == "gloo" else None, "params": (args.width * args.width + args.width) * args.layers + args.width + 1,
                    "batch_per_rank": args.batch, "bucket_mb": args.bucket_mb, "rounds": args.rounds,
                    "repeat": args.repeat, "pinned": args.pin, "steps_per_round": args.steps, "all_ms": times})
     if args.json:

@@ -19,7 +19,10 @@
 #   4. checkpoint staging from device memory: the CheckpointerCuda gtests
 #      (pinned staging on a side stream, restore from snapshot and disk) and
 #      libtorch_train on CUDA with --ckpt-dir, resumed to equal parameters;
-#   5. the NCCL coordinator with one rank (tests/gpu/nccl_one_rank.cc).
+#   5. the NCCL coordinator with one rank (tests/gpu/nccl_one_rank.cc);
+#   6. with two GPUs: guarded DDP (overlap and today's mode) and FSDP2 over
+#      plain, over NCCL (bench/parallel_bench.py --backend nccl; the overlap
+#      mode's target is 1.02).
 # It prints a summary table and exits non-zero when any check FAILs. SKIP
 # (a missing optional piece, with the reason) and NOT IMPLEMENTED do not fail.
 # Without a GPU (nvidia-smi missing or failing, or cudaGetDeviceCount failing)
@@ -278,6 +281,28 @@ if [ -x "$BIN/nccl_one_rank" ]; then
   esac
 else
   row SKIP "NCCL coordinator, one rank" "NCCL not installed (no nccl.h under $CUDA_HOME/include or /usr/include)"
+fi
+
+# ---- 6. what guarding DDP (overlap mode, today's mode) and FSDP2 costs over NCCL (issue 29: overlap <= 1.02) ----
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ -n "$TORCH_WHY" ]; then
+  row SKIP "DDP/FSDP2 guarded over plain, NCCL" "$TORCH_WHY"
+elif [ "${NGPU:-0}" -lt 2 ]; then
+  row SKIP "DDP/FSDP2 guarded over plain, NCCL" "needs 2 GPUs (NCCL runs one rank per GPU), found ${NGPU:-0}"
+else
+  PYTHONPATH=$BUILD/python timeout 600 "$PY" "$ROOT/bench/parallel_bench.py" --backend nccl --json --width 4096 \
+    --layers 8 --batch 512 --bucket-mb 25 --rounds 12 > "$LOG/parallel_nccl.out" 2> "$LOG/parallel_nccl.err"
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    row FAIL "DDP/FSDP2 guarded over plain, NCCL" "exit $rc ($LOG/parallel_nccl.err): $(tail -n 1 "$LOG/parallel_nccl.err")"
+  else
+    ratios=$(json "$LOG/parallel_nccl.out" '"overlap %.3f, today %.3f, fsdp (check agreement) %.3f" % (d["ddp_overlap_ratio"], d["ddp_today_ratio"], d["fsdp_ratio"])')
+    if [ "$(json "$LOG/parallel_nccl.out" 'd["ddp_overlap_ratio"] <= 1.02')" = True ]; then
+      row PASS "DDP/FSDP2 guarded over plain, NCCL" "$ratios"
+    else
+      row FAIL "DDP/FSDP2 guarded over plain, NCCL" "$ratios: overlap above 1.02"
+    fi
+  fi
 fi
 
 summary
