@@ -31,6 +31,9 @@ def subprocess_env(**extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("OOMGUARD_FAULTS", None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # A child killed by a fatal signal (SIGABRT from a C++ terminate, SIGSEGV) prints every thread's Python
+    # stack: the failure message then says where it died, not only its exit code.
+    env["PYTHONFAULTHANDLER"] = "1"
     env.update(extra)
     return env
 
@@ -68,7 +71,10 @@ def wait_ranks(procs, timeout: float = 120) -> list:
         if p.returncode != 0:
             for q in procs:
                 q.kill()
-            pytest.fail(f"rank {rank} exited with {p.returncode}\n{(err if err is not None else out)[-4000:]}")
+            log = err if err is not None else out
+            # The log's last lines (where a crash says why) first: a long message is cut at its end.
+            pytest.fail(f"rank {rank} exited with {p.returncode}; the end of its log:\n{log[-1500:]}\n"
+                        f"--- the 4000 characters before:\n{log[-5500:-1500]}")
         outputs.append((out, err))
     return outputs
 
