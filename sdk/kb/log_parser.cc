@@ -79,7 +79,11 @@ bool FormatMarker(std::string_view l) {
                          "less than desired gpu memory utilization", "no available memory for the cache blocks",
                          "could not create cudnn handle", "can be stored in kv cache",
                          // PaddlePaddle 1.x: "Insufficient GPU memory to allocation."
-                         "insufficient gpu memory"});
+                         "insufficient gpu memory",
+                         // PyTorch's file mapping: "RuntimeError: unable to mmap 33484977464 bytes".
+                         "unable to mmap",
+                         // Docker Compose: "server-1 exited with code 137".
+                         "exited with code 137"});
 }
 
 // A byte size in words: "286GB", "~4 GiB", "512 MiB".
@@ -94,6 +98,69 @@ bool HasSize(std::string_view l) {
         (unit[1] == 'b' || (unit.size() == 3 && unit[1] == 'i' && unit[2] == 'b')))
       return true;
     i = j;
+  }
+  return false;
+}
+
+// "memory", or "RAM"/"VRAM" as a word (not "program", "parameter").
+bool MemoryWord(std::string_view l) {
+  if (Contains(l, "memory")) return true;
+  for (size_t at = l.find("ram"); at != std::string_view::npos; at = l.find("ram", at + 1)) {
+    size_t b = at;
+    if (b > 0 && l[b - 1] == 'v') --b;
+    const bool left = b == 0 || !std::isalpha(static_cast<unsigned char>(l[b - 1]));
+    const bool right = at + 3 >= l.size() || !std::isalpha(static_cast<unsigned char>(l[at + 3]));
+    if (left && right) return true;
+  }
+  return false;
+}
+
+// A condition rather than a report: "if there is not enough memory on the GPU, ...".
+bool Conditional(std::string_view before) {
+  return ContainsAny(before, {"if ", "when ", "whether ", "in case", "unless "});
+}
+
+// "the process is always killed inexplicably": "killed" after "is"/"was"/"gets"... and one
+// adverb. "is not killed", "was never killed" stay quiet (no adverb of a kill that happened).
+bool KilledAfterAdverb(std::string_view l) {
+  auto word_before = [&l](size_t end) -> std::pair<std::string_view, size_t> {
+    while (end > 0 && l[end - 1] == ' ') --end;
+    size_t b = end;
+    while (b > 0 && std::isalpha(static_cast<unsigned char>(l[b - 1]))) --b;
+    return {l.substr(b, end - b), b};
+  };
+  for (size_t at = l.find(" killed"); at != std::string_view::npos; at = l.find(" killed", at + 1)) {
+    if (at + 7 < l.size() && std::isalpha(static_cast<unsigned char>(l[at + 7]))) continue;
+    auto [adverb, b] = word_before(at);
+    if (!(adverb == "always" || adverb == "often" || adverb == "sometimes" || adverb == "suddenly" ||
+          adverb == "randomly" || adverb == "constantly" || adverb == "eventually" || adverb == "just" ||
+          adverb == "simply" || adverb == "silently" || adverb == "immediately" || adverb == "frequently" ||
+          adverb == "repeatedly" || adverb == "still" || adverb == "then" || adverb == "also" ||
+          adverb == "inexplicably" || adverb == "unexpectedly" || adverb == "automatically" || adverb == "again"))
+      continue;
+    auto [verb, unused] = word_before(b);
+    if (verb == "is" || verb == "was" || verb == "are" || verb == "were" || verb == "gets" || verb == "got" ||
+        verb == "get" || verb == "been" || verb == "being" || verb == "be")
+      return true;
+  }
+  return false;
+}
+
+// "显存会一直增加到爆了" (the GPU memory keeps growing until it bursts): 显存/内存 and, a few
+// characters on, "爆了"/"爆掉"/"到爆", not negated ("显存没有爆", "内存不会爆").
+bool ChineseMemoryBurst(std::string_view l) {
+  for (std::string_view mem : {std::string_view("显存"), std::string_view("内存")}) {
+    for (size_t at = l.find(mem); at != std::string_view::npos; at = l.find(mem, at + 1)) {
+      std::string_view rest = l.substr(at + mem.size(), 45);
+      for (std::string_view burst : {std::string_view("爆了"), std::string_view("爆掉"), std::string_view("到爆")}) {
+        size_t b = rest.find(burst);
+        if (b == std::string_view::npos) continue;
+        if (burst == "到爆") b += 3;  // where 爆 is
+        // The three characters before 爆 hold no negation.
+        const size_t from = b >= 9 ? b - 9 : 0;
+        if (!ContainsAny(rest.substr(from, b - from), {"没", "不", "未"})) return true;
+      }
+    }
   }
   return false;
 }
@@ -129,7 +196,31 @@ bool Mention(std::string_view l) {
                       "drain memory", "drains memory", "draining memory", "drain the memory", "exhaust memory",
                       "exhausts memory", "exhausting memory", "exhaust the memory", "lack of memory", "lack of ram",
                       "lack of gpu memory", "lack of vram", "not enough ram", "get kill", "gets kill", "got kill",
-                      "c^ error", "^c error"}))
+                      "c^ error", "^c error",
+                      // PyTorch's CPU allocator named as the error: "causing a DefaultCPUAllocator-Error later on".
+                      "defaultcpuallocator-error", "defaultcpuallocator error"}))
+    return true;
+  if (ChineseMemoryBurst(l) || KilledAfterAdverb(l)) return true;
+  // "it returned me error that I have not enough memory on my GPU", "not enough GPU memory";
+  // not a condition ("if there is not enough memory on the GPU, it falls back to the CPU").
+  for (std::string_view phrase : {std::string_view("not enough memory on "), std::string_view("not enough gpu memory"),
+                                  std::string_view("not enough vram"), std::string_view("not enough video memory"),
+                                  std::string_view("not enough cuda memory")}) {
+    size_t at = l.find(phrase);
+    if (at == std::string_view::npos || Conditional(l.substr(0, at))) continue;
+    if (phrase != "not enough memory on " ||
+        ContainsAny(l.substr(at + phrase.size(), 20), {"gpu", "card", "graphics", "device", "cuda"}))
+      return true;
+  }
+  // Memory used up until none is left: "the cpu ram is consumed until it depletes thus silently
+  // killing the process", "CPU RAM consumption until depletion".
+  if (size_t at = l.find("until"); at != std::string_view::npos && MemoryWord(l.substr(0, at)) &&
+                                    Contains(l.substr(at, 30), "deplet"))
+    return true;
+  // Memory filled until the machine failed: "it fills up shuffle buffer which also fills up RAM memory so
+  // if the data is huge and RAM is not enough then it hangs up the system which leads to system restart".
+  if (ContainsAny(l, {"fills up", "filled up", "fill up", "filling up"}) && MemoryWord(l) &&
+      ContainsAny(l, {" hangs", " hang up", " hung", "freez", "restart", "crash"}))
     return true;
   // A progress bar cut by a notebook's kill: "Loading checkpoint shards: 0% 0/2 [00:00<?, ?it/s]^C"
   // (Colab prints ^C when its runtime kills the process for RAM).
@@ -163,8 +254,12 @@ bool Mention(std::string_view l) {
     return true;
   // "run out of my cuda memory", "out of GPU RAM", "still out of memories": "out of" and a memory word
   // at most three words later.
-  for (size_t at = l.find("out of "); at != std::string_view::npos; at = l.find("out of ", at + 1)) {
-    std::string_view rest = l.substr(at + 7);
+  // "Ran of GPU memory" (a title that lost its "out") reads the same way.
+  for (size_t at = l.find(" of "); at != std::string_view::npos; at = l.find(" of ", at + 1)) {
+    if (!(at >= 3 && l.substr(at - 3, 3) == "out") &&
+        !(at >= 3 && l.substr(at - 3, 3) == "ran" && (at == 3 || !std::isalpha(static_cast<unsigned char>(l[at - 4])))))
+      continue;
+    std::string_view rest = l.substr(at + 4);
     int words = 0;
     for (size_t k = 0; k < rest.size() && words < 4; ++words) {
       size_t end = rest.find_first_of(" .,;:!?)", k);
@@ -424,7 +519,7 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
     const bool device_oom = ContainsAny(all, {"cuda out of memory", "cuda error: out of memory", "gpu out of memory",
                                               "out of gpu memory", "out-of-gpu-memory", "vram", "显存", "cuda oom"});
     bool host = ContainsAny(all, {"killed", "kills the", " rss", "system memory", "cpu memory", "host memory", "内存",
-                                  "num_workers", "abruptly died", "/dev/shm", "bus error"});
+                                  "num_workers", "abruptly died", "/dev/shm", "bus error", "defaultcpuallocator"});
     for (size_t at = all.find("ram"); at != std::string::npos && !host; at = all.find("ram", at + 1)) {
       bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(all[at - 1]));
       bool right = at + 3 >= all.size() || !std::isalpha(static_cast<unsigned char>(all[at + 3]));

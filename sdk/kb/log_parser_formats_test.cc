@@ -286,5 +286,62 @@ TEST(LogParserFormatsTest, Batch15FormatsTheParsersMissedAtFirstContact) {
   EXPECT_TRUE(Parse("We use all the memory-efficient attention kernels we can.\n").empty());
   EXPECT_TRUE(Parse("Drain the queue before you exit.\n").empty());
 }
+
+TEST(LogParserFormatsTest, Batch16FormatsTheParsersMissedAtFirstContact) {
+  // turboderp/exllama#245: PyTorch's file mapping, quoted without its reason; the mapping is the request.
+  auto incs = Parse("I get an error like: `RuntimeError: unable to mmap 33484977464 bytes`\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  EXPECT_EQ(incs[0].requested_bytes, 33484977464);
+  // The full message, with ENOMEM's text.
+  incs = Parse("RuntimeError: unable to mmap 33484977464 bytes from file <llama-65b.safetensors>: Cannot allocate "
+               "memory (12)\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  EXPECT_EQ(incs[0].requested_bytes, 33484977464);
+  // open-webui/open-webui#6168: Docker Compose's line for a container killed at its memory limit.
+  incs = Parse("# HELP for those with \"server-1 exited with code 137\" with docker (on Mac)\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  // In words. McGregorWwww/UDTransNet#21 (显存 grows until it bursts), NVIDIA/DALI#5293 ("Ran of GPU memory"),
+  // anishathalye/neural-style#135: device memory.
+  for (const char* text : {"# 复现\n为什么我在训练的时候显存会一直增加到爆了\n",
+                           "# Ran of GPU memory when using Imagenet but not COCO-Stuff 2017\n",
+                           "I've tried to create image with input content of size 3200x2600 pix and it returned me "
+                           "error that I have not enough memory on my GPU.\n"}) {
+    incs = Parse(text);
+    ASSERT_EQ(incs.size(), 1u) << text;
+    EXPECT_EQ(incs[0].kind, IncidentKind::kDevice) << text;
+  }
+  // peteryuX/retinaface-tf2#18, tensorflow/tensorflow#32376, Fannovel16/ComfyUI-Frame-Interpolation#104,
+  // YoumiMa/dreeam#23: host memory.
+  for (const char* text :
+       {"I did notice that during training the cpu ram is consumed until it depletes thus silently killing the "
+        "process after some time.\n",
+        "# [TF2.0]Shuffle function on tf.data fills up RAM memory.\nusing `shuffle(buffer_size= #_of_elements)` it "
+        "fills up shuffle buffer which also fills up RAM memory so if the data is huge and RAM is not enough then it "
+        "hangs up the system which leads to system restart.\n",
+        "the system RAM usage remains very high even after the task is complete and doesn't decrease, causing a "
+        "DefaultCPUAllocator-Error later on.\n",
+        "# The running of the step2 phase code is always killed\nIn a 4090+120GB environment, the process is always "
+        "killed inexplicably, which is weird.\n"}) {
+    incs = Parse(text);
+    ASSERT_EQ(incs.size(), 1u) << text;
+    EXPECT_EQ(incs[0].kind, IncidentKind::kHost) << text;
+  }
+  // Near misses stay quiet: a mapping that failed for another reason, another exit code, a negated burst,
+  // a kill that did not happen, a condition, memory filled with no failure, "ran off", a queue depleted.
+  for (const char* text :
+       {"RuntimeError: unable to mmap 4096 bytes from file </dev/shm/torch_1>: Invalid argument (22)\n",
+        "server-1 exited with code 0\n", "app-1 exited with code 1\n", "显存没有爆掉，但是速度很慢\n",
+        "内存不会爆掉，可以放心\n", "The worker is not killed when the epoch ends.\n",
+        "The process was never killed by the scheduler.\n", "It is always killable with Ctrl-C.\n",
+        "If there is not enough memory on the GPU, the sampler falls back to the CPU.\n",
+        "The shuffle buffer fills up RAM memory before the first epoch, as intended.\n",
+        "The run of GPU memory benchmarks took an hour.\n", "The program ran off the end of the list.\n",
+        "Iterate until the queue is depleted.\n"}) {
+    EXPECT_TRUE(Parse(text).empty()) << text;
+  }
+}
 }  // namespace
 }  // namespace oomguard::kb

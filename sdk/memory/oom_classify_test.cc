@@ -321,6 +321,12 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
        "work/aten/src/TH/THGeneral.c:218",
        OomKind::kHost, 160465000000000ull},
       {"mmap failed: Cannot allocate memory", OomKind::kHost, 0},
+      // PyTorch's file mapping (turboderp/exllama#245): whole, and quoted without its reason.
+      {"RuntimeError: unable to mmap 33484977464 bytes from file <model.safetensors>: Cannot allocate memory (12)",
+       OomKind::kHost, 33484977464},
+      {"RuntimeError: unable to mmap 33484977464 bytes", OomKind::kHost, 33484977464},
+      // Docker Compose's line for a container the kernel killed (open-webui/open-webui#6168).
+      {"server-1 exited with code 137", OomKind::kHost, 0},
       // Shared memory exhausted (tahoebio/tahoe-x1#63).
       {"DataLoader crashed with Bus error / No space left on device due to the 64 MB /dev/shm", OomKind::kHost, 0},
       // The torch budget's caching device (sdk/torch/torch_budget.cc).
@@ -364,6 +370,9 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"CUDA error: an illegal memory access was encountered", OomKind::kNone, 0},
       {"workspace size is 4 MiB", OomKind::kNone, 0},
       {"write failed: No space left on device", OomKind::kNone, 0},
+      {"RuntimeError: unable to mmap 4096 bytes from file </dev/shm/torch_1>: Invalid argument (22)", OomKind::kNone,
+       0},
+      {"server-1 exited with code 1", OomKind::kNone, 0},
       {"", OomKind::kNone, 0},
   };
   for (const MessageCase& c : cases) {

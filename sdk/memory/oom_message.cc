@@ -130,6 +130,10 @@ std::optional<int64_t> ParseAllocateSize(std::string_view m, bool* lower_bound) 
   return std::nullopt;
 }
 
+// PyTorch's MapAllocator: "unable to mmap 33484977464 bytes from file <...>": the
+// size of the mapping it asked for.
+std::optional<int64_t> MmapSize(std::string_view m) { return SizeAfterPhrase(m, "unable to mmap "); }
+
 int64_t DtypeBytes(std::string_view dtype) {
   struct Dtype {
     std::string_view name;
@@ -274,6 +278,13 @@ void ParseOthers(std::string_view m, OomFigures* f) {
       else if (auto w = SizeAfterPhrase(m, "cuda malloc ")) f->requested = w;
     }
   }
+  // PyTorch's file mapping: "unable to mmap 33484977464 bytes from file <...>": the
+  // mapping it asked for is the failing request (host memory).
+  if (auto mapped = MmapSize(m)) {
+    if (f->format.empty()) f->format = "pytorch-mmap";
+    f->device = "cpu";
+    if (!f->requested) f->requested = mapped;
+  }
   if (Has(m, "defaultcpuallocator") || Has(m, "alloc_cpu")) {
     if (f->format.empty()) f->format = "cpu-allocator";
     f->device = "cpu";
@@ -381,6 +392,23 @@ OomFigures ParseOomFigures(std::string_view message) {
 
 }  // namespace internal
 
+namespace {
+
+// PyTorch's file mapping (MapAllocator, used by torch.load(mmap=True) and
+// safetensors loads): "unable to mmap 33484977464 bytes from file
+// <model.safetensors>: Cannot allocate memory (12)". With its reason cut off,
+// as reports quote it ("RuntimeError: unable to mmap 33484977464 bytes",
+// turboderp/exllama#245), the mapping that failed is host memory; a mapping
+// that failed for another reason ("Invalid argument (22)") is no OOM.
+bool MmapFailed(std::string_view m) {
+  using internal::Has;
+  if (!Has(m, "unable to mmap")) return false;
+  if (Has(m, "cannot allocate memory")) return true;
+  return !Has(m, "from file");
+}
+
+}  // namespace
+
 OomInfo ClassifyMessage(std::string_view message) {
   using internal::Has;
   OomInfo info;
@@ -406,6 +434,9 @@ OomInfo ClassifyMessage(std::string_view message) {
   const bool host_kill = minus_nine || Has(m, "oom-kill") || Has(m, "oom_kill") || Has(m, "oomkilled") ||
                          Has(m, "killed by signal: killed") || Has(m, "invoked oom-killer") ||
                          Has(m, "exit code 137") || Has(m, "exit code: 137") || Has(m, "exitcode: 137") ||
+                         // Docker Compose's line for a container the kernel killed:
+                         // "server-1 exited with code 137" (128 + SIGKILL).
+                         Has(m, "exited with code 137") ||
                          Has(m, "sigkill") ||
                          // Shared memory (/dev/shm) exhausted: a bus error, or no space left on it.
                          ((Has(m, "bus error") || Has(m, "no space left on device")) &&
@@ -440,7 +471,7 @@ OomInfo ClassifyMessage(std::string_view message) {
              Has(m, "bad_alloc") || Has(m, "bad allocation") ||
              // PyTorch 0.4's CPU allocator (THGeneral.c): "not enough memory: you tried to
              // allocate 160465GB. Buy new RAM!"
-             Has(m, "not enough memory: you tried to allocate")) {
+             Has(m, "not enough memory: you tried to allocate") || MmapFailed(m)) {
     kind = OomKind::kHost;
   } else if (Has(m, "less than desired gpu memory utilization") ||
              Has(m, "no available memory for the cache blocks") ||
@@ -464,6 +495,8 @@ OomInfo ClassifyMessage(std::string_view message) {
     info.requested_bytes = *bytes;
   } else if (auto tensor = internal::ParseTensorFlowShape(m)) {
     info.requested_bytes = *tensor;
+  } else if (auto mapped = internal::MmapSize(m)) {
+    info.requested_bytes = *mapped;
   }
   return info;
 }
