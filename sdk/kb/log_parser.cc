@@ -11,6 +11,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cinttypes>
 #include <cstdio>
 #include <ctime>
@@ -83,7 +84,16 @@ bool FormatMarker(std::string_view l) {
                          // PyTorch's file mapping: "RuntimeError: unable to mmap 33484977464 bytes".
                          "unable to mmap",
                          // Docker Compose: "server-1 exited with code 137".
-                         "exited with code 137"});
+                         "exited with code 137",
+                         // Metal (Apple silicon) refusing a command buffer for memory: MLX's "[METAL] Command
+                         // buffer execution failed: Insufficient Memory", Metal's code as llama.cpp prints it
+                         // ("error: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"),
+                         // and the code's older name "Insufficient Memory (IOAF code 8)".
+                         "command buffer execution failed: insufficient memory",
+                         "kiogpucommandbuffercallbackerroroutofmemory", "insufficient memory (ioaf code 8)",
+                         // MLX: "[metal::malloc] Attempting to allocate 86587211776 bytes which is greater than
+                         // the maximum allowed buffer size of 86586540032 bytes."
+                         "maximum allowed buffer size"});
 }
 
 // A byte size in words: "286GB", "~4 GiB", "512 MiB".
@@ -165,6 +175,61 @@ bool ChineseMemoryBurst(std::string_view l) {
   return false;
 }
 
+// What follows a phrase up to the end of the line, trailing spaces and punctuation removed.
+std::string_view RestOfLine(std::string_view l, size_t from) {
+  std::string_view rest = l.substr(std::min(from, l.size()));
+  while (!rest.empty() && (rest.back() == ' ' || std::ispunct(static_cast<unsigned char>(rest.back()))))
+    rest.remove_suffix(1);
+  while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
+  return rest;
+}
+
+// A memory word at most three words into `rest`: "memory", "memories", the misspellings reports
+// carry ("memeory", "memery"), "RAM", "VRAM", "HBM".
+bool MemoryWithinWords(std::string_view rest) {
+  int words = 0;
+  for (size_t k = 0; k < rest.size() && words < 4; ++words) {
+    size_t end = rest.find_first_of(" .,;:!?)", k);
+    std::string_view w = rest.substr(k, end == std::string_view::npos ? std::string_view::npos : end - k);
+    if ((w.starts_with("mem") && !w.starts_with("member")) || w == "ram" || w == "vram" || w == "hbm") return true;
+    if (end == std::string_view::npos || rest[end] != ' ') break;
+    k = end + 1;
+  }
+  return false;
+}
+
+// "# try to train 1024 resolution memory out", "use RTX 3090 24G，Train one memory out of":
+// "memory out" for "out of memory", ending the line (or with a dangling "of"). Not "memory
+// outside"/"memory output" (a longer word), nor memory moved out ("swap the memory out").
+bool MemoryOutAtEnd(std::string_view l) {
+  for (size_t at = l.find("memory out"); at != std::string_view::npos; at = l.find("memory out", at + 1)) {
+    std::string_view rest = RestOfLine(l, at + 10);
+    if (!rest.empty() && rest != "of") continue;
+    if (ContainsAny(l.substr(0, at), {"swap", "page", "paging", "offload", "move", "moving", "copy", "copie", "flush",
+                                      "evict", "spill", "transfer", "print", "dump", "take", "taking", "took",
+                                      "keep", "kept", "pull", "push"}))
+      continue;
+    return true;
+  }
+  return false;
+}
+
+// "进程被killed了" (the process was killed): the passive 被 and "kill(ed)"; not negated or
+// averted in the four characters before 被 ("没有被killed", "不会被kill", "以免被kill掉",
+// "防止被killed", "怕被kill", "如果被killed").
+bool ChinesePassiveKill(std::string_view l) {
+  static constexpr std::string_view kBei = "被";
+  for (size_t at = l.find(kBei); at != std::string_view::npos; at = l.find(kBei, at + 1)) {
+    std::string_view rest = l.substr(at + kBei.size());
+    while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
+    if (!rest.starts_with("kill")) continue;
+    const size_t from = at >= 12 ? at - 12 : 0;
+    if (ContainsAny(l.substr(from, at - from), {"没", "不", "未", "别", "免", "防", "怕", "如果"})) continue;
+    return true;
+  }
+  return false;
+}
+
 // A sentence about an OOM (used only when no error record exists).
 bool Mention(std::string_view l) {
   if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
@@ -200,7 +265,11 @@ bool Mention(std::string_view l) {
                       // PyTorch's CPU allocator named as the error: "causing a DefaultCPUAllocator-Error later on".
                       "defaultcpuallocator-error", "defaultcpuallocator error"}))
     return true;
-  if (ChineseMemoryBurst(l) || KilledAfterAdverb(l)) return true;
+  if (ChineseMemoryBurst(l) || KilledAfterAdverb(l) || MemoryOutAtEnd(l) || ChinesePassiveKill(l)) return true;
+  // "# When reproducing, the CPU memory explores": "explodes" misspelt. The real verb takes an
+  // object ("the agent's memory explores the state space"), so only where it ends the line.
+  for (size_t at = l.find("memory explores"); at != std::string_view::npos; at = l.find("memory explores", at + 1))
+    if (RestOfLine(l, at + 15).empty()) return true;
   // "it returned me error that I have not enough memory on my GPU", "not enough GPU memory";
   // not a condition ("if there is not enough memory on the GPU, it falls back to the CPU").
   for (std::string_view phrase : {std::string_view("not enough memory on "), std::string_view("not enough gpu memory"),
@@ -259,17 +328,12 @@ bool Mention(std::string_view l) {
     if (!(at >= 3 && l.substr(at - 3, 3) == "out") &&
         !(at >= 3 && l.substr(at - 3, 3) == "ran" && (at == 3 || !std::isalpha(static_cast<unsigned char>(l[at - 4])))))
       continue;
-    std::string_view rest = l.substr(at + 4);
-    int words = 0;
-    for (size_t k = 0; k < rest.size() && words < 4; ++words) {
-      size_t end = rest.find_first_of(" .,;:!?)", k);
-      std::string_view w = rest.substr(k, end == std::string_view::npos ? std::string_view::npos : end - k);
-      // "memory", "memories", and the misspellings reports carry ("memeory", "memery").
-      if ((w.starts_with("mem") && !w.starts_with("member")) || w == "ram" || w == "vram" || w == "hbm") return true;
-      if (end == std::string_view::npos || rest[end] != ' ') break;
-      k = end + 1;
-    }
+    if (MemoryWithinWords(l.substr(at + 4))) return true;
   }
+  // "# CUDA outof memory": "out of" run together (as a word, not the end of "withoutof").
+  for (size_t at = l.find("outof "); at != std::string_view::npos; at = l.find("outof ", at + 1))
+    if ((at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]))) && MemoryWithinWords(l.substr(at + 6)))
+      return true;
   // A notebook's crash in the reporter's own words, misspelt: "Colab crashes after using all avilable RAM".
   if (size_t at = l.find("after using all"); at != std::string_view::npos) {
     std::string_view rest = l.substr(at + 15, 30);

@@ -343,5 +343,53 @@ TEST(LogParserFormatsTest, Batch16FormatsTheParsersMissedAtFirstContact) {
     EXPECT_TRUE(Parse(text).empty()) << text;
   }
 }
+
+TEST(LogParserFormatsTest, Batch17FormatsTheParsersMissedAtFirstContact) {
+  // jjang-ai/vmlx#58: MLX's Metal command buffer refused for memory is an error record, device
+  // memory, though the report names the Mac's RAM.
+  auto incs = Parse("# Insufficient Memory\n[error] libc++abi: terminating due to uncaught exception of type "
+                    "std::runtime_error: [METAL] Command buffer execution failed: Insufficient Memory\n\nHardware:\n\n"
+                    "M1 Max with 64Gb of RAM.\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
+  EXPECT_EQ(incs[0].source, "report.txt:2");
+  // ml-explore/mlx#3082: one buffer over Metal's largest; the request is its size.
+  incs = Parse("FAIL 5158 [metal::malloc] Attempting to allocate 86587211776 bytes which is greater than the maximum "
+               "allowed buffer size of 86586540032 bytes.\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
+  EXPECT_EQ(incs[0].requested_bytes, 86587211776);
+  // In words. chaofengc/PSFRGAN#34 ("memory out" for "out of memory", in its title and in its body
+  // with a dangling "of"), cuiziteng/Illumination-Adaptive-Transformer#28 ("outof"): device memory.
+  for (const char* text : {"# try to train 1024 resolution memory out\nHi, this is a great code\n",
+                           "use RTX 3090 24G，Train one memory out of\n",
+                           "# CUDA outof memory\n3060怎么推理跑不动会直接炸，用这个模型跑视频的\n"}) {
+    incs = Parse(text);
+    ASSERT_EQ(incs.size(), 1u) << text;
+    EXPECT_EQ(incs[0].kind, IncidentKind::kDevice) << text;
+  }
+  // InternLM/InternLM#55 (the process "被killed了", was killed, after the RAM grew to 21GB),
+  // yangxy/PASD#18 ("the CPU memory explores", explodes misspelt): host memory.
+  for (const char* text : {"模型加载到内存中，内存快速增长到21GB之后，进程被killed了，导致模型加载失败\n",
+                           "# When reproducing, the CPU memory explores\nHi, thanks for your meaningful work.\n"}) {
+    incs = Parse(text);
+    ASSERT_EQ(incs.size(), 1u) << text;
+    EXPECT_EQ(incs[0].kind, IncidentKind::kHost) << text;
+  }
+  // Near misses stay quiet: other Metal failures and MLX's count of buffers, longer words after
+  // "memory out", memory moved out, a kill averted or denied, "explores" with an object,
+  // "outof" inside a word or with no memory after it.
+  for (const char* text :
+       {"[METAL] Command buffer execution failed: Caused GPU Timeout Error "
+        "(00000002:kIOGPUCommandBufferCallbackErrorTimeout)\n",
+        "[metal::malloc] Resource limit (499000) exceeded.\n", "Use the working memory outside the loop.\n",
+        "Write the memory output to a file.\n", "See the memory outline in the docs.\n",
+        "The request timed out.\n", "Swap the memory out.\n", "We page the memory out.\n",
+        "进程没有被killed，可以继续训练\n", "加上这个参数以免被kill掉\n", "如果被killed了，请重启\n",
+        "The episodic memory explores the state space.\n", "The agent's memory explores new states.\n",
+        "The layoutof memory is shown.\n", "The code is outof date.\n"}) {
+    EXPECT_TRUE(Parse(text).empty()) << text;
+  }
+}
 }  // namespace
 }  // namespace oomguard::kb

@@ -327,6 +327,21 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"RuntimeError: unable to mmap 33484977464 bytes", OomKind::kHost, 33484977464},
       // Docker Compose's line for a container the kernel killed (open-webui/open-webui#6168).
       {"server-1 exited with code 137", OomKind::kHost, 0},
+      // Apple's Metal out of memory: MLX's message as jjang-ai/vmlx#58 quotes it, whole with Metal's
+      // code, the code alone as llama.cpp prints it, and its older macOS name.
+      {"libc++abi: terminating due to uncaught exception of type std::runtime_error: [METAL] Command buffer "
+       "execution failed: Insufficient Memory",
+       OomKind::kDevice, 0},
+      {"[METAL] Command buffer execution failed: Insufficient Memory "
+       "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
+       OomKind::kDevice, 0},
+      {"error: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)", OomKind::kDevice, 0},
+      {"MetalExecutionError: Error Domain=MTLCommandBufferErrorDomain Code=8 \"Insufficient Memory (IOAF code 8)\"",
+       OomKind::kDevice, 0},
+      // MLX's allocator refusing a buffer larger than Metal allows (ml-explore/mlx#3082): the request is the size.
+      {"RuntimeError: [metal::malloc] Attempting to allocate 86587211776 bytes which is greater than the maximum "
+       "allowed buffer size of 86586540032 bytes.",
+       OomKind::kDevice, 86587211776},
       // Shared memory exhausted (tahoebio/tahoe-x1#63).
       {"DataLoader crashed with Bus error / No space left on device due to the 64 MB /dev/shm", OomKind::kHost, 0},
       // The torch budget's caching device (sdk/torch/torch_budget.cc).
@@ -373,6 +388,14 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"RuntimeError: unable to mmap 4096 bytes from file </dev/shm/torch_1>: Invalid argument (22)", OomKind::kNone,
        0},
       {"server-1 exited with code 1", OomKind::kNone, 0},
+      // Metal's other command buffer failures, and MLX's limit on the number of buffers.
+      {"[METAL] Command buffer execution failed: Caused GPU Timeout Error "
+       "(00000002:kIOGPUCommandBufferCallbackErrorTimeout)",
+       OomKind::kNone, 0},
+      {"[METAL] Command buffer execution failed: Discarded (victim of GPU error/recovery) "
+       "(00000005:kIOGPUCommandBufferCallbackErrorInnocentVictim)",
+       OomKind::kNone, 0},
+      {"[metal::malloc] Resource limit (499000) exceeded.", OomKind::kNone, 0},
       {"", OomKind::kNone, 0},
   };
   for (const MessageCase& c : cases) {

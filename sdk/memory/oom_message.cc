@@ -134,6 +134,21 @@ std::optional<int64_t> ParseAllocateSize(std::string_view m, bool* lower_bound) 
 // size of the mapping it asked for.
 std::optional<int64_t> MmapSize(std::string_view m) { return SizeAfterPhrase(m, "unable to mmap "); }
 
+// Apple's Metal out of device memory. MLX: "[METAL] Command buffer execution failed:
+// Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)" (jjang-ai/vmlx#58
+// quotes it without the code); llama.cpp prints the code alone ("error: Insufficient Memory
+// (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"); older macOS names it "Insufficient
+// Memory (IOAF code 8)". And MLX's allocator refusing one buffer larger than Metal allows:
+// "[metal::malloc] Attempting to allocate 86587211776 bytes which is greater than the maximum
+// allowed buffer size of 86586540032 bytes." (ml-explore/mlx#3082). Other command buffer
+// failures ("Caused GPU Timeout Error"), and MLX's "[metal::malloc] Resource limit (499000)
+// exceeded" (a count of buffers, not bytes), are not OOMs.
+bool MetalOom(std::string_view m) {
+  return Has(m, "command buffer execution failed: insufficient memory") ||
+         Has(m, "kiogpucommandbuffercallbackerroroutofmemory") || Has(m, "insufficient memory (ioaf code 8)") ||
+         (Has(m, "attempting to allocate") && Has(m, "greater than the maximum allowed buffer size"));
+}
+
 int64_t DtypeBytes(std::string_view dtype) {
   struct Dtype {
     std::string_view name;
@@ -284,6 +299,14 @@ void ParseOthers(std::string_view m, OomFigures* f) {
     if (f->format.empty()) f->format = "pytorch-mmap";
     f->device = "cpu";
     if (!f->requested) f->requested = mapped;
+  }
+  // MLX on Metal: a command buffer refused for memory, or a buffer larger than Metal allows
+  // ("[metal::malloc] Attempting to allocate N bytes which is greater than the maximum allowed
+  // buffer size of M bytes": N, read as "allocate N", is the request; M is a limit on one
+  // buffer, not the device's capacity, so it is no figure here).
+  if (MetalOom(m)) {
+    if (f->format.empty()) f->format = "mlx-metal";
+    if (f->device.empty()) f->device = "metal";
   }
   if (Has(m, "defaultcpuallocator") || Has(m, "alloc_cpu")) {
     if (f->format.empty()) f->format = "cpu-allocator";
@@ -479,10 +502,13 @@ OomInfo ClassifyMessage(std::string_view message) {
              // number of tokens that can be stored in KV cache (7344)."
              Has(m, "can be stored in kv cache") ||
              // PaddlePaddle 1.x: "Insufficient GPU memory to allocation."
-             Has(m, "insufficient gpu memory")) {
+             Has(m, "insufficient gpu memory") ||
+             // Apple's Metal (MLX, llama.cpp): the GPU's share of unified memory.
+             internal::MetalOom(m)) {
     // vLLM at startup: the card's free memory does not cover the share it
     // was told to take, or nothing is left for the KV cache; Paddle's
-    // allocator refusing a chunk larger than the card has free.
+    // allocator refusing a chunk larger than the card has free; Metal refusing a command
+    // buffer for memory, or MLX a buffer over Metal's largest.
     kind = OomKind::kDevice;
   } else if (out_of_memory) {
     kind = device_words ? OomKind::kDevice : OomKind::kHost;

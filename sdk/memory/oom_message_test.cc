@@ -220,6 +220,23 @@ TEST(OomFiguresTest, MpsFigures) {
   EXPECT_EQ(f.requested, 256);
 }
 
+TEST(OomFiguresTest, MlxMetalFigures) {
+  // ml-explore/mlx#3082: one buffer larger than Metal allows; the request is read, and Metal's
+  // per-buffer limit is not taken for the device's capacity.
+  OomFigures f = ParseOomFigures("RuntimeError: [metal::malloc] Attempting to allocate 86587211776 bytes which is "
+                                 "greater than the maximum allowed buffer size of 86586540032 bytes.");
+  EXPECT_EQ(f.format, "mlx-metal");
+  EXPECT_EQ(f.device, "metal");
+  EXPECT_EQ(f.requested, 86587211776);
+  EXPECT_FALSE(f.capacity);
+  // jjang-ai/vmlx#58: a command buffer refused for memory prints no figure.
+  f = ParseOomFigures("libc++abi: terminating due to uncaught exception of type std::runtime_error: [METAL] Command "
+                      "buffer execution failed: Insufficient Memory");
+  EXPECT_EQ(f.format, "mlx-metal");
+  EXPECT_EQ(f.device, "metal");
+  EXPECT_FALSE(f.requested || f.capacity || f.free);
+}
+
 TEST(OomFiguresTest, NothingPrintedMeansNothingKnown) {
   OomFigures f = ParseOomFigures("RuntimeError: CUDA error: out of memory");
   EXPECT_FALSE(f.requested || f.capacity || f.free || f.allocated || f.reserved || f.process_in_use);
