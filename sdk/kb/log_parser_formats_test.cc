@@ -3,6 +3,7 @@
 // (tests/kb/testdata/corpus), cut to the lines that matter.
 #include <gtest/gtest.h>
 
+#include <initializer_list>
 #include <string>
 
 #include "oomguard/knowledge_base.h"
@@ -18,6 +19,15 @@ std::vector<Incident> Parse(const std::string& text) {
   auto r = ParseOomLog(text, o);
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? *r : std::vector<Incident>{};
+}
+
+// Each text holds exactly one OOM, of `kind`.
+void ExpectOneOomOfKind(IncidentKind kind, std::initializer_list<const char*> texts) {
+  for (const char* text : texts) {
+    auto incs = Parse(text);
+    ASSERT_EQ(incs.size(), 1u) << text;
+    EXPECT_EQ(incs[0].kind, kind) << text;
+  }
 }
 
 TEST(LogParserFormatsTest, TensorFlowStreamExecutorNamesTheBytesItFailedToAllocate) {
@@ -305,30 +315,25 @@ TEST(LogParserFormatsTest, Batch16FormatsTheParsersMissedAtFirstContact) {
   EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
   // In words. McGregorWwww/UDTransNet#21 (显存 grows until it bursts), NVIDIA/DALI#5293 ("Ran of GPU memory"),
   // anishathalye/neural-style#135: device memory.
-  for (const char* text : {"# 复现\n为什么我在训练的时候显存会一直增加到爆了\n",
-                           "# Ran of GPU memory when using Imagenet but not COCO-Stuff 2017\n",
-                           "I've tried to create image with input content of size 3200x2600 pix and it returned me "
-                           "error that I have not enough memory on my GPU.\n"}) {
-    incs = Parse(text);
-    ASSERT_EQ(incs.size(), 1u) << text;
-    EXPECT_EQ(incs[0].kind, IncidentKind::kDevice) << text;
-  }
+  ExpectOneOomOfKind(
+      IncidentKind::kDevice,
+      {"# 复现\n为什么我在训练的时候显存会一直增加到爆了\n",
+       "# Ran of GPU memory when using Imagenet but not COCO-Stuff 2017\n",
+       "I've tried to create image with input content of size 3200x2600 pix and it returned me "
+       "error that I have not enough memory on my GPU.\n"});
   // peteryuX/retinaface-tf2#18, tensorflow/tensorflow#32376, Fannovel16/ComfyUI-Frame-Interpolation#104,
   // YoumiMa/dreeam#23: host memory.
-  for (const char* text :
-       {"I did notice that during training the cpu ram is consumed until it depletes thus silently killing the "
-        "process after some time.\n",
-        "# [TF2.0]Shuffle function on tf.data fills up RAM memory.\nusing `shuffle(buffer_size= #_of_elements)` it "
-        "fills up shuffle buffer which also fills up RAM memory so if the data is huge and RAM is not enough then it "
-        "hangs up the system which leads to system restart.\n",
-        "the system RAM usage remains very high even after the task is complete and doesn't decrease, causing a "
-        "DefaultCPUAllocator-Error later on.\n",
-        "# The running of the step2 phase code is always killed\nIn a 4090+120GB environment, the process is always "
-        "killed inexplicably, which is weird.\n"}) {
-    incs = Parse(text);
-    ASSERT_EQ(incs.size(), 1u) << text;
-    EXPECT_EQ(incs[0].kind, IncidentKind::kHost) << text;
-  }
+  ExpectOneOomOfKind(
+      IncidentKind::kHost,
+      {"I did notice that during training the cpu ram is consumed until it depletes thus silently killing the "
+       "process after some time.\n",
+       "# [TF2.0]Shuffle function on tf.data fills up RAM memory.\nusing `shuffle(buffer_size= #_of_elements)` it "
+       "fills up shuffle buffer which also fills up RAM memory so if the data is huge and RAM is not enough then it "
+       "hangs up the system which leads to system restart.\n",
+       "the system RAM usage remains very high even after the task is complete and doesn't decrease, causing a "
+       "DefaultCPUAllocator-Error later on.\n",
+       "# The running of the step2 phase code is always killed\nIn a 4090+120GB environment, the process is always "
+       "killed inexplicably, which is weird.\n"});
   // Near misses stay quiet: a mapping that failed for another reason, another exit code, a negated burst,
   // a kill that did not happen, a condition, memory filled with no failure, "ran off", a queue depleted.
   for (const char* text :
@@ -361,21 +366,15 @@ TEST(LogParserFormatsTest, Batch17FormatsTheParsersMissedAtFirstContact) {
   EXPECT_EQ(incs[0].requested_bytes, 86587211776);
   // In words. chaofengc/PSFRGAN#34 ("memory out" for "out of memory", in its title and in its body
   // with a dangling "of"), cuiziteng/Illumination-Adaptive-Transformer#28 ("outof"): device memory.
-  for (const char* text : {"# try to train 1024 resolution memory out\nHi, this is a great code\n",
-                           "use RTX 3090 24G，Train one memory out of\n",
-                           "# CUDA outof memory\n3060怎么推理跑不动会直接炸，用这个模型跑视频的\n"}) {
-    incs = Parse(text);
-    ASSERT_EQ(incs.size(), 1u) << text;
-    EXPECT_EQ(incs[0].kind, IncidentKind::kDevice) << text;
-  }
+  ExpectOneOomOfKind(IncidentKind::kDevice,
+                     {"# try to train 1024 resolution memory out\nHi, this is a great code\n",
+                      "use RTX 3090 24G，Train one memory out of\n",
+                      "# CUDA outof memory\n3060怎么推理跑不动会直接炸，用这个模型跑视频的\n"});
   // InternLM/InternLM#55 (the process "被killed了", was killed, after the RAM grew to 21GB),
   // yangxy/PASD#18 ("the CPU memory explores", explodes misspelt): host memory.
-  for (const char* text : {"模型加载到内存中，内存快速增长到21GB之后，进程被killed了，导致模型加载失败\n",
-                           "# When reproducing, the CPU memory explores\nHi, thanks for your meaningful work.\n"}) {
-    incs = Parse(text);
-    ASSERT_EQ(incs.size(), 1u) << text;
-    EXPECT_EQ(incs[0].kind, IncidentKind::kHost) << text;
-  }
+  ExpectOneOomOfKind(IncidentKind::kHost,
+                     {"模型加载到内存中，内存快速增长到21GB之后，进程被killed了，导致模型加载失败\n",
+                      "# When reproducing, the CPU memory explores\nHi, thanks for your meaningful work.\n"});
   // Near misses stay quiet: other Metal failures and MLX's count of buffers, longer words after
   // "memory out", memory moved out, a kill averted or denied, "explores" with an object,
   // "outof" inside a word or with no memory after it.
