@@ -93,7 +93,13 @@ bool FormatMarker(std::string_view l) {
                          "kiogpucommandbuffercallbackerroroutofmemory", "insufficient memory (ioaf code 8)",
                          // MLX: "[metal::malloc] Attempting to allocate 86587211776 bytes which is greater than
                          // the maximum allowed buffer size of 86586540032 bytes."
-                         "maximum allowed buffer size"});
+                         "maximum allowed buffer size",
+                         // ggml's allocator (llama.cpp): "ggml_gallocr_reserve_n: failed to allocate ROCm0 buffer
+                         // of size 18035509504"; ClassifyMessage tells the backend's memory from a refusal.
+                         "buffer of size",
+                         // Ollama: "Error: llama runner exited, you may not have enough available memory to run
+                         // this model".
+                         "llama runner exited"});
 }
 
 // A byte size in words: "286GB", "~4 GiB", "512 MiB".
@@ -230,6 +236,73 @@ bool ChinesePassiveKill(std::string_view l) {
   return false;
 }
 
+// "识别时内存一直涨 溢出" (while recognising, the RAM keeps rising, overflow): 内存/显存, a growth
+// character (涨/增/升/长) and then 溢出 within ten characters, not negated in the three characters
+// before 溢出 ("内存一直涨但没有溢出", "内存增长不会溢出"). Adjacent "内存溢出" is matched above; 溢出
+// alone is too wide ("内存中的整数溢出", an integer overflow in memory, has no growth).
+bool ChineseMemoryGrowsToOverflow(std::string_view l) {
+  static constexpr std::string_view kOverflow = "溢出";
+  for (std::string_view mem : {std::string_view("显存"), std::string_view("内存")}) {
+    for (size_t at = l.find(mem); at != std::string_view::npos; at = l.find(mem, at + 1)) {
+      std::string_view rest = l.substr(at + mem.size(), 30);
+      const size_t o = rest.find(kOverflow);
+      if (o == std::string_view::npos) continue;
+      if (!ContainsAny(rest.substr(0, o), {"涨", "增", "升", "长"})) continue;
+      const size_t from = o >= 9 ? o - 9 : 0;
+      if (!ContainsAny(rest.substr(from, o - from), {"没", "不", "未"})) return true;
+    }
+  }
+  return false;
+}
+
+// "the Colab runtime crashes saying that it crashed due to low RAM", "runtime crashes due to low
+// RAM": a crash or a kill put down to low memory. The failure word comes first, not negated in
+// the dozen characters before it ("it won't crash due to low memory"), and not in a condition;
+// low memory without a failure ("runs slowly due to low RAM") stays quiet.
+bool FailureDueToLowMemory(std::string_view l) {
+  for (std::string_view cause : {std::string_view("due to low "), std::string_view("because of low ")}) {
+    for (size_t at = l.find(cause); at != std::string_view::npos; at = l.find(cause, at + 1)) {
+      // The memory word right after "low", or one word on ("low system memory"); not further
+      // ("low disk space on the memory card").
+      std::string_view rest = l.substr(at + cause.size());
+      const size_t first = rest.find(' ');
+      const size_t second = first == std::string_view::npos ? first : rest.find(' ', first + 1);
+      if (!MemoryWithinWords(rest.substr(0, second))) continue;
+      std::string_view before = l.substr(0, at);
+      size_t fail = std::string_view::npos;
+      for (std::string_view w : {"crash", "kill", "died", "dies", "abort", "terminat"})
+        if (size_t f = before.rfind(w); f != std::string_view::npos && (fail == std::string_view::npos || f > fail))
+          fail = f;
+      if (fail == std::string_view::npos || Conditional(before)) continue;
+      const size_t from = fail >= 12 ? fail - 12 : 0;
+      if (ContainsAny(before.substr(from, fail - from), {"not ", "n't ", "never ", "no longer "})) continue;
+      return true;
+    }
+  }
+  return false;
+}
+
+// "# Why does the model quantization prompt KILLED at the end?": the shell's "Killed" shouted in a
+// sentence (case kept: `t` is the line as written). The word before it is a lower-case word of
+// the sentence, not a state's name ("Final State: KILLED", "status=KILLED", "the job state is KILLED"),
+// nor a denial ("was not KILLED") or a condition ("if it is KILLED").
+bool ShoutedKilled(std::string_view t) {
+  for (size_t at = t.find("KILLED"); at != std::string_view::npos; at = t.find("KILLED", at + 1)) {
+    if (at + 6 < t.size() && std::isalpha(static_cast<unsigned char>(t[at + 6]))) continue;
+    if (at < 2 || t[at - 1] != ' ') continue;
+    size_t b = at - 1;
+    while (b > 0 && std::islower(static_cast<unsigned char>(t[b - 1]))) --b;
+    if (b == at - 1 || (b > 0 && std::isalpha(static_cast<unsigned char>(t[b - 1])))) continue;
+    const std::string before = Lower(t.substr(0, at));
+    std::string_view word = t.substr(b, at - 1 - b);
+    if (word == "not" || word == "never" || Conditional(before) ||
+        ContainsAny(before, {"state", "status", "n't ", " not ", "never "}))
+      continue;
+    return true;
+  }
+  return false;
+}
+
 // A sentence about an OOM (used only when no error record exists).
 bool Mention(std::string_view l) {
   if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
@@ -263,8 +336,11 @@ bool Mention(std::string_view l) {
                       "lack of gpu memory", "lack of vram", "not enough ram", "get kill", "gets kill", "got kill",
                       "c^ error", "^c error",
                       // PyTorch's CPU allocator named as the error: "causing a DefaultCPUAllocator-Error later on".
-                      "defaultcpuallocator-error", "defaultcpuallocator error"}))
+                      "defaultcpuallocator-error", "defaultcpuallocator error",
+                      // A title naming the card's memory: "# Insufficient graphics memory for this model!".
+                      "insufficient graphics memory", "insufficient video memory", "insufficient vram"}))
     return true;
+  if (ChineseMemoryGrowsToOverflow(l) || FailureDueToLowMemory(l)) return true;
   if (ChineseMemoryBurst(l) || KilledAfterAdverb(l) || MemoryOutAtEnd(l) || ChinesePassiveKill(l)) return true;
   // "# When reproducing, the CPU memory explores": "explodes" misspelt. The real verb takes an
   // object ("the agent's memory explores the state space"), so only where it ends the line.
@@ -571,7 +647,9 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
     return false;
   };
   for (size_t i = 0; i < lines.size(); ++i) {
-    if (!Mention(lines[i].lower) && !(system_memory_warned && killed_word(lines[i].lower))) continue;
+    if (!Mention(lines[i].lower) && !ShoutedKilled(lines[i].stripped) &&
+        !(system_memory_warned && killed_word(lines[i].lower)))
+      continue;
     Event e;
     e.first = e.last = e.anchor = i;
     e.mention = true;

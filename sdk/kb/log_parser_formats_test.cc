@@ -390,5 +390,55 @@ TEST(LogParserFormatsTest, Batch17FormatsTheParsersMissedAtFirstContact) {
     EXPECT_TRUE(Parse(text).empty()) << text;
   }
 }
+
+TEST(LogParserFormatsTest, Batch18FormatsTheParsersMissedAtFirstContact) {
+  // ggml-org/llama.cpp#9352: ggml's allocator refusing a ROCm buffer is an error record, device
+  // memory, and the buffer's bytes are the request.
+  auto incs = Parse("```shell\nggml_gallocr_reserve_n: failed to allocate ROCm0 buffer of size 18035509504\n"
+                    "llama_new_context_with_model: failed to allocate compute buffers\n"
+                    "llama_init_from_gpt_params: error: failed to create context with model "
+                    "'../../../Downloads/Meta-Llama-3.1-70B-Instruct-Q4_K_L.gguf'\n"
+                    "[1]    101687 segmentation fault (core dumped)  build/bin/llama-server -m  -ngl 0\n```\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
+  EXPECT_EQ(incs[0].source, "report.txt:2");
+  EXPECT_EQ(incs[0].requested_bytes, 18035509504);
+  // The same allocator's CPU buffer is host memory.
+  incs = Parse("ggml_gallocr_reserve_n: failed to allocate CPU buffer of size 2147483648\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  EXPECT_EQ(incs[0].requested_bytes, 2147483648);
+  // ollama/ollama#1727 (Ollama's runner died loading a model the 4 GB card could not hold) and
+  // tigros/Whisperer#11 (a title naming the card's memory): device memory.
+  ExpectOneOomOfKind(IncidentKind::kDevice,
+                     {"# ollama doesn't use system RAM\nI'm running Ollama on a ubuntu 22 linux laptop with 32 G of "
+                      "RAM and a NVIDIA gtx 1650. Very frustrating, as it exists with \"Error: llama runner exited, "
+                      "you may not have enough available memory to run this model\" as soon as I try to chat...\n",
+                      "# Insufficient graphics memory for this model!\nAs per object, the indicated error is shown. I "
+                      "already use the \"Big\" model with other projects (e.g., Whisper).\n"});
+  // qwopqwop200/GPTQ-for-LLaMa#277 (the shell's "Killed" shouted in a title), PaddlePaddle/PaddleOCR#303
+  // (内存一直涨 溢出: the RAM keeps rising, overflow), huggingface/audio-transformers-course#57 (a
+  // runtime crash put down to low RAM): host memory.
+  ExpectOneOomOfKind(IncidentKind::kHost,
+                     {"# Why does the model quantization prompt KILLED at the end?\nWhy does the model quantization "
+                      "prompt KILLED at the end?\n",
+                      "# 识别时内存一直涨 溢出\n进行多张图像识别时，发现内存会一直涨，没有回收。内存会到3G左右，CPU环境下。\n",
+                      "# Cannot finish tasks in Colab because runtime crashes due to low RAM.\n",
+                      "But the section where the feature extractor is applied to the music database, the Colab "
+                      "runtime crashes saying that it crashed due to low RAM.\n"});
+  // Near misses stay quiet: llama.cpp's lines for buffers it did allocate, a buffer failure with
+  // no size, Ollama's runner exiting for another reason, KILLED as a state's name or denied,
+  // overflow with no growth or negated, low memory without a failure or with one denied.
+  for (const char* text :
+       {"llama_new_context_with_model:  CUDA0 compute buffer size =   164.01 MiB\n",
+        "llm_load_tensors: ROCm0 buffer size = 18035.51 MiB\n", "Creating a buffer of size 4096 for the queue.\n",
+        "Error: llama runner exited with status 1\n", "Final State: KILLED\n", "The job state went to KILLED after the user's cancel.\n",
+        "Application finished with status=KILLED\n", "The process was not KILLED at the end.\n",
+        "Retry the task if the scheduler marks it KILLED.\n", "内存中的整数溢出会导致错误\n", "内存一直涨，但没有溢出\n",
+        "The game runs slowly due to low RAM.\n", "It won't crash due to low memory any more.\n",
+        "The app crashed due to low disk space on the memory card.\n"}) {
+    EXPECT_TRUE(Parse(text).empty()) << text;
+  }
+}
 }  // namespace
 }  // namespace oomguard::kb

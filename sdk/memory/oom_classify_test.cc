@@ -342,6 +342,21 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
       {"RuntimeError: [metal::malloc] Attempting to allocate 86587211776 bytes which is greater than the maximum "
        "allowed buffer size of 86586540032 bytes.",
        OomKind::kDevice, 86587211776},
+      // ggml's allocator (llama.cpp) refusing a backend buffer, as ggml-org/llama.cpp#9352 quotes it:
+      // the buffer's bytes are the request; a GPU backend's buffer is device memory, the CPU's
+      // (and a GPU backend's pinned "CUDA_Host" buffer) host memory.
+      {"ggml_gallocr_reserve_n: failed to allocate ROCm0 buffer of size 18035509504", OomKind::kDevice, 18035509504},
+      {"ggml_gallocr_reserve_n: failed to allocate CUDA0 buffer of size 4294967296", OomKind::kDevice, 4294967296},
+      {"ggml_gallocr_reserve_n: failed to allocate CPU buffer of size 2147483648", OomKind::kHost, 2147483648},
+      {"ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 1073741824", OomKind::kHost,
+       1073741824},
+      {"alloc_tensor_range: failed to allocate CUDA_Host buffer of size 536870912", OomKind::kHost, 536870912},
+      // ggml's CUDA backend names cudaMalloc's failure and the MiB it asked for.
+      {"ggml_backend_cuda_buffer_type_alloc_buffer: allocating 17200.00 MiB on device 0: cudaMalloc failed: out of "
+       "memory",
+       OomKind::kDevice, 17200 * kMiB},
+      // Ollama's runner dying as it loads a model (ollama/ollama#1727): the card's memory.
+      {"Error: llama runner exited, you may not have enough available memory to run this model", OomKind::kDevice, 0},
       // Shared memory exhausted (tahoebio/tahoe-x1#63).
       {"DataLoader crashed with Bus error / No space left on device due to the 64 MB /dev/shm", OomKind::kHost, 0},
       // The torch budget's caching device (sdk/torch/torch_budget.cc).
@@ -396,6 +411,12 @@ TEST(ClassifyMessageTest, RecognisesKnownMessages) {
        "(00000005:kIOGPUCommandBufferCallbackErrorInnocentVictim)",
        OomKind::kNone, 0},
       {"[metal::malloc] Resource limit (499000) exceeded.", OomKind::kNone, 0},
+      // llama.cpp's lines for buffers it did allocate, a buffer failure with no size, Ollama's runner
+      // exiting for another reason.
+      {"llama_new_context_with_model:  CUDA0 compute buffer size =   164.01 MiB", OomKind::kNone, 0},
+      {"llama_model_load: error loading model: failed to allocate buffer", OomKind::kNone, 0},
+      {"ggml_gallocr_reserve_n: failed to allocate ROCm0 buffer of size zero", OomKind::kNone, 0},
+      {"Error: llama runner exited with status 1", OomKind::kNone, 0},
       {"", OomKind::kNone, 0},
   };
   for (const MessageCase& c : cases) {

@@ -149,6 +149,42 @@ bool MetalOom(std::string_view m) {
          (Has(m, "attempting to allocate") && Has(m, "greater than the maximum allowed buffer size"));
 }
 
+// ggml's allocator (llama.cpp, whisper.cpp) refusing a backend buffer: "ggml_gallocr_reserve_n:
+// failed to allocate ROCm0 buffer of size 18035509504" (ggml-org/llama.cpp#9352), "failed to
+// allocate CUDA0 buffer of size N", and the CPU backend's own "ggml_backend_cpu_buffer_type_alloc_buffer:
+// failed to allocate buffer of size N". The buffer type's name, lower case ("rocm0", "cuda0",
+// "metal", "cuda_host", "cpu"), or nothing when the message is not one of these. The success
+// lines ("CUDA0 compute buffer size = 164.01 MiB") never say "failed to allocate".
+std::optional<std::string_view> GgmlBufferType(std::string_view m) {
+  static constexpr std::string_view kFailed = "failed to allocate ";
+  static constexpr std::string_view kSize = "buffer of size ";
+  for (size_t at = m.find(kFailed); at != std::string_view::npos; at = m.find(kFailed, at + 1)) {
+    std::string_view rest = m.substr(at + kFailed.size());
+    if (rest.starts_with(kSize)) {
+      if (Has(m, "ggml_backend_cpu_buffer_type_alloc_buffer") && rest.size() > kSize.size() &&
+          IsDigit(rest[kSize.size()]))
+        return std::string_view("cpu");
+      continue;
+    }
+    const size_t space = rest.find(' ');
+    if (space == std::string_view::npos || space == 0 || space > 24) continue;
+    std::string_view after = rest.substr(space + 1);
+    if (after.starts_with(kSize) && after.size() > kSize.size() && IsDigit(after[kSize.size()]))
+      return rest.substr(0, space);
+  }
+  return std::nullopt;
+}
+
+// A ggml buffer type in host memory: the CPU's ("cpu", "cpu_mapped") and the pinned host memory
+// a GPU backend allocates ("cuda_host"). Every other type is a device's.
+bool GgmlHostBuffer(std::string_view type) { return type.starts_with("cpu") || type.ends_with("_host"); }
+
+// The bytes ggml asked for: "buffer of size 18035509504" (a plain byte count).
+std::optional<int64_t> GgmlBufferSize(std::string_view m) {
+  if (!GgmlBufferType(m)) return std::nullopt;
+  return IntegerAfter(m.substr(m.find("failed to allocate ")), "buffer of size ");
+}
+
 int64_t DtypeBytes(std::string_view dtype) {
   struct Dtype {
     std::string_view name;
@@ -307,6 +343,25 @@ void ParseOthers(std::string_view m, OomFigures* f) {
   if (MetalOom(m)) {
     if (f->format.empty()) f->format = "mlx-metal";
     if (f->device.empty()) f->device = "metal";
+  }
+  // ggml (llama.cpp): "failed to allocate ROCm0 buffer of size 18035509504": the buffer's bytes are
+  // the request; the buffer type names the device ("rocm0": hip, device 0).
+  if (auto type = GgmlBufferType(m)) {
+    if (f->format.empty()) f->format = "ggml";
+    if (!f->requested) f->requested = GgmlBufferSize(m);
+    std::string_view t = *type;
+    if (f->device.empty()) {
+      f->device = GgmlHostBuffer(t)                                   ? "cpu"
+                  : t.starts_with("cuda")                             ? "cuda"
+                  : t.starts_with("rocm") || t.starts_with("hip")     ? "hip"
+                  : t.starts_with("metal")                            ? "metal"
+                                                                      : "gpu";
+    }
+    if (f->device_index < 0 && !t.empty() && IsDigit(t.back()) && !GgmlHostBuffer(t)) {
+      size_t b = t.size();
+      while (b > 0 && IsDigit(t[b - 1])) --b;
+      f->device_index = static_cast<int>(std::strtol(std::string(t.substr(b)).c_str(), nullptr, 10));
+    }
   }
   if (Has(m, "defaultcpuallocator") || Has(m, "alloc_cpu")) {
     if (f->format.empty()) f->format = "cpu-allocator";
@@ -510,6 +565,15 @@ OomInfo ClassifyMessage(std::string_view message) {
     // allocator refusing a chunk larger than the card has free; Metal refusing a command
     // buffer for memory, or MLX a buffer over Metal's largest.
     kind = OomKind::kDevice;
+  } else if (auto ggml = internal::GgmlBufferType(m)) {
+    // ggml (llama.cpp) refusing a backend buffer: "failed to allocate ROCm0 buffer of size
+    // 18035509504" is the card's memory, a CPU (or pinned "CUDA_Host") buffer the host's.
+    kind = internal::GgmlHostBuffer(*ggml) ? OomKind::kHost : OomKind::kDevice;
+  } else if (Has(m, "llama runner exited, you may not have enough")) {
+    // Ollama, when the model's runner dies loading (ollama/ollama#1727): "Error: llama runner
+    // exited, you may not have enough available memory to run this model". Ollama puts the model
+    // on the GPU first, so it is the card's memory that did not fit.
+    kind = OomKind::kDevice;
   } else if (out_of_memory) {
     kind = device_words ? OomKind::kDevice : OomKind::kHost;
   }
@@ -523,6 +587,8 @@ OomInfo ClassifyMessage(std::string_view message) {
     info.requested_bytes = *tensor;
   } else if (auto mapped = internal::MmapSize(m)) {
     info.requested_bytes = *mapped;
+  } else if (auto buffer = internal::GgmlBufferSize(m)) {
+    info.requested_bytes = *buffer;
   }
   return info;
 }

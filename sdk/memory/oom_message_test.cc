@@ -237,6 +237,26 @@ TEST(OomFiguresTest, MlxMetalFigures) {
   EXPECT_FALSE(f.requested || f.capacity || f.free);
 }
 
+TEST(OomFiguresTest, GgmlBufferFigures) {
+  // ggml-org/llama.cpp#9352: the buffer's plain byte count is the request; the buffer type names
+  // the device and its index ("ROCm0": hip, 0).
+  OomFigures f = ParseOomFigures("ggml_gallocr_reserve_n: failed to allocate ROCm0 buffer of size 18035509504");
+  EXPECT_EQ(f.format, "ggml");
+  EXPECT_EQ(f.device, "hip");
+  EXPECT_EQ(f.device_index, 0);
+  EXPECT_EQ(f.requested, 18035509504);
+  EXPECT_FALSE(f.capacity || f.free);
+  f = ParseOomFigures("ggml_gallocr_reserve_n: failed to allocate CPU buffer of size 2147483648");
+  EXPECT_EQ(f.format, "ggml");
+  EXPECT_EQ(f.device, "cpu");
+  EXPECT_EQ(f.device_index, -1);
+  EXPECT_EQ(f.requested, 2147483648);
+  // A line for a buffer it did allocate is none of ggml's failures.
+  f = ParseOomFigures("llama_new_context_with_model:  CUDA0 compute buffer size =   164.01 MiB");
+  EXPECT_EQ(f.format, "");
+  EXPECT_FALSE(f.requested);
+}
+
 TEST(OomFiguresTest, NothingPrintedMeansNothingKnown) {
   OomFigures f = ParseOomFigures("RuntimeError: CUDA error: out of memory");
   EXPECT_FALSE(f.requested || f.capacity || f.free || f.allocated || f.reserved || f.process_in_use);
