@@ -118,18 +118,19 @@ bool HasSize(std::string_view l) {
   return false;
 }
 
-// "memory", or "RAM"/"VRAM" as a word (not "program", "parameter").
-bool MemoryWord(std::string_view l) {
-  if (Contains(l, "memory")) return true;
-  for (size_t at = l.find("ram"); at != std::string_view::npos; at = l.find("ram", at + 1)) {
-    size_t b = at;
-    if (b > 0 && l[b - 1] == 'v') --b;
-    const bool left = b == 0 || !std::isalpha(static_cast<unsigned char>(l[b - 1]));
-    const bool right = at + 3 >= l.size() || !std::isalpha(static_cast<unsigned char>(l[at + 3]));
+// `word` with no letter on either side ("ram" in "RAM" or "ram," but not in "program").
+bool HasWord(std::string_view l, std::string_view word) {
+  for (size_t at = l.find(word); at != std::string_view::npos; at = l.find(word, at + 1)) {
+    const bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));
+    const size_t end = at + word.size();
+    const bool right = end >= l.size() || !std::isalpha(static_cast<unsigned char>(l[end]));
     if (left && right) return true;
   }
   return false;
 }
+
+// "memory", or "RAM"/"VRAM" as a word (not "program", "parameter").
+bool MemoryWord(std::string_view l) { return Contains(l, "memory") || HasWord(l, "ram") || HasWord(l, "vram"); }
 
 // A condition rather than a report: "if there is not enough memory on the GPU, ...".
 bool Conditional(std::string_view before) {
@@ -638,17 +639,9 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
   bool system_memory_warned = false;
   for (const Line& l : lines) system_memory_warned = system_memory_warned || Contains(l.lower, "% of system memory") ||
                                                      Contains(l.lower, "% of free system memory");
-  auto killed_word = [](std::string_view l) {
-    for (size_t at = l.find("killed"); at != std::string_view::npos; at = l.find("killed", at + 1)) {
-      const bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(l[at - 1]));
-      const bool right = at + 6 >= l.size() || !std::isalpha(static_cast<unsigned char>(l[at + 6]));
-      if (left && right) return true;
-    }
-    return false;
-  };
   for (size_t i = 0; i < lines.size(); ++i) {
     if (!Mention(lines[i].lower) && !ShoutedKilled(lines[i].stripped) &&
-        !(system_memory_warned && killed_word(lines[i].lower)))
+        !(system_memory_warned && HasWord(lines[i].lower, "killed")))
       continue;
     Event e;
     e.first = e.last = e.anchor = i;
@@ -662,11 +655,7 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
                                               "out of gpu memory", "out-of-gpu-memory", "vram", "显存", "cuda oom"});
     bool host = ContainsAny(all, {"killed", "kills the", " rss", "system memory", "cpu memory", "host memory", "内存",
                                   "num_workers", "abruptly died", "/dev/shm", "bus error", "defaultcpuallocator"});
-    for (size_t at = all.find("ram"); at != std::string::npos && !host; at = all.find("ram", at + 1)) {
-      bool left = at == 0 || !std::isalpha(static_cast<unsigned char>(all[at - 1]));
-      bool right = at + 3 >= all.size() || !std::isalpha(static_cast<unsigned char>(all[at + 3]));
-      host = left && right;  // "RAM", not "program"
-    }
+    host = host || HasWord(all, "ram");  // "RAM", not "program"
     const bool device = ContainsAny(all, {"cuda", "gpu", "npu"});
     e.kind = device_oom || (device && !host) ? OomKind::kDevice : (host ? OomKind::kHost : OomKind::kDevice);
     events.push_back(e);
