@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Scores the blind reading of the corpus's test split against its labels and
+against the classifier.
+
+    build/bin/diagnosis_bench --json=/tmp/diag.json
+    scripts/python bench/blind_reading.py --diagnosis /tmp/diag.json
+
+tests/kb/testdata/corpus/blind-reading.tsv holds, for every report of the
+test split, the pattern a reader chose without seeing its label, under two
+conditions: `text` (only the text a user would paste, no address, no
+resolution: what the classifier reads) and `resolution` (the resolution
+sentence too: how well the labels follow from what fixed each failure). The
+corpus README says how the reading was done.
+
+What it answers: is issue 25's 80% above what the text allows (the labels'
+own noise, or reports that do not say), or is it the classifier's reading?
+With --diagnosis it sets the reader beside the classifier on the same
+reports. --check only verifies the file (every address in the corpus's test
+split, once per condition, a catalogue pattern, a confidence in [0, 1]) and
+exits 1 with what is wrong.
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+CORPUS = os.path.join(ROOT, "tests", "kb", "testdata", "corpus")
+CONDITIONS = ("text", "resolution")
+
+
+def fnv1a64(s):
+    h = 14695981039346656037
+    for b in s.encode():
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def repo_of(source):
+    """As devset::RepoOf: owner/name of a GitHub address, else the host."""
+    s = re.sub(r"^https?://", "", source)
+    host = s.split("/")[0]
+    if host != "github.com":
+        return host
+    return "/".join(s.split("/")[1:3]).lower()
+
+
+def split_of(source):
+    """As devset::Split: 6 in 10 repositories train, 2 validation, 2 test."""
+    b = fnv1a64(repo_of(source)) % 10
+    return "train" if b < 6 else "validation" if b < 8 else "test"
+
+
+def corpus_labels(corpus=CORPUS):
+    labels = {}
+    for path in sorted(glob.glob(os.path.join(corpus, "batch-*.txt"))):
+        with open(path, encoding="utf-8") as f:
+            for record in re.split(r"(?m)^====\n", f.read())[1:]:
+                head = record.split("\n----\n", 1)[0]
+                meta = dict(ln.split(": ", 1) for ln in head.splitlines() if ": " in ln)
+                labels[meta["source"]] = meta["label"]
+    return labels
+
+
+def read_reading(path):
+    """{condition: {source: (pattern, confidence)}} and the problems found."""
+    out = {c: {} for c in CONDITIONS}
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip() or line.startswith("#"):
+                continue
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) != 4:
+                problems.append(f"{path}:{n}: {len(parts)} fields, expected source, condition, pattern, confidence")
+                continue
+            source, cond, pattern, conf = parts
+            if cond not in out:
+                problems.append(f"{path}:{n}: condition {cond!r} is not one of {', '.join(CONDITIONS)}")
+                continue
+            try:
+                c = float(conf)
+            except ValueError:
+                c = -1.0
+            if not 0.0 <= c <= 1.0:
+                problems.append(f"{path}:{n}: confidence {conf!r} is not a number in [0, 1]")
+                continue
+            if source in out[cond]:
+                problems.append(f"{path}:{n}: {source} read twice under {cond}")
+            out[cond][source] = (pattern, c)
+    return out, problems
+
+
+def check(reading, labels):
+    problems = []
+    test = {s for s in labels if split_of(s) == "test"}
+    patterns = set(labels.values())
+    for cond, answers in reading.items():
+        for s, (p, _) in sorted(answers.items()):
+            if s not in labels:
+                problems.append(f"{cond}: {s} is not a corpus record")
+            elif s not in test:
+                problems.append(f"{cond}: {s} is in the {split_of(s)} split, not test")
+            if p not in patterns:
+                problems.append(f"{cond}: {s}: {p!r} is not a pattern any record is labelled with")
+        missing = sorted(test - set(answers))
+        if missing:
+            problems.append(f"{cond}: {len(missing)} test reports not read, e.g. {missing[0]}")
+    return problems
+
+
+def pct(a, b):
+    return f"{a}/{b} ({100.0 * a / b:.1f}%)" if b else "0/0"
+
+
+def report(reading, labels, diagnosis=None):
+    lines = ["| reader | reports | right | at confidence ≥ 0.8 | wrong at ≥ 0.8 |", "|---|---:|---:|---:|---:|"]
+    for cond in CONDITIONS:
+        a = reading[cond]
+        right = sum(p == labels[s] for s, (p, _) in a.items())
+        hi = [p == labels[s] for s, (p, c) in a.items() if c >= 0.8]
+        name = "reader, text only" if cond == "text" else "reader, text and resolution"
+        lines.append(f"| {name} | {len(a)} | {pct(right, len(a))} | {len(hi)} | {len(hi) - sum(hi)} |")
+    if diagnosis is None:
+        return "\n".join(lines)
+    wrong = {w["source"]: w for w in diagnosis["corpus"]["wrong"]}
+    split = diagnosis["corpus"]["by_split"]["test"]
+    lines.append(f"| classifier | {split['total']} | {pct(split['right'], split['total'])} | "
+                 f"{split['confident']} | {split['confident_wrong']} |")
+    a = reading["text"]
+    cells = collections.Counter()
+    reader_only = collections.Counter()
+    for s, (p, _) in a.items():
+        rr, cr = p == labels[s], s not in wrong
+        cells[(rr, cr)] += 1
+        if rr and not cr:
+            reader_only[(labels[s], wrong[s]["answer"])] += 1
+    lines += ["", "On the same reports (reader: text only):", "",
+              "| | classifier right | classifier wrong |", "|---|---:|---:|",
+              f"| reader right | {cells[(True, True)]} | {cells[(True, False)]} |",
+              f"| reader wrong | {cells[(False, True)]} | {cells[(False, False)]} |", "",
+              "Where the reader is right and the classifier wrong (label → the classifier's answer): " +
+              ", ".join(f"{lab} → {ans} {n}" for (lab, ans), n in reader_only.most_common(8)) + "."]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reading", default=os.path.join(CORPUS, "blind-reading.tsv"))
+    ap.add_argument("--corpus", default=CORPUS)
+    ap.add_argument("--diagnosis", help="diagnosis_bench --json output: the classifier beside the reader")
+    ap.add_argument("--check", action="store_true", help="verify the reading file only")
+    a = ap.parse_args()
+    labels = corpus_labels(a.corpus)
+    if not labels:
+        print(f"no corpus records under {a.corpus}", file=sys.stderr)
+        return 1
+    try:
+        reading, problems = read_reading(a.reading)
+    except OSError as e:
+        print(f"cannot read {a.reading}: {e.strerror}", file=sys.stderr)
+        return 1
+    problems += check(reading, labels)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    if a.check:
+        print(f"{a.reading}: {sum(len(v) for v in reading.values())} readings of "
+              f"{len(reading['text'])} test reports, all valid")
+        return 0
+    diagnosis = None
+    if a.diagnosis:
+        with open(a.diagnosis, encoding="utf-8") as f:
+            diagnosis = json.load(f)
+    print(report(reading, labels, diagnosis))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
