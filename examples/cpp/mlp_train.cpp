@@ -301,13 +301,18 @@ int main(int argc, char** argv) {
       const std::string who = world > 1 ? "[rank " + std::to_string(rank) + "] " : "";
       for (const auto& inc : r.incidents) {
         if (inc.kind == oomguard::IncidentKind::kCoordination) continue;
+        // The ladder's "halve" rung takes the controller's size, which is a
+        // halving only for the halving controller: say which one this was.
+        std::string action(oomguard::LadderActionName(inc.action));
+        if (inc.action == oomguard::LadderAction::kHalve && inc.micro_after * 2 != inc.micro_before)
+          action = "shrink to the controller's pick";
         std::printf("  %sstep %" PRId64 ": OOM in %s (%s memory; asked for %s with %s allocated, %s reserved of %s)"
                     " -> released caches, micro-batch %" PRId64 " -> %" PRId64 " [%s], %s\n",
                     who.c_str(), inc.step, oomguard::PhaseName(inc.phase).data(),
                     oomguard::IncidentKindName(inc.kind).data(), Mib(inc.requested_bytes).c_str(),
                     Mib(inc.memory.allocated).c_str(), Mib(inc.memory.reserved).c_str(),
                     inc.memory.total > 0 ? Mib(inc.memory.total).c_str() : "unlimited", inc.micro_before,
-                    inc.micro_after, oomguard::LadderActionName(inc.action).data(),
+                    inc.micro_after, action.c_str(),
                     oomguard::IncidentOutcomeName(inc.outcome).data());
       }
       if (rank == 0 && ((r.step + 1) % every == 0 || r.step + 1 == cfg.steps)) {
