@@ -304,8 +304,18 @@ bool ShoutedKilled(std::string_view t) {
   return false;
 }
 
+// A kill someone ordered, in a line that says nothing of memory: "The job
+// state is KILLED by the user.", "the run was killed manually".
+bool KilledOnPurpose(std::string_view l) {
+  return ContainsAny(l, {"killed by the user", "killed by user", "killed by me", "killed by an admin",
+                         "killed by the admin", "killed manually", "manually killed", "state is killed",
+                         "status is killed"}) &&
+         !ContainsAny(l, {"memory", "内存", "显存"}) && !HasWord(l, "oom") && !HasWord(l, "ram");
+}
+
 // A sentence about an OOM (used only when no error record exists).
 bool Mention(std::string_view l) {
+  if (KilledOnPurpose(l)) return false;
   if (ContainsAny(l, {"out of memory", "out-of-memory", "out-of-gpu-memory", "out of gpu memory", "outofmemory",
                       "over memory", "`killed`", "memory error", "get killed", "gets killed", "got killed",
                       "getting killed", "being killed", "been killed", "was killed", "is killed", "process killed",

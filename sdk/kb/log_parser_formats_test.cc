@@ -184,6 +184,12 @@ TEST(LogParserFormatsTest, SharedMemoryAndMemoryEatenUntilKilledAreHostOoms) {
   // The warning alone is not a failure, nor "killed" without it.
   EXPECT_TRUE(Parse("Allocation of 1426063360 exceeds 10% of system memory.\nEpoch 1/200 done\n").empty());
   EXPECT_TRUE(Parse("I killed the job myself after epoch 3.\n").empty());
+  // A kill someone ordered is not an OOM; a kill with memory in the sentence still is.
+  EXPECT_TRUE(Parse("The job state is KILLED by the user.\n").empty());
+  EXPECT_TRUE(Parse("The first run was killed manually after an hour.\n").empty());
+  EXPECT_TRUE(Parse("The program was killed by the user with Ctrl-C.\n").empty());
+  EXPECT_EQ(Parse("The process was killed by the user's shell after memory hit 60 GB.\n").size(), 1u);
+  EXPECT_EQ(Parse("The process is killed every time at epoch 2.\n").size(), 1u);
   // Memory in use without a failure, and a disk that is full, are not OOMs.
   EXPECT_TRUE(Parse("The cache eats up memory quickly but the run finishes.\n").empty());
   EXPECT_TRUE(Parse("Saving failed: No space left on device (/data is full).\n").empty());
