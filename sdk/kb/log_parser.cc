@@ -45,7 +45,21 @@ struct Line {
 // ("3/8 [00:02<00:03]Killed"), or bash's "line 28:  8156 Killed  python ...".
 bool BareKill(std::string_view l) {
   std::string_view t = Trim(l);
-  if (t == "killed" || t == "**killed**") return true;
+  // A title's "Killed!" or "Killed！" (a full-width mark) is the same word.
+  std::string_view word = t;
+  for (bool cut = true; cut;) {
+    cut = false;
+    for (std::string_view mark : {"!", "?", ".", "！", "？", "。"})
+      if (word.size() > mark.size() && word.ends_with(mark)) word.remove_suffix(mark.size()), cut = true;
+  }
+  if (word == "killed" || word == "**killed**") return true;
+  // "# killed in save ply", "# Killed when saving LoRA weights": the kill opens the line and
+  // says when it came (not "Killed processes: 3", nor "killed the job myself").
+  if (t.starts_with("killed ")) {
+    std::string_view rest = t.substr(7);
+    for (std::string_view when : {"in ", "when ", "while ", "during ", "at ", "after ", "on ", "before "})
+      if (rest.starts_with(when)) return true;
+  }
   // The shell's "Killed" in a Chinese locale ("已杀死"), alone or after a progress bar.
   if (size_t at = t.find("已杀死"); at != std::string_view::npos &&
       (at == 0 || t[at - 1] == ']' || Contains(t.substr(0, at), "it/s")))
@@ -99,7 +113,9 @@ bool FormatMarker(std::string_view l) {
                          "buffer of size",
                          // Ollama: "Error: llama runner exited, you may not have enough available memory to run
                          // this model".
-                         "llama runner exited"});
+                         "llama runner exited",
+                         // Ollama: "model requires more system memory (19.3 GiB) than is available (14.8 GiB)".
+                         "requires more system memory ("});
 }
 
 // A byte size in words: "286GB", "~4 GiB", "512 MiB".
@@ -237,20 +253,40 @@ bool ChinesePassiveKill(std::string_view l) {
   return false;
 }
 
+// "推理时模型加载Killed了" (the model's load got Killed at inference): the shell's word inside a
+// Chinese sentence, a CJK character right before it or 了 right after, not negated or averted in
+// the four characters before it ("没有killed", "以免killed").
+bool KilledInChinese(std::string_view l) {
+  for (size_t at = l.find("killed"); at != std::string_view::npos; at = l.find("killed", at + 1)) {
+    const bool cjk_before = at >= 3 && static_cast<unsigned char>(l[at - 1]) >= 0x80;
+    const bool le_after = l.substr(at + 6).starts_with("了");
+    if (!cjk_before && !le_after) continue;
+    if (!cjk_before && at > 0 && std::isalpha(static_cast<unsigned char>(l[at - 1]))) continue;
+    const size_t from = at >= 12 ? at - 12 : 0;
+    if (ContainsAny(l.substr(from, at - from), {"没", "不", "未", "别", "免", "防", "怕", "如果"})) continue;
+    return true;
+  }
+  return false;
+}
+
 // "识别时内存一直涨 溢出" (while recognising, the RAM keeps rising, overflow): 内存/显存, a growth
 // character (涨/增/升/长) and then 溢出 within ten characters, not negated in the three characters
 // before 溢出 ("内存一直涨但没有溢出", "内存增长不会溢出"). Adjacent "内存溢出" is matched above; 溢出
 // alone is too wide ("内存中的整数溢出", an integer overflow in memory, has no growth).
 bool ChineseMemoryGrowsToOverflow(std::string_view l) {
-  static constexpr std::string_view kOverflow = "溢出";
   for (std::string_view mem : {std::string_view("显存"), std::string_view("内存")}) {
     for (size_t at = l.find(mem); at != std::string_view::npos; at = l.find(mem, at + 1)) {
-      std::string_view rest = l.substr(at + mem.size(), 30);
-      const size_t o = rest.find(kOverflow);
-      if (o == std::string_view::npos) continue;
-      if (!ContainsAny(rest.substr(0, o), {"涨", "增", "升", "长"})) continue;
-      const size_t from = o >= 9 ? o - 9 : 0;
-      if (!ContainsAny(rest.substr(from, o - from), {"没", "不", "未"})) return true;
+      // "内存一直升高，直到程序崩溃" (RAM keeps rising until the program crashes): a crash
+      // (崩溃/崩了/挂了) ends the growth as an overflow does, a clause further on.
+      std::string_view rest = l.substr(at + mem.size(), 45);
+      for (std::string_view end : {std::string_view("溢出"), std::string_view("崩溃"), std::string_view("崩了"),
+                                   std::string_view("挂了")}) {
+        const size_t o = rest.find(end);
+        if (o == std::string_view::npos || (end == "溢出" && o > 30)) continue;
+        if (!ContainsAny(rest.substr(0, o), {"涨", "增", "升", "长"})) continue;
+        const size_t from = o >= 9 ? o - 9 : 0;
+        if (!ContainsAny(rest.substr(from, o - from), {"没", "不", "未"})) return true;
+      }
     }
   }
   return false;
@@ -323,6 +359,8 @@ bool Mention(std::string_view l) {
                       // OOMs described in words rather than printed ("CUDA of out memory" is a real title).
                       "of out memory", "out of vram", "memory explode", "memory exploding", "memory blows up",
                       "memory blow up", "memory leak", "leaks memory", "leaking memory", "runs out of ram",
+                      // "训练的时候存在内存泄露" (a memory leak while training), both spellings of 泄漏.
+                      "内存泄露", "内存泄漏", "显存泄露", "显存泄漏",
                       "ran out of ram", "until oom", "\"killed\"", "显存不足", "显存不够", "显存溢出", "爆显存",
                       "内存不足", "内存不够", "内存溢出", "메모리 부족", "memory surge", "memory issue",
                       "rising of gpu memory", "continuous rising", "blows up", "cublas initialization",
@@ -352,7 +390,9 @@ bool Mention(std::string_view l) {
                       "insufficient graphics memory", "insufficient video memory", "insufficient vram"}))
     return true;
   if (ChineseMemoryGrowsToOverflow(l) || FailureDueToLowMemory(l)) return true;
-  if (ChineseMemoryBurst(l) || KilledAfterAdverb(l) || MemoryOutAtEnd(l) || ChinesePassiveKill(l)) return true;
+  if (ChineseMemoryBurst(l) || KilledAfterAdverb(l) || MemoryOutAtEnd(l) || ChinesePassiveKill(l) ||
+      KilledInChinese(l))
+    return true;
   // "# When reproducing, the CPU memory explores": "explodes" misspelt. The real verb takes an
   // object ("the agent's memory explores the state space"), so only where it ends the line.
   for (size_t at = l.find("memory explores"); at != std::string_view::npos; at = l.find("memory explores", at + 1))

@@ -446,5 +446,33 @@ TEST(LogParserFormatsTest, Batch18FormatsTheParsersMissedAtFirstContact) {
     EXPECT_TRUE(Parse(text).empty()) << text;
   }
 }
+TEST(LogParserFormatsTest, Batch19FormatsTheParsersMissedAtFirstContact) {
+  // continuedev/continue#9668: Ollama's refusal is an error record, host memory, with its figures.
+  auto incs = Parse("**Error Output**\n```\n\"model requires more system memory (19.3 GiB) than is available "
+                    "(14.8 GiB)\"\n```\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  EXPECT_EQ(incs[0].requested_bytes, static_cast<int64_t>(19.3 * (1LL << 30)));
+  // Tangshitao/QuadTreeAttention#25 (a title "Killed！" with a full-width mark),
+  // yzslab/gaussian-splatting-lightning#13 and Lightning-AI/litgpt#1181 (a kill opening a title, saying
+  // when), ssbuild/chatglm_finetuning#75 (Killed inside a Chinese sentence), by2101/OpenASR#12 (内存泄露,
+  // a memory leak; RAM rising until the program crashes): host memory.
+  ExpectOneOomOfKind(IncidentKind::kHost,
+                     {"# Killed！\n请问一下，这是正常的嘛，随着训练内存占用越来越大\n",
+                      "# killed in save ply\nyour work is brilliant, but i run the code and killed in save ply\n",
+                      "# Killed when saving LoRA weights\nHi All - has anyone come across this error?\n",
+                      "# 推理时模型加载Killed了，有人遇到过吗，训练是没问题的\n",
+                      "# 训练的时候存在内存泄露\n",
+                      "随着训练，内存一直升高，直到程序崩溃。大概2小时左右崩溃\n"});
+  // Near misses stay quiet: "killed" opening a line without saying when, a kill in Chinese denied
+  // or averted, RAM that rose without a crash or with one denied, a crash with no growth.
+  for (const char* text :
+       {"Killed processes are restarted by the supervisor.\n", "killed the job myself after epoch 3.\n",
+        "训练时进程没有killed，正常结束\n", "为了避免killed，我减小了batch size\n",
+        "内存一直升高，但是程序没有崩溃\n", "内存占用升高了一点\n", "程序崩溃了，内存正常\n"}) {
+    EXPECT_TRUE(Parse(text).empty()) << text;
+  }
+}
+
 }  // namespace
 }  // namespace oomguard::kb

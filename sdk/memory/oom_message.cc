@@ -134,6 +134,17 @@ std::optional<int64_t> ParseAllocateSize(std::string_view m, bool* lower_bound) 
 // size of the mapping it asked for.
 std::optional<int64_t> MmapSize(std::string_view m) { return SizeAfterPhrase(m, "unable to mmap "); }
 
+// Ollama refusing to load a model the host cannot hold: "model requires more system memory
+// (19.3 GiB) than is available (14.8 GiB)" (continuedev/continue#9668 quotes it from Ollama's
+// HTTP 500). The first size is what the model needs, the second what the host had free.
+std::optional<int64_t> OllamaSystemNeed(std::string_view m) {
+  return SizeAfterPhrase(m, "requires more system memory (");
+}
+std::optional<int64_t> OllamaSystemFree(std::string_view m) {
+  if (!OllamaSystemNeed(m)) return std::nullopt;
+  return SizeAfterPhrase(m, "than is available (");
+}
+
 // Apple's Metal out of device memory. MLX: "[METAL] Command buffer execution failed:
 // Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)" (jjang-ai/vmlx#58
 // quotes it without the code); llama.cpp prints the code alone ("error: Insufficient Memory
@@ -335,6 +346,12 @@ void ParseOthers(std::string_view m, OomFigures* f) {
     if (f->format.empty()) f->format = "pytorch-mmap";
     f->device = "cpu";
     if (!f->requested) f->requested = mapped;
+  }
+  if (auto need = OllamaSystemNeed(m)) {
+    if (f->format.empty()) f->format = "ollama";
+    f->device = "cpu";
+    if (!f->requested) f->requested = need;
+    if (!f->free) f->free = OllamaSystemFree(m);
   }
   // MLX on Metal: a command buffer refused for memory, or a buffer larger than Metal allows
   // ("[metal::malloc] Attempting to allocate N bytes which is greater than the maximum allowed
@@ -549,7 +566,8 @@ OomInfo ClassifyMessage(std::string_view message) {
              Has(m, "bad_alloc") || Has(m, "bad allocation") ||
              // PyTorch 0.4's CPU allocator (THGeneral.c): "not enough memory: you tried to
              // allocate 160465GB. Buy new RAM!"
-             Has(m, "not enough memory: you tried to allocate") || MmapFailed(m)) {
+             Has(m, "not enough memory: you tried to allocate") || MmapFailed(m) ||
+             internal::OllamaSystemNeed(m)) {
     kind = OomKind::kHost;
   } else if (Has(m, "less than desired gpu memory utilization") ||
              Has(m, "no available memory for the cache blocks") ||
@@ -589,6 +607,8 @@ OomInfo ClassifyMessage(std::string_view message) {
     info.requested_bytes = *mapped;
   } else if (auto buffer = internal::GgmlBufferSize(m)) {
     info.requested_bytes = *buffer;
+  } else if (auto need = internal::OllamaSystemNeed(m)) {
+    info.requested_bytes = *need;
   }
   return info;
 }

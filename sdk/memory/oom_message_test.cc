@@ -257,6 +257,23 @@ TEST(OomFiguresTest, GgmlBufferFigures) {
   EXPECT_FALSE(f.requested);
 }
 
+TEST(OomFiguresTest, OllamaSystemMemoryFigures) {
+  // continuedev/continue#9668: Ollama refusing a model the host cannot hold. The first size is
+  // the model's need (the request), the second what the host had free; host memory.
+  OomFigures f = ParseOomFigures("\"model requires more system memory (19.3 GiB) than is available (14.8 GiB)\"");
+  EXPECT_EQ(f.format, "ollama");
+  EXPECT_EQ(f.device, "cpu");
+  EXPECT_EQ(f.requested, static_cast<int64_t>(19.3 * (1LL << 30)));
+  EXPECT_EQ(f.free, static_cast<int64_t>(14.8 * (1LL << 30)));
+  EXPECT_FALSE(f.capacity);
+  OomInfo info = ClassifyMessage("model requires more system memory (19.3 GiB) than is available (14.8 GiB)");
+  EXPECT_EQ(info.kind, OomKind::kHost);
+  EXPECT_EQ(info.requested_bytes, static_cast<int64_t>(19.3 * (1LL << 30)));
+  // Without the figures it is no Ollama refusal.
+  EXPECT_EQ(ParseOomFigures("the model requires more system memory than my laptop has").format, "");
+  EXPECT_EQ(ClassifyMessage("the model requires more system memory than my laptop has").kind, OomKind::kNone);
+}
+
 TEST(OomFiguresTest, NothingPrintedMeansNothingKnown) {
   OomFigures f = ParseOomFigures("RuntimeError: CUDA error: out of memory");
   EXPECT_FALSE(f.requested || f.capacity || f.free || f.allocated || f.reserved || f.process_in_use);
