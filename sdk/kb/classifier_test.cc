@@ -308,6 +308,26 @@ TEST(ClassifierTest, EvaluationRecordedWithAutogradOnOrOff) {
   EXPECT_NE(ClassifyIncident(i).pattern, "eval_without_no_grad");
 }
 
+TEST(ClassifierTest, AnEpochOrManyStepsBeforeTheOomRuleOutStartupCapacity) {
+  auto ruled_out_startup = [](const char* text) {
+    Incident i = Imported(text);
+    std::vector<std::string_view> out = kb::RuledOut(i);
+    return std::find(out.begin(), out.end(), "startup_capacity") != out.end();
+  };
+  EXPECT_TRUE(ruled_out_startup("RuntimeError: CUDA out of memory. It trained fine for 100 epochs before this."));
+  EXPECT_TRUE(ruled_out_startup("RuntimeError: CUDA out of memory after 5000 iterations."));
+  // A few steps, or nothing said about progress, leave it open.
+  EXPECT_FALSE(ruled_out_startup("RuntimeError: CUDA out of memory after 3 steps."));
+  EXPECT_FALSE(ruled_out_startup("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"));
+  Incident i = Base();
+  i.steps_ok_before = 500;
+  std::vector<std::string_view> out = kb::RuledOut(i);
+  EXPECT_NE(std::find(out.begin(), out.end(), "startup_capacity"), out.end());
+  i.steps_ok_before = 0;
+  out = kb::RuledOut(i);
+  EXPECT_EQ(std::find(out.begin(), out.end(), "startup_capacity"), out.end());
+}
+
 TEST(ClassifierTest, CopiesOfTheModelStateAreACheckpointBesideTheModel) {
   Incident i = Base();
   i.memory.reserved = i.memory.allocated;
