@@ -139,6 +139,14 @@ TEST(TextCuesTest, Descriptions) {
   EXPECT_EQ(c.said_epochs_done, 54);
   c = AnalyzeText("", "GPU is out of memory after training on a few thousand of examples");
   EXPECT_EQ(c.said_steps_done, 1000);
+  // The failure at a numbered epoch or step, and "in" an amount right after the failure is named.
+  EXPECT_EQ(AnalyzeText("", "CUDA out of memory at epoch 5.").said_epochs_done, 4);
+  EXPECT_EQ(AnalyzeText("", "OOM happens at iteration 3000.").said_steps_done, 3000);
+  EXPECT_EQ(AnalyzeText("", "I got the ''out of memory'' in about 100 epochs.").said_epochs_done, 100);
+  // A plan, or an epoch number with no failure near it, says nothing ran.
+  EXPECT_FALSE(AnalyzeText("", "The model converges in 10 epochs on one GPU.").said_epochs_done.has_value());
+  EXPECT_FALSE(AnalyzeText("", "Set the learning rate at epoch 30 to 0.01.").said_epochs_done.has_value());
+  EXPECT_FALSE(AnalyzeText("", "It does not run out of memory at epoch 5 any more.").said_epochs_done.has_value());
   EXPECT_TRUE(AnalyzeText("", "a slow and steady increase is visible").said_growth);
   // ultralytics/yolov5#2877: a dataset that caches decoded images in RAM is the data pipeline.
   EXPECT_TRUE(AnalyzeText("", "When I try and use `--cache` while training it gets killed").said_data_pipeline);

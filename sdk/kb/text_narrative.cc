@@ -169,6 +169,18 @@ bool SaidNear(std::string_view all, std::initializer_list<std::string_view> verb
   return false;
 }
 
+// A failure named within a line's reach of `at` (60 bytes before, 40 after) and not denied
+// ("does not run out of memory at epoch 5"): what makes "at epoch 5" or "in 100 epochs" the
+// moment of the OOM rather than a plan.
+bool FailureNear(std::string_view all, size_t at) {
+  const size_t from = at > 60 ? at - 60 : 0;
+  const std::string_view window = all.substr(from, at - from + 40);
+  for (std::string_view w : {"out of memory", "oom", "memory error", "killed", "crash", "runs out", "ran out", "error"})
+    for (size_t f = window.find(w); f != std::string_view::npos; f = window.find(w, f + 1))
+      if (!Negated(all, from + f)) return true;
+  return false;
+}
+
 // "after 15K training steps", "for 125 epochs", "before the 55th epoch",
 // "after a few thousand of examples": how much ran before the OOM.
 void ReadAmounts(std::string_view all, TextCues* c) {
@@ -192,11 +204,27 @@ void ReadAmounts(std::string_view all, TextCues* c) {
                 u == "iter" || u == "batch" || u == "batches" || u == "examples" || u == "samples" ||
                 u == "episodes" || u == "hours";
     if (!epoch && !step) continue;
+    // "CUDA out of memory at epoch 5", "OOM happens at iteration 3000": the failure at a numbered
+    // epoch or step, so the ones before it ran (epochs count from 1 as reports write them).
+    if (k > 0 && k + 1 < words.size() && u != "examples" && u != "samples" && u != "episodes" && u != "hours") {
+      std::string_view w = words[k - 1];
+      auto n = text::NumberAt(words[k + 1], 0);
+      if ((w == "at" || w == "in" || w == "during" || w == "around") && n && FailureNear(all, starts[k]) &&
+          !Negated(all, starts[k])) {
+        const int64_t done = epoch ? std::max<int64_t>(*n - 1, 0) : *n;
+        std::optional<int64_t>& slot = epoch ? c->said_epochs_done : c->said_steps_done;
+        if (!slot || done > *slot) slot = done;
+        continue;
+      }
+    }
     std::optional<int64_t> amount;
     bool lead = false, before = false, ordinal = false;
     for (size_t back = 1; back <= 8 && back <= k; ++back) {
       std::string_view w = words[k - back];
-      if (w == "after" || w == "past" || w == "than" || w == "over") {
+      // "I got the out of memory in about 100 epochs": "in" an amount is history when the
+      // failure was just named (not "it converges in 10 epochs").
+      if (w == "after" || w == "past" || w == "than" || w == "over" ||
+          (w == "in" && FailureNear(all, starts[k - back]))) {
         lead = true;
         break;
       }
