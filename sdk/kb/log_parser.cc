@@ -115,7 +115,13 @@ bool FormatMarker(std::string_view l) {
                          // this model".
                          "llama runner exited",
                          // Ollama: "model requires more system memory (19.3 GiB) than is available (14.8 GiB)".
-                         "requires more system memory ("});
+                         "requires more system memory (",
+                         // Windows out of commit: "[WinError 1455] The paging file is too small for this
+                         // operation to complete" (Chinese: "页面文件太小"); MLX's "[malloc_or_wait] Unable to
+                         // allocate N bytes"; TGI's "Not enough memory to handle N total tokens"; DyNet's
+                         // "CPU memory allocation failed n=N".
+                         "winerror 1455", "paging file is too small", "页面文件太小", "[malloc_or_wait]",
+                         "not enough memory to handle", "memory allocation failed n="});
 }
 
 // A byte size in words: "286GB", "~4 GiB", "512 MiB".
@@ -175,6 +181,40 @@ bool KilledAfterAdverb(std::string_view l) {
     if (verb == "is" || verb == "was" || verb == "are" || verb == "were" || verb == "gets" || verb == "got" ||
         verb == "get" || verb == "been" || verb == "being" || verb == "be")
       return true;
+  }
+  // "why i can not train ? lt always kill ?": the verb's bare form after the adverb, said of the
+  // run ("it", misspelt "lt"), not by the reporter ("I always kill the job after an hour").
+  for (std::string_view bare : {std::string_view(" kill"), std::string_view(" kills")}) {
+    for (size_t at = l.find(bare); at != std::string_view::npos; at = l.find(bare, at + 1)) {
+      if (at + bare.size() < l.size() && std::isalpha(static_cast<unsigned char>(l[at + bare.size()]))) continue;
+      auto [adverb, b] = word_before(at);
+      if (!(adverb == "always" || adverb == "often" || adverb == "sometimes" || adverb == "randomly" ||
+            adverb == "suddenly" || adverb == "constantly"))
+        continue;
+      auto [subject, unused] = word_before(b);
+      if (subject == "it" || subject == "lt" || subject == "process" || subject == "program" || subject == "training")
+        return true;
+    }
+  }
+  return false;
+}
+
+// "There are about 40GB RAM on my machine, but even before the first epoch finished, it already
+// ran out": "ran out" (runs, run, running) closing a clause in a line that named the memory
+// before it; "ran out of <something>" is read elsewhere, and "ran out of time" is not memory.
+bool RanOutAfterMemory(std::string_view l) {
+  for (std::string_view verb : {std::string_view("ran out"), std::string_view("runs out"),
+                                std::string_view("run out"), std::string_view("running out")}) {
+    for (size_t at = l.find(verb); at != std::string_view::npos; at = l.find(verb, at + 1)) {
+      if (at > 0 && std::isalpha(static_cast<unsigned char>(l[at - 1]))) continue;
+      std::string_view rest = l.substr(at + verb.size());
+      if (!rest.empty() && (std::isalpha(static_cast<unsigned char>(rest[0])) || rest.starts_with(" of"))) continue;
+      std::string_view before = l.substr(0, at);
+      if (!MemoryWord(before) || Conditional(before)) continue;
+      const size_t from = at >= 12 ? at - 12 : 0;
+      if (ContainsAny(l.substr(from, at - from), {"not ", "n't ", "never ", "no longer "})) continue;
+      return true;
+    }
   }
   return false;
 }
@@ -391,7 +431,7 @@ bool Mention(std::string_view l) {
     return true;
   if (ChineseMemoryGrowsToOverflow(l) || FailureDueToLowMemory(l)) return true;
   if (ChineseMemoryBurst(l) || KilledAfterAdverb(l) || MemoryOutAtEnd(l) || ChinesePassiveKill(l) ||
-      KilledInChinese(l))
+      KilledInChinese(l) || RanOutAfterMemory(l))
     return true;
   // "# When reproducing, the CPU memory explores": "explodes" misspelt. The real verb takes an
   // object ("the agent's memory explores the state space"), so only where it ends the line.
@@ -705,7 +745,7 @@ std::vector<Event> FindEvents(const std::vector<Line>& lines) {
                                               "out of gpu memory", "out-of-gpu-memory", "vram", "显存", "cuda oom"});
     bool host = ContainsAny(all, {"killed", "kills the", " rss", "system memory", "cpu memory", "host memory", "内存",
                                   "num_workers", "abruptly died", "/dev/shm", "bus error", "defaultcpuallocator"});
-    host = host || HasWord(all, "ram");  // "RAM", not "program"
+    host = host || HasWord(all, "ram") || HasWord(all, "kill");  // "RAM", not "program"; "it always kill"
     const bool device = ContainsAny(all, {"cuda", "gpu", "npu"});
     e.kind = device_oom || (device && !host) ? OomKind::kDevice : (host ? OomKind::kHost : OomKind::kDevice);
     events.push_back(e);

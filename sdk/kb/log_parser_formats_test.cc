@@ -474,5 +474,36 @@ TEST(LogParserFormatsTest, Batch19FormatsTheParsersMissedAtFirstContact) {
   }
 }
 
+TEST(LogParserFormatsTest, Batch20FormatsTheParsersMissedAtFirstContact) {
+  // clab/dynet#983 (DyNet's allocator), JingyunLiang/SwinIR#78 (Windows out of commit): error records,
+  // host memory; DyNet's n is the request.
+  auto incs = Parse("**CPU memory allocation failed n=2097152000 align=32**\nException in thread Thread-1:\n");
+  ASSERT_EQ(incs.size(), 1u);
+  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
+  EXPECT_EQ(incs[0].requested_bytes, 2097152000);
+  ExpectOneOomOfKind(IncidentKind::kHost,
+                     {"OSError: [WinError 1455] The paging file is too small for this operation to complete.\n",
+                      "**OSError: [WinError 1455] 页面文件太小，无法完成操作。**\n",
+                      // chenyuntc/simple-faster-rcnn-pytorch#119, jac99/MinkLoc3Dv2#4: in words.
+                      "# why i can not train ? lt always kill ?\nwho can help me ?\n",
+                      "There are about 40GB RAM on my machine, but even before the first epoch finished, it already "
+                      "ran out.\n"});
+  // ml-explore/mlx-examples#70 (MLX's allocator), huggingface/text-generation-inference#710 (TGI's KV
+  // cache): device memory.
+  ExpectOneOomOfKind(IncidentKind::kDevice,
+                     {"`libc++abi: terminating due to uncaught exception of type std::runtime_error: [malloc_or_wait] "
+                      "Unable to allocate 12 bytes.`\n",
+                      "# Not enough memory to handle 16000 total tokens with 2 prefill tokens. You need to decrease "
+                      "`--max-batch-total-tokens`\n"});
+  // Near misses stay quiet: the reporter killing the job, time or disk that ran out, memory that did
+  // not run out, another Windows error.
+  for (const char* text :
+       {"I always kill the job after an hour.\n", "The RAM is fine but we ran out of time.\n",
+        "The memory is plenty and the disk never ran out.\n", "The memory graph shows it ran out of disk.\n",
+        "OSError: [WinError 126] The specified module could not be found.\n"}) {
+    EXPECT_TRUE(Parse(text).empty()) << text;
+  }
+}
+
 }  // namespace
 }  // namespace oomguard::kb

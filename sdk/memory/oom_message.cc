@@ -145,6 +145,12 @@ std::optional<int64_t> OllamaSystemFree(std::string_view m) {
   return SizeAfterPhrase(m, "than is available (");
 }
 
+// DyNet's allocator: "CPU memory allocation failed n=2097152000 align=32" (clab/dynet#983), and
+// "GPU memory allocation failed n=..." on the device: n is the request in bytes.
+bool DynetAllocFailed(std::string_view m) {
+  return Has(m, "cpu memory allocation failed n=") || Has(m, "gpu memory allocation failed n=");
+}
+
 // Apple's Metal out of device memory. MLX: "[METAL] Command buffer execution failed:
 // Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)" (jjang-ai/vmlx#58
 // quotes it without the code); llama.cpp prints the code alone ("error: Insufficient Memory
@@ -155,7 +161,10 @@ std::optional<int64_t> OllamaSystemFree(std::string_view m) {
 // failures ("Caused GPU Timeout Error"), and MLX's "[metal::malloc] Resource limit (499000)
 // exceeded" (a count of buffers, not bytes), are not OOMs.
 bool MetalOom(std::string_view m) {
+  // MLX's allocator when Metal cannot give it a buffer: "[malloc_or_wait] Unable to allocate 12
+  // bytes." (ml-explore/mlx-examples#70).
   return Has(m, "command buffer execution failed: insufficient memory") ||
+         Has(m, "[malloc_or_wait] unable to allocate") ||
          Has(m, "kiogpucommandbuffercallbackerroroutofmemory") || Has(m, "insufficient memory (ioaf code 8)") ||
          (Has(m, "attempting to allocate") && Has(m, "greater than the maximum allowed buffer size"));
 }
@@ -346,6 +355,11 @@ void ParseOthers(std::string_view m, OomFigures* f) {
     if (f->format.empty()) f->format = "pytorch-mmap";
     f->device = "cpu";
     if (!f->requested) f->requested = mapped;
+  }
+  if (DynetAllocFailed(m)) {
+    if (f->format.empty()) f->format = "dynet";
+    if (f->device.empty()) f->device = Has(m, "gpu memory allocation failed") ? "gpu" : "cpu";
+    if (!f->requested) f->requested = IntegerAfter(m, "allocation failed n=");
   }
   if (auto need = OllamaSystemNeed(m)) {
     if (f->format.empty()) f->format = "ollama";
@@ -567,7 +581,10 @@ OomInfo ClassifyMessage(std::string_view message) {
              // PyTorch 0.4's CPU allocator (THGeneral.c): "not enough memory: you tried to
              // allocate 160465GB. Buy new RAM!"
              Has(m, "not enough memory: you tried to allocate") || MmapFailed(m) ||
-             internal::OllamaSystemNeed(m)) {
+             internal::OllamaSystemNeed(m) || Has(m, "cpu memory allocation failed n=") ||
+             // Windows out of commit (RAM + page file): "OSError: [WinError 1455] The paging file is
+             // too small for this operation to complete", in Chinese "页面文件太小".
+             Has(m, "winerror 1455") || Has(m, "paging file is too small") || Has(m, "页面文件太小")) {
     kind = OomKind::kHost;
   } else if (Has(m, "less than desired gpu memory utilization") ||
              Has(m, "no available memory for the cache blocks") ||
@@ -576,6 +593,10 @@ OomInfo ClassifyMessage(std::string_view message) {
              Has(m, "can be stored in kv cache") ||
              // PaddlePaddle 1.x: "Insufficient GPU memory to allocation."
              Has(m, "insufficient gpu memory") ||
+             // Hugging Face TGI at startup: "Not enough memory to handle 16000 total tokens with 2
+             // prefill tokens. You need to decrease `--max-batch-total-tokens`": its KV cache does
+             // not fit on the card. DyNet's own device allocator.
+             Has(m, "not enough memory to handle") || Has(m, "gpu memory allocation failed n=") ||
              // Apple's Metal (MLX, llama.cpp): the GPU's share of unified memory.
              internal::MetalOom(m)) {
     // vLLM at startup: the card's free memory does not cover the share it
@@ -609,6 +630,8 @@ OomInfo ClassifyMessage(std::string_view message) {
     info.requested_bytes = *buffer;
   } else if (auto need = internal::OllamaSystemNeed(m)) {
     info.requested_bytes = *need;
+  } else if (internal::DynetAllocFailed(m)) {
+    if (auto n = internal::IntegerAfter(m, "allocation failed n=")) info.requested_bytes = *n;
   }
   return info;
 }

@@ -34,7 +34,7 @@ struct OomFigures {
   // ("reserved in total by PyTorch"), "pytorch-cached" (<= 1.3: "X cached" is
   // the allocator's free cache), "pytorch-request" (only "Tried to allocate
   // X"), "tensorflow", "tensorflow-bfc", "xla", "nccl",
-  // "cpu-allocator", "pytorch-mmap", "mps", "mlx-metal", "ggml", "ollama", "oom-killer"; empty when none did.
+  // "cpu-allocator", "pytorch-mmap", "mps", "mlx-metal", "ggml", "ollama", "dynet", "oom-killer"; empty when none did.
   std::string format;
   std::string device;     // "cuda", "npu", "xpu", "hip", "mps", "metal", "gpu", "cpu", "tpu"; empty: not printed
   int device_index = -1;  // "GPU 2", "NPU 3", "device:GPU:0"; -1: not printed

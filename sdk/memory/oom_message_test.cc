@@ -274,6 +274,39 @@ TEST(OomFiguresTest, OllamaSystemMemoryFigures) {
   EXPECT_EQ(ClassifyMessage("the model requires more system memory than my laptop has").kind, OomKind::kNone);
 }
 
+TEST(OomFiguresTest, Batch20Formats) {
+  // clab/dynet#983: DyNet's allocator; n is the request in bytes, CPU is host memory.
+  OomFigures f = ParseOomFigures("CPU memory allocation failed n=2097152000 align=32");
+  EXPECT_EQ(f.format, "dynet");
+  EXPECT_EQ(f.device, "cpu");
+  EXPECT_EQ(f.requested, 2097152000);
+  OomInfo info = ClassifyMessage("CPU memory allocation failed n=2097152000 align=32");
+  EXPECT_EQ(info.kind, OomKind::kHost);
+  EXPECT_EQ(info.requested_bytes, 2097152000);
+  EXPECT_EQ(ClassifyMessage("GPU memory allocation failed n=1048576 align=256").kind, OomKind::kDevice);
+  // JingyunLiang/SwinIR#78, YYuX-1145/Bert-VITS2-Integration-package#5: Windows out of commit (RAM and
+  // page file) is host memory, in English and in Chinese.
+  EXPECT_EQ(ClassifyMessage("OSError: [WinError 1455] The paging file is too small for this operation to complete. "
+                            "Error loading \"D:\\torch\\lib\\shm.dll\" or one of its dependencies.")
+                .kind,
+            OomKind::kHost);
+  EXPECT_EQ(ClassifyMessage("OSError: [WinError 1455] 页面文件太小，无法完成操作。").kind, OomKind::kHost);
+  // ml-explore/mlx-examples#70: MLX's allocator refusing a buffer is Metal's (device) memory.
+  info = ClassifyMessage("libc++abi: terminating due to uncaught exception of type std::runtime_error: "
+                         "[malloc_or_wait] Unable to allocate 12 bytes.");
+  EXPECT_EQ(info.kind, OomKind::kDevice);
+  EXPECT_EQ(info.requested_bytes, 12);
+  // huggingface/text-generation-inference#710: TGI's KV cache does not fit on the card.
+  EXPECT_EQ(ClassifyMessage("Not enough memory to handle 16000 total tokens with 2 prefill tokens. You need to "
+                            "decrease `--max-batch-total-tokens` or `--max-batch-prefill-tokens`")
+                .kind,
+            OomKind::kDevice);
+  // Near misses: another Windows error, an allocation that succeeded.
+  EXPECT_EQ(ClassifyMessage("OSError: [WinError 126] The specified module could not be found.").kind,
+            OomKind::kNone);
+  EXPECT_EQ(ClassifyMessage("CPU memory allocation of 2 GB done in 3 ms").kind, OomKind::kNone);
+}
+
 TEST(OomFiguresTest, NothingPrintedMeansNothingKnown) {
   OomFigures f = ParseOomFigures("RuntimeError: CUDA error: out of memory");
   EXPECT_FALSE(f.requested || f.capacity || f.free || f.allocated || f.reserved || f.process_in_use);
