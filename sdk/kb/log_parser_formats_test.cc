@@ -30,6 +30,14 @@ void ExpectOneOomOfKind(IncidentKind kind, std::initializer_list<const char*> te
   }
 }
 
+// `text` holds exactly one OOM, of `kind`, asking for `requested` bytes.
+void ExpectOneOomAsking(const char* text, IncidentKind kind, int64_t requested) {
+  auto incs = Parse(text);
+  ASSERT_EQ(incs.size(), 1u) << text;
+  EXPECT_EQ(incs[0].kind, kind) << text;
+  EXPECT_EQ(incs[0].requested_bytes, requested) << text;
+}
+
 TEST(LogParserFormatsTest, TensorFlowStreamExecutorNamesTheBytesItFailedToAllocate) {
   // tensorflow/tensorflow#8170
   auto incs = Parse(
@@ -365,11 +373,9 @@ TEST(LogParserFormatsTest, Batch17FormatsTheParsersMissedAtFirstContact) {
   EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
   EXPECT_EQ(incs[0].source, "report.txt:2");
   // ml-explore/mlx#3082: one buffer over Metal's largest; the request is its size.
-  incs = Parse("FAIL 5158 [metal::malloc] Attempting to allocate 86587211776 bytes which is greater than the maximum "
-               "allowed buffer size of 86586540032 bytes.\n");
-  ASSERT_EQ(incs.size(), 1u);
-  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
-  EXPECT_EQ(incs[0].requested_bytes, 86587211776);
+  ExpectOneOomAsking("FAIL 5158 [metal::malloc] Attempting to allocate 86587211776 bytes which is greater than the "
+                     "maximum allowed buffer size of 86586540032 bytes.\n",
+                     IncidentKind::kDevice, 86587211776);
   // In words. chaofengc/PSFRGAN#34 ("memory out" for "out of memory", in its title and in its body
   // with a dangling "of"), cuiziteng/Illumination-Adaptive-Transformer#28 ("outof"): device memory.
   ExpectOneOomOfKind(IncidentKind::kDevice,
@@ -410,10 +416,8 @@ TEST(LogParserFormatsTest, Batch18FormatsTheParsersMissedAtFirstContact) {
   EXPECT_EQ(incs[0].source, "report.txt:2");
   EXPECT_EQ(incs[0].requested_bytes, 18035509504);
   // The same allocator's CPU buffer is host memory.
-  incs = Parse("ggml_gallocr_reserve_n: failed to allocate CPU buffer of size 2147483648\n");
-  ASSERT_EQ(incs.size(), 1u);
-  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
-  EXPECT_EQ(incs[0].requested_bytes, 2147483648);
+  ExpectOneOomAsking("ggml_gallocr_reserve_n: failed to allocate CPU buffer of size 2147483648\n", IncidentKind::kHost,
+                     2147483648);
   // ollama/ollama#1727 (Ollama's runner died loading a model the 4 GB card could not hold) and
   // tigros/Whisperer#11 (a title naming the card's memory): device memory.
   ExpectOneOomOfKind(IncidentKind::kDevice,
@@ -448,11 +452,9 @@ TEST(LogParserFormatsTest, Batch18FormatsTheParsersMissedAtFirstContact) {
 }
 TEST(LogParserFormatsTest, Batch19FormatsTheParsersMissedAtFirstContact) {
   // continuedev/continue#9668: Ollama's refusal is an error record, host memory, with its figures.
-  auto incs = Parse("**Error Output**\n```\n\"model requires more system memory (19.3 GiB) than is available "
-                    "(14.8 GiB)\"\n```\n");
-  ASSERT_EQ(incs.size(), 1u);
-  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
-  EXPECT_EQ(incs[0].requested_bytes, static_cast<int64_t>(19.3 * (1LL << 30)));
+  ExpectOneOomAsking("**Error Output**\n```\n\"model requires more system memory (19.3 GiB) than is available "
+                     "(14.8 GiB)\"\n```\n",
+                     IncidentKind::kHost, static_cast<int64_t>(19.3 * (1LL << 30)));
   // Tangshitao/QuadTreeAttention#25 (a title "Killed！" with a full-width mark),
   // yzslab/gaussian-splatting-lightning#13 and Lightning-AI/litgpt#1181 (a kill opening a title, saying
   // when), ssbuild/chatglm_finetuning#75 (Killed inside a Chinese sentence), by2101/OpenASR#12 (内存泄露,
@@ -477,10 +479,8 @@ TEST(LogParserFormatsTest, Batch19FormatsTheParsersMissedAtFirstContact) {
 TEST(LogParserFormatsTest, Batch20FormatsTheParsersMissedAtFirstContact) {
   // clab/dynet#983 (DyNet's allocator), JingyunLiang/SwinIR#78 (Windows out of commit): error records,
   // host memory; DyNet's n is the request.
-  auto incs = Parse("**CPU memory allocation failed n=2097152000 align=32**\nException in thread Thread-1:\n");
-  ASSERT_EQ(incs.size(), 1u);
-  EXPECT_EQ(incs[0].kind, IncidentKind::kHost);
-  EXPECT_EQ(incs[0].requested_bytes, 2097152000);
+  ExpectOneOomAsking("**CPU memory allocation failed n=2097152000 align=32**\nException in thread Thread-1:\n",
+                     IncidentKind::kHost, 2097152000);
   ExpectOneOomOfKind(IncidentKind::kHost,
                      {"OSError: [WinError 1455] The paging file is too small for this operation to complete.\n",
                       "**OSError: [WinError 1455] 页面文件太小，无法完成操作。**\n",
