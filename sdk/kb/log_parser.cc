@@ -310,9 +310,10 @@ bool KilledInChinese(std::string_view l) {
 }
 
 // "识别时内存一直涨 溢出" (while recognising, the RAM keeps rising, overflow): 内存/显存, a growth
-// character (涨/增/升/长) and then 溢出 within ten characters, not negated in the three characters
-// before 溢出 ("内存一直涨但没有溢出", "内存增长不会溢出"). Adjacent "内存溢出" is matched above; 溢出
-// alone is too wide ("内存中的整数溢出", an integer overflow in memory, has no growth).
+// character (涨/增/升/长) and then 溢出 within ten characters, or a crash (崩溃/崩了/挂了) within
+// fifteen, not negated in the three characters before it ("内存一直涨但没有溢出", "内存增长不会溢出",
+// "内存一直升高，但是程序没有崩溃"). Adjacent "内存溢出" is matched above; 溢出 alone is too wide
+// ("内存中的整数溢出", an integer overflow in memory, has no growth).
 bool ChineseMemoryGrowsToOverflow(std::string_view l) {
   for (std::string_view mem : {std::string_view("显存"), std::string_view("内存")}) {
     for (size_t at = l.find(mem); at != std::string_view::npos; at = l.find(mem, at + 1)) {
