@@ -6,11 +6,12 @@ against the classifier.
     scripts/python bench/blind_reading.py --diagnosis /tmp/diag.json
 
 tests/kb/testdata/corpus/blind-reading.tsv holds, for every report of the
-test split, the pattern a reader chose without seeing its label, under two
-conditions: `text` (only the text a user would paste, no address, no
-resolution: what the classifier reads) and `resolution` (the resolution
-sentence too: how well the labels follow from what fixed each failure). The
-corpus README says how the reading was done.
+test split as of its date, the pattern a reader chose without seeing its
+label, under three conditions: `text` (only the text a user would paste, no
+address, no resolution: what the classifier reads), `resolution` (the
+resolution sentence too: how well the labels follow from what fixed each
+failure) and `text2` (another reader of the text alone: how far two readers
+agree). The corpus README says how the reading was done.
 
 What it answers: is issue 25's 80% above what the text allows (the labels'
 own noise, or reports that do not say), or is it the classifier's reading?
@@ -32,7 +33,9 @@ import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CORPUS = os.path.join(ROOT, "tests", "kb", "testdata", "corpus")
-CONDITIONS = ("text", "resolution")
+CONDITIONS = ("text", "resolution", "text2")
+NAMES = {"text": "reader, text only", "resolution": "reader, text and resolution",
+         "text2": "second reader, text only"}
 
 
 def fnv1a64(s):
@@ -109,8 +112,9 @@ def check(reading, labels):
                 problems.append(f"{cond}: {s} is in the {split_of(s)} split, not test")
             if p not in patterns:
                 problems.append(f"{cond}: {s}: {p!r} is not a pattern any record is labelled with")
-    if set(reading["text"]) != set(reading["resolution"]):
-        problems.append("the two conditions read different reports")
+    for cond in CONDITIONS[1:]:
+        if reading[cond] and set(reading[cond]) != set(reading["text"]):
+            problems.append(f"{cond} read other reports than text")
     return problems
 
 
@@ -122,18 +126,27 @@ def report(reading, labels, diagnosis=None):
     lines = ["| reader | reports | right | at confidence ≥ 0.8 | wrong at ≥ 0.8 |", "|---|---:|---:|---:|---:|"]
     for cond in CONDITIONS:
         a = reading[cond]
+        if not a:
+            continue
         right = sum(p == labels[s] for s, (p, _) in a.items())
         hi = [p == labels[s] for s, (p, c) in a.items() if c >= 0.8]
-        name = "reader, text only" if cond == "text" else "reader, text and resolution"
-        lines.append(f"| {name} | {len(a)} | {pct(right, len(a))} | {len(hi)} | {len(hi) - sum(hi)} |")
+        lines.append(f"| {NAMES[cond]} | {len(a)} | {pct(right, len(a))} | {len(hi)} | {len(hi) - sum(hi)} |")
+    first, second = reading["text"], reading["text2"]
+    agreement = []
+    if second:
+        same = [s for s in first if first[s][0] == second[s][0]]
+        agreement = ["", f"The two text-only readers chose the same pattern for {pct(len(same), len(first))} of "
+                     f"the reports; where they agree, {pct(sum(first[s][0] == labels[s] for s in same), len(same))} "
+                     f"match the label."]
     if diagnosis is None:
-        return "\n".join(lines)
+        return "\n".join(lines + agreement)
     # The classifier on the same reports (the test split may have grown since the reading).
     wrong = {w["source"]: w for w in diagnosis["corpus"]["wrong"]}
     a = reading["text"]
     right = sum(s not in wrong for s in a)
     confident_wrong = sum(s in wrong and wrong[s]["confidence"] >= 0.8 for s in a)
     lines.append(f"| classifier | {len(a)} | {pct(right, len(a))} | – | {confident_wrong} |")
+    lines += agreement
     cells = collections.Counter()
     reader_only = collections.Counter()
     for s, (p, _) in a.items():
