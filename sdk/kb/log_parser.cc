@@ -154,6 +154,27 @@ bool HasWord(std::string_view l, std::string_view word) {
 // "memory", or "RAM"/"VRAM" as a word (not "program", "parameter").
 bool MemoryWord(std::string_view l) { return Contains(l, "memory") || HasWord(l, "ram") || HasWord(l, "vram"); }
 
+// One of `words` in the `span` bytes right before `at`: what the readers below ask of the
+// words just before a failure word.
+bool WordsJustBefore(std::string_view l, size_t at, size_t span, std::initializer_list<std::string_view> words) {
+  const size_t from = at >= span ? at - span : 0;
+  return ContainsAny(l.substr(from, at - from), words);
+}
+
+// A denial a few words before `at` ("it won't crash due to low memory", "the disk never ran out").
+bool DeniedJustBefore(std::string_view l, size_t at) {
+  return WordsJustBefore(l, at, 12, {"not ", "n't ", "never ", "no longer "});
+}
+
+// A negation in the three CJK characters before `at` ("显存没有爆", "内存增长不会溢出").
+bool ChineseNegatedJustBefore(std::string_view l, size_t at) { return WordsJustBefore(l, at, 9, {"没", "不", "未"}); }
+
+// A kill denied, averted or supposed in the four CJK characters before `at` ("没有被killed",
+// "不会被kill", "以免被kill掉", "防止被killed", "怕被kill", "如果被killed").
+bool ChineseKillAvertedJustBefore(std::string_view l, size_t at) {
+  return WordsJustBefore(l, at, 12, {"没", "不", "未", "别", "免", "防", "怕", "如果"});
+}
+
 // A condition rather than a report: "if there is not enough memory on the GPU, ...".
 bool Conditional(std::string_view before) {
   return ContainsAny(before, {"if ", "when ", "whether ", "in case", "unless "});
@@ -211,8 +232,7 @@ bool RanOutAfterMemory(std::string_view l) {
       if (!rest.empty() && (std::isalpha(static_cast<unsigned char>(rest[0])) || rest.starts_with(" of"))) continue;
       std::string_view before = l.substr(0, at);
       if (!MemoryWord(before) || Conditional(before)) continue;
-      const size_t from = at >= 12 ? at - 12 : 0;
-      if (ContainsAny(l.substr(from, at - from), {"not ", "n't ", "never ", "no longer "})) continue;
+      if (DeniedJustBefore(l, at)) continue;
       return true;
     }
   }
@@ -230,8 +250,7 @@ bool ChineseMemoryBurst(std::string_view l) {
         if (b == std::string_view::npos) continue;
         if (burst == "到爆") b += 3;  // where 爆 is
         // The three characters before 爆 hold no negation.
-        const size_t from = b >= 9 ? b - 9 : 0;
-        if (!ContainsAny(rest.substr(from, b - from), {"没", "不", "未"})) return true;
+        if (!ChineseNegatedJustBefore(rest, b)) return true;
       }
     }
   }
@@ -286,8 +305,7 @@ bool ChinesePassiveKill(std::string_view l) {
     std::string_view rest = l.substr(at + kBei.size());
     while (!rest.empty() && rest.front() == ' ') rest.remove_prefix(1);
     if (!rest.starts_with("kill")) continue;
-    const size_t from = at >= 12 ? at - 12 : 0;
-    if (ContainsAny(l.substr(from, at - from), {"没", "不", "未", "别", "免", "防", "怕", "如果"})) continue;
+    if (ChineseKillAvertedJustBefore(l, at)) continue;
     return true;
   }
   return false;
@@ -302,8 +320,7 @@ bool KilledInChinese(std::string_view l) {
     const bool le_after = l.substr(at + 6).starts_with("了");
     if (!cjk_before && !le_after) continue;
     if (!cjk_before && at > 0 && std::isalpha(static_cast<unsigned char>(l[at - 1]))) continue;
-    const size_t from = at >= 12 ? at - 12 : 0;
-    if (ContainsAny(l.substr(from, at - from), {"没", "不", "未", "别", "免", "防", "怕", "如果"})) continue;
+    if (ChineseKillAvertedJustBefore(l, at)) continue;
     return true;
   }
   return false;
@@ -325,8 +342,7 @@ bool ChineseMemoryGrowsToOverflow(std::string_view l) {
         const size_t o = rest.find(end);
         if (o == std::string_view::npos || (end == "溢出" && o > 30)) continue;
         if (!ContainsAny(rest.substr(0, o), {"涨", "增", "升", "长"})) continue;
-        const size_t from = o >= 9 ? o - 9 : 0;
-        if (!ContainsAny(rest.substr(from, o - from), {"没", "不", "未"})) return true;
+        if (!ChineseNegatedJustBefore(rest, o)) return true;
       }
     }
   }
@@ -352,8 +368,7 @@ bool FailureDueToLowMemory(std::string_view l) {
         if (size_t f = before.rfind(w); f != std::string_view::npos && (fail == std::string_view::npos || f > fail))
           fail = f;
       if (fail == std::string_view::npos || Conditional(before)) continue;
-      const size_t from = fail >= 12 ? fail - 12 : 0;
-      if (ContainsAny(before.substr(from, fail - from), {"not ", "n't ", "never ", "no longer "})) continue;
+      if (DeniedJustBefore(before, fail)) continue;
       return true;
     }
   }
