@@ -40,15 +40,13 @@ void ExpectOneOomAsking(const char* text, IncidentKind kind, int64_t requested) 
 
 TEST(LogParserFormatsTest, TensorFlowStreamExecutorNamesTheBytesItFailedToAllocate) {
   // tensorflow/tensorflow#8170
-  auto incs = Parse(
+  ExpectOneOomAsking(
       "I tensorflow/core/common_runtime/gpu/gpu_device.cc:885] Found device 0 with properties:\n"
       "Total memory: 7.92GiB\n"
       "Free memory: 190.31MiB\n"
       "E tensorflow/stream_executor/cuda/cuda_driver.cc:1002] failed to allocate 190.31M (199557120 bytes) from "
-      "device: CUDA_ERROR_OUT_OF_MEMORY\n");
-  ASSERT_EQ(incs.size(), 1u);
-  EXPECT_EQ(incs[0].kind, IncidentKind::kDevice);
-  EXPECT_EQ(incs[0].requested_bytes, 199557120);
+      "device: CUDA_ERROR_OUT_OF_MEMORY\n",
+      IncidentKind::kDevice, 199557120);
 }
 
 TEST(LogParserFormatsTest, DataLoaderSharedMemoryBusErrorIsAHostEvent) {
