@@ -146,9 +146,12 @@ std::optional<int64_t> OllamaSystemFree(std::string_view m) {
 }
 
 // DyNet's allocator: "CPU memory allocation failed n=2097152000 align=32" (clab/dynet#983), and
-// "GPU memory allocation failed n=..." on the device: n is the request in bytes.
-bool DynetAllocFailed(std::string_view m) {
-  return Has(m, "cpu memory allocation failed n=") || Has(m, "gpu memory allocation failed n=");
+// "GPU memory allocation failed n=..." on the device: n is the request in bytes. Where it failed
+// ("cpu" or "gpu"), or nothing when the message is not DyNet's.
+std::optional<std::string_view> DynetAllocFailed(std::string_view m) {
+  if (Has(m, "cpu memory allocation failed n=")) return std::string_view("cpu");
+  if (Has(m, "gpu memory allocation failed n=")) return std::string_view("gpu");
+  return std::nullopt;
 }
 
 // Apple's Metal out of device memory. MLX: "[METAL] Command buffer execution failed:
@@ -356,9 +359,9 @@ void ParseOthers(std::string_view m, OomFigures* f) {
     f->device = "cpu";
     if (!f->requested) f->requested = mapped;
   }
-  if (DynetAllocFailed(m)) {
+  if (auto where = DynetAllocFailed(m)) {
     if (f->format.empty()) f->format = "dynet";
-    if (f->device.empty()) f->device = Has(m, "gpu memory allocation failed") ? "gpu" : "cpu";
+    if (f->device.empty()) f->device = *where;
     if (!f->requested) f->requested = IntegerAfter(m, "allocation failed n=");
   }
   if (auto need = OllamaSystemNeed(m)) {
@@ -581,7 +584,7 @@ OomInfo ClassifyMessage(std::string_view message) {
              // PyTorch 0.4's CPU allocator (THGeneral.c): "not enough memory: you tried to
              // allocate 160465GB. Buy new RAM!"
              Has(m, "not enough memory: you tried to allocate") || MmapFailed(m) ||
-             internal::OllamaSystemNeed(m) || Has(m, "cpu memory allocation failed n=") ||
+             internal::OllamaSystemNeed(m) || internal::DynetAllocFailed(m) == "cpu" ||
              // Windows out of commit (RAM + page file): "OSError: [WinError 1455] The paging file is
              // too small for this operation to complete", in Chinese "页面文件太小".
              Has(m, "winerror 1455") || Has(m, "paging file is too small") || Has(m, "页面文件太小")) {
@@ -596,7 +599,7 @@ OomInfo ClassifyMessage(std::string_view message) {
              // Hugging Face TGI at startup: "Not enough memory to handle 16000 total tokens with 2
              // prefill tokens. You need to decrease `--max-batch-total-tokens`": its KV cache does
              // not fit on the card. DyNet's own device allocator.
-             Has(m, "not enough memory to handle") || Has(m, "gpu memory allocation failed n=") ||
+             Has(m, "not enough memory to handle") || internal::DynetAllocFailed(m) == "gpu" ||
              // Apple's Metal (MLX, llama.cpp): the GPU's share of unified memory.
              internal::MetalOom(m)) {
     // vLLM at startup: the card's free memory does not cover the share it
