@@ -2,8 +2,8 @@
 """Scores the blind reading of the corpus's test split against its labels and
 against the classifier.
 
-    build/bin/diagnosis_bench --json=/tmp/diag.json
-    scripts/python bench/blind_reading.py --diagnosis /tmp/diag.json
+    build/bin/diagnosis_bench --json=/tmp/diag.json --dump=/tmp/reports.jsonl
+    scripts/python bench/blind_reading.py --dump /tmp/reports.jsonl --diagnosis /tmp/diag.json
 
 tests/kb/testdata/corpus/blind-reading.tsv holds, for every report of the
 test split as of its date, the pattern a reader chose without seeing its
@@ -17,7 +17,7 @@ What it answers: is issue 25's 80% above what the text allows (the labels'
 own noise, or reports that do not say), or is it the classifier's reading?
 With --diagnosis it sets the reader beside the classifier on the same
 reports. --check only verifies the file (every address in the corpus's test
-split, once per condition, the same reports under both, a pattern some
+split, once per condition, the same reports under each, a pattern some
 record is labelled with, a confidence in [0, 1]) and exits 1 with what is
 wrong. The reading covers the test split as it was on its date; reports added
 to the split later are not in it, and the classifier is scored here on the
@@ -25,10 +25,8 @@ reports read.
 """
 import argparse
 import collections
-import glob
 import json
 import os
-import re
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -38,37 +36,17 @@ NAMES = {"text": "reader, text only", "resolution": "reader, text and resolution
          "text2": "second reader, text only"}
 
 
-def fnv1a64(s):
-    h = 14695981039346656037
-    for b in s.encode():
-        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
-def repo_of(source):
-    """As devset::RepoOf: owner/name of a GitHub address, else the host."""
-    s = re.sub(r"^https?://", "", source)
-    host = s.split("/")[0]
-    if host != "github.com":
-        return host
-    return "/".join(s.split("/")[1:3]).lower()
-
-
-def split_of(source):
-    """As devset::Split: 6 in 10 repositories train, 2 validation, 2 test."""
-    b = fnv1a64(repo_of(source)) % 10
-    return "train" if b < 6 else "validation" if b < 8 else "test"
-
-
-def corpus_labels(corpus=CORPUS):
-    labels = {}
-    for path in sorted(glob.glob(os.path.join(corpus, "batch-*.txt"))):
-        with open(path, encoding="utf-8") as f:
-            for record in re.split(r"(?m)^====\n", f.read())[1:]:
-                head = record.split("\n----\n", 1)[0]
-                meta = dict(ln.split(": ", 1) for ln in head.splitlines() if ": " in ln)
-                labels[meta["source"]] = meta["label"]
-    return labels
+def corpus_reports(dump):
+    """{source: (label, split)} of the corpus reports in a diagnosis_bench --dump file: the
+    records as tests/kb/dev_set.h reads them, split by repository as it splits them."""
+    out = {}
+    with open(dump, encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                if r["set"] == "corpus":
+                    out[r["source"]] = (r["label"], r["split"])
+    return out
 
 
 def read_reading(path):
@@ -100,16 +78,16 @@ def read_reading(path):
     return out, problems
 
 
-def check(reading, labels):
+def check(reading, reports):
     problems = []
-    test = {s for s in labels if split_of(s) == "test"}
-    patterns = set(labels.values())
+    test = {s for s, (_, split) in reports.items() if split == "test"}
+    patterns = {label for label, _ in reports.values()}
     for cond, answers in reading.items():
         for s, (p, _) in sorted(answers.items()):
-            if s not in labels:
+            if s not in reports:
                 problems.append(f"{cond}: {s} is not a corpus record")
             elif s not in test:
-                problems.append(f"{cond}: {s} is in the {split_of(s)} split, not test")
+                problems.append(f"{cond}: {s} is in the {reports[s][1]} split, not test")
             if p not in patterns:
                 problems.append(f"{cond}: {s}: {p!r} is not a pattern any record is labelled with")
     for cond in CONDITIONS[1:]:
@@ -166,25 +144,30 @@ def report(reading, labels, diagnosis=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reading", default=os.path.join(CORPUS, "blind-reading.tsv"))
-    ap.add_argument("--corpus", default=CORPUS)
+    ap.add_argument("--dump", required=True, help="diagnosis_bench --dump output: every corpus report's "
+                    "label and split")
     ap.add_argument("--diagnosis", help="diagnosis_bench --json output: the classifier beside the reader")
     ap.add_argument("--check", action="store_true", help="verify the reading file only")
     a = ap.parse_args()
-    labels = corpus_labels(a.corpus)
-    if not labels:
-        print(f"no corpus records under {a.corpus}", file=sys.stderr)
-        return 1
     try:
+        reports = corpus_reports(a.dump)
         reading, problems = read_reading(a.reading)
     except OSError as e:
-        print(f"cannot read {a.reading}: {e.strerror}", file=sys.stderr)
+        print(f"cannot read {e.filename}: {e.strerror}", file=sys.stderr)
         return 1
-    problems += check(reading, labels)
+    except (json.JSONDecodeError, KeyError) as e:
+        print(f"{a.dump} is not a diagnosis_bench --dump file: {e}", file=sys.stderr)
+        return 1
+    if not reports:
+        print(f"no corpus reports in {a.dump}", file=sys.stderr)
+        return 1
+    labels = {s: label for s, (label, _) in reports.items()}
+    problems += check(reading, reports)
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 1
     if a.check:
-        test = sum(split_of(s) == "test" for s in labels)
+        test = sum(split == "test" for _, split in reports.values())
         print(f"{a.reading}: {sum(len(v) for v in reading.values())} readings of "
               f"{len(reading['text'])} of the {test} test reports, all valid")
         return 0
